@@ -1,0 +1,64 @@
+"""`phoenixft` command line: one entry point, subcommands registered by the parts that own them.
+
+Each part exposes ``register(subparsers)`` that adds its subcommands and sets
+``func=callable(args) -> int`` on them; this module only wires them together, so a new
+feature comes with its own parser next to its code instead of growing this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, attribute) pairs whose register(subparsers) adds top-level subcommands.
+_COMMANDS = [
+    "phoenixft.launch.cli",      # run, demo, status
+    "phoenixft.serve.cli",       # serve, generate
+]
+# modules whose register(subparsers) adds `phoenixft bench <name>`.
+_BENCHES = [
+    "phoenixft.bench.overhead",
+    "phoenixft.bench.recovery",
+    "phoenixft.bench.serve",
+]
+
+
+def _optional_register(module: str, sub: argparse._SubParsersAction) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:  # that part is not written yet
+            return
+        raise
+    mod.register(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phoenixft", description="Fault-tolerant LLM training and serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in _COMMANDS:
+        _optional_register(module, sub)
+    bench = sub.add_parser("bench", help="side-by-side benchmarks (print a table, write JSON)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    for module in _BENCHES:
+        _optional_register(module, bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
