@@ -1,0 +1,166 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, ref counts, prefix sharing, dirty set.
+
+The KV tensors themselves live in the runner ([layers, num_blocks, block_size, kv_heads,
+head_dim]); this class only decides which block holds which tokens.
+
+Guarantees:
+- A block with ``ref_count > 0`` is never handed to another sequence unless both hold the
+  same prefix (same chained hash *and* same token ids, so a hash collision cannot alias).
+- Only full blocks whose K/V were computed are registered for sharing, and a sequence
+  never takes its *last* token from the shared cache, so every prefill computes at least
+  one token (it needs that token's logits).
+- Freed blocks keep their contents and hash until reused (LRU order), so a preempted or
+  repeated prompt can find them again.
+- ``dirty`` is the set of blocks written since the last ``take_dirty()``: the seam for the
+  crash-recovery log (DESIGN.md section 5), which copies only those blocks.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from .sequence import Sequence
+
+
+def block_hash(prev: int | None, tokens: list[int] | tuple[int, ...]) -> int:
+    """Chained hash of a full block: it identifies the whole prefix, not just the block."""
+    data = array("q", [-1 if prev is None else prev - (1 << 63), *tokens]).tobytes()
+    return xxhash.xxh64_intdigest(data)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got "
+                             f"{num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.dirty: set[int] = set()
+        self.num_cache_hits = 0
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_needed(len(seq)) <= len(self.free)
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True if the slot for the token a decode step computes is (or can be) held."""
+        return self.blocks_needed(len(seq)) <= len(seq.block_table) or len(self.free) > 0
+
+    # -- mutations -----------------------------------------------------------------------
+    def _take_free(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.hashes[block]
+        if old is not None and self.hash_to_block.get(old) == block:
+            del self.hash_to_block[old]
+        self.hashes[block], self.block_tokens[block] = None, None
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached full prefix blocks."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        if not self.can_allocate(seq):
+            raise RuntimeError("allocate called without can_allocate")
+        bs, table, prev, hit = self.block_size, [], None, self.enable_prefix_caching
+        for i in range(self.blocks_needed(len(seq))):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block = None
+            if hit and (i + 1) * bs < len(seq):  # full, and not holding the last token
+                h = block_hash(prev, tokens)
+                cand = self.hash_to_block.get(h)
+                if cand is not None and self.block_tokens[cand] == tokens:
+                    block, prev = cand, h
+                    if self.ref_counts[cand] == 0:
+                        del self.free[cand]
+                    self.ref_counts[cand] += 1
+            if block is None:
+                hit = False
+                block = self._take_free()
+            table.append(block)
+        num_hits = 0
+        for b in table:
+            if self.hashes[b] is None:
+                break
+            num_hits += 1
+        seq.block_table = table
+        seq.num_computed_tokens = num_hits * bs
+        self.num_cache_hits += num_hits
+
+    def append(self, seq: Sequence) -> None:
+        """Make sure ``seq`` holds a slot for each of its tokens (one new block at most)."""
+        while self.blocks_needed(len(seq)) > len(seq.block_table):
+            if not self.free:
+                raise RuntimeError("append called without can_append")
+            seq.block_table.append(self._take_free())
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; tail blocks first so shared prefixes are evicted last."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def mark_computed(self, seq: Sequence, start: int, end: int) -> None:
+        """Record that tokens [start, end) of ``seq`` were written: dirty + register full."""
+        bs = self.block_size
+        for i in range(start // bs, -(-end // bs)):
+            block = seq.block_table[i]
+            self.dirty.add(block)
+            if (self.enable_prefix_caching and (i + 1) * bs <= end
+                    and self.hashes[block] is None):
+                prev = self.hashes[seq.block_table[i - 1]] if i else None
+                if i and prev is None:
+                    continue
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                h = block_hash(prev, tokens)
+                self.hashes[block], self.block_tokens[block] = h, tokens
+                self.hash_to_block.setdefault(h, block)
+
+    def take_dirty(self) -> set[int]:
+        """Blocks written since the previous call; clears the set."""
+        dirty, self.dirty = self.dirty, set()
+        return dirty
+
+    # -- state for the recovery log -------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"num_blocks": self.num_blocks, "block_size": self.block_size,
+                "ref_counts": list(self.ref_counts), "hashes": list(self.hashes),
+                "block_tokens": [None if t is None else list(t) for t in self.block_tokens],
+                "free": list(self.free)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["num_blocks"], state["block_size"]) != (self.num_blocks, self.block_size):
+            raise ValueError("block manager state has a different geometry: "
+                             f"{state['num_blocks']}x{state['block_size']} vs "
+                             f"{self.num_blocks}x{self.block_size}")
+        self.ref_counts = list(state["ref_counts"])
+        self.hashes = list(state["hashes"])
+        self.block_tokens = [None if t is None else tuple(t) for t in state["block_tokens"]]
+        self.free = OrderedDict((b, None) for b in state["free"])
+        self.hash_to_block = {}
+        for b, h in enumerate(self.hashes):
+            if h is not None:
+                self.hash_to_block.setdefault(h, b)
+        self.dirty = set()

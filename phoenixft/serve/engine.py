@@ -1,0 +1,184 @@
+"""The engine: requests in, token deltas out, one ``step()`` at a time.
+
+``LLMEngine`` is single-threaded by design: only the thread that calls ``step()`` may call
+``add_request``/``abort`` (the HTTP server funnels its calls through one engine thread).
+
+State seam for crash recovery (DESIGN.md section 5): ``state_dict()`` enumerates
+everything a restarted engine needs (the preallocated KV tensors, the block manager's
+tables, the scheduler's queues with each request's tokens, progress and seed), and
+``take_dirty_blocks()`` names the KV blocks written since the previous call, so a log
+can copy only those. ``load_state_dict`` restores them into an engine built from the
+same model and config; generation then continues token for token as if uninterrupted.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig, SamplingParams
+from .loader import load_model
+from .runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .tokenizer import load_tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: the new tokens and the text they made."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        self.model_config, model = load_model(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, self.model_config)
+        self.config = (config or EngineConfig()).resolve(self.model_config)
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, self.model_config, self.config)
+        self.seqs: dict[str, Sequence] = {}
+        self.num_generated_tokens = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len  # type: ignore[return-value]
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    keep_logits: bool = False, add_special_tokens: bool = True) -> Sequence:
+        """Queue a request. ValueError (a client error) when it cannot be served."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = (self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+               if isinstance(prompt, str) else list(prompt))
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
+                f"{params.max_tokens} for the completion); shorten the prompt or lower "
+                "max_tokens")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(seq_id=request_id, token_ids=ids, num_prompt_tokens=len(ids),
+                       params=params, seed=seed, keep_logits=keep_logits)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        seqs, _ = self.scheduler.schedule()
+        if not seqs:
+            return []
+        starts = [s.num_computed_tokens for s in seqs]
+        logits = self.runner.run(seqs)
+        for s, start in zip(seqs, starts):
+            self.block_manager.mark_computed(s, start, len(s))
+            s.num_computed_tokens = len(s)
+        tokens = sample(logits, seqs)
+        now = time.monotonic()
+        outputs = []
+        for i, (s, tok) in enumerate(zip(seqs, tokens)):
+            if s.keep_logits:
+                s.logits.append(logits[i].clone())
+            if s.first_token_time is None:
+                s.first_token_time = now
+            s.token_ids.append(tok)
+            self.num_generated_tokens += 1
+            outputs.append(self._postprocess(s, tok))
+        return outputs
+
+    def _postprocess(self, s: Sequence, tok: int) -> RequestOutput:
+        p = s.params
+        reason = None
+        ids = s.completion_token_ids
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids):
+            reason, ids = "stop", ids[:-1]
+        s.output_text = self.tokenizer.decode(ids)
+        if p.stop:
+            hit = self._find_stop(s.output_text, p.stop, s.num_emitted_chars)
+            if hit is not None:
+                s.output_text, reason = s.output_text[:hit], "stop"
+        if reason is None and (s.num_completion_tokens >= p.max_tokens
+                               or len(s) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(s, reason)
+            self.seqs.pop(s.seq_id, None)
+            end = len(s.output_text)
+        else:
+            end = self._safe_end(s.output_text, p.stop)
+        end = max(end, s.num_emitted_chars)
+        delta = s.output_text[s.num_emitted_chars:end]
+        s.num_emitted_chars = end
+        return RequestOutput(s.seq_id, [tok], delta, reason is not None, reason,
+                             s.num_prompt_tokens, s.num_completion_tokens)
+
+    @staticmethod
+    def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:
+        start = max(0, emitted - max(map(len, stops)))
+        hits = [i for i in (text.find(st, start) for st in stops) if i >= 0]
+        return min(hits) if hits else None
+
+    @staticmethod
+    def _safe_end(text: str, stops: list[str]) -> int:
+        """Hold back text that may still become a stop string or an incomplete character."""
+        end = len(text)
+        while end and text[end - 1] == "\ufffd":
+            end -= 1
+        safe = end
+        for st in stops:
+            for k in range(min(len(st) - 1, end), 0, -1):
+                if text.endswith(st[:k], 0, end):
+                    safe = min(safe, end - k)
+                    break
+        end = safe
+        return end
+
+    # -- state seam --------------------------------------------------------------------
+    def take_dirty_blocks(self) -> set[int]:
+        return self.block_manager.take_dirty()
+
+    def state_dict(self) -> dict:
+        """KV tensors (live, not copies), block tables and queues (plain JSON)."""
+        return {"k_cache": self.runner.k_cache, "v_cache": self.runner.v_cache,
+                "block_manager": self.block_manager.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "num_generated_tokens": self.num_generated_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            self.runner.k_cache.copy_(state["k_cache"])
+            self.runner.v_cache.copy_(state["v_cache"])
+        self.block_manager.load_state_dict(state["block_manager"])
+        self.seqs = {s.seq_id: s for s in self.scheduler.load_state_dict(state["scheduler"])}
+        self.num_generated_tokens = state["num_generated_tokens"]

@@ -1,0 +1,58 @@
+"""Hugging Face model directory (config.json + *.safetensors) -> ``PagedCausalLM``.
+
+Only safetensors are read (never pickle). The module is built on the meta device and the
+checkpoint tensors are assigned to it, so loading does no wasted random init. Weights are
+converted to float32: the engine runs on CPU and its correctness oracle is transformers'
+float32 output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .config import ModelConfig
+from .model import PagedCausalLM
+
+
+def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors file in {model_dir} (pickle checkpoints such as "
+                         "pytorch_model.bin are not loaded)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f), device="cpu"))
+    return tensors
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32
+               ) -> tuple[ModelConfig, PagedCausalLM]:
+    """Build the model described by ``model_dir`` and load its weights.
+
+    Raises ``ValueError`` naming the missing or unexpected tensors when the checkpoint
+    does not match the architecture in config.json.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {path} does not exist")
+    cfg = ModelConfig.from_hf(path)
+    tensors = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = PagedCausalLM(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - tensors.keys(), tensors.keys() - expected
+    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in {path} does not match config.json: missing "
+                         f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
+    model.load_state_dict({k: tensors[k] for k in expected}, strict=False, assign=True)
+    model.tie_weights()
+    model.eval().requires_grad_(False)
+    return cfg, model

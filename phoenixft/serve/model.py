@@ -1,0 +1,147 @@
+"""Llama-family decoder whose attention reads and writes a paged KV cache.
+
+The forward takes the tokens of a whole batch flattened to one dimension (no padding in
+the projections and MLP), writes each token's K and V into its cache slot, then attends
+per sequence over K/V gathered through the sequence's block table. Parameter names are
+those of transformers (``model.layers.0.self_attn.q_proj.weight`` ...), so a Hugging Face
+state dict loads as is. Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias) and Qwen3
+(per-head RMSNorm on q and k before RoPE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phoenixft.models.llama import MLP, RMSNorm, apply_rope
+
+from .config import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a batch's tokens sit, built once per step by the runner and shared by layers.
+
+    ``slot_mapping[i]`` is the flat cache slot (block * block_size + offset) token ``i``
+    writes. Attention runs on a padded [batch, max_query_len] layout: ``query_index`` maps
+    flat tokens into it, ``mask`` is [batch, 1, max_query_len, kv_len] (True = attend) and
+    ``block_tables`` [batch, max_blocks] lists each sequence's blocks (padding entries
+    point at block 0 and are masked out).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+    query_index: torch.Tensor | None
+    max_query_len: int
+    kv_len: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, hd)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
+        # Write first, then gather: a sequence sharing a prefix block written by another
+        # sequence in this same step reads the freshly written values.
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        b, nb = meta.block_tables.shape
+        bs = k_cache.shape[1]
+        keys = k_cache[meta.block_tables].view(b, nb * bs, self.num_kv_heads, self.head_dim)
+        vals = v_cache[meta.block_tables].view(b, nb * bs, self.num_kv_heads, self.head_dim)
+        keys = keys[:, :meta.kv_len].transpose(1, 2)
+        vals = vals[:, :meta.kv_len].transpose(1, 2)
+        mq = meta.max_query_len
+        if meta.query_index is None:  # one query per sequence (decode): no padding
+            qp = q.view(b, 1, self.num_heads, self.head_dim)
+        else:
+            qp = q.new_zeros(b * mq, self.num_heads, self.head_dim)
+            qp[meta.query_index] = q
+            qp = qp.view(b, mq, self.num_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals,
+                                             attn_mask=meta.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b * mq, self.num_heads * self.head_dim)
+        if meta.query_index is not None:
+            out = out[meta.query_index]
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = PagedAttention(cfg)
+        self.mlp = MLP(cfg)  # type: ignore[arg-type]  # same attribute names as LlamaConfig
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class PagedCausalLM(nn.Module):
+    """Flat token ids -> final hidden states; ``compute_logits`` on the rows that need them.
+
+    Separating the two lets a step compute the vocabulary projection only for each
+    sequence's last token.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
+        """input_ids [N]; k/v_caches [layers, blocks, block_size, kv_heads, head_dim]."""
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, meta, k_caches[i], v_caches[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

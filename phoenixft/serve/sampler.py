@@ -1,0 +1,55 @@
+"""Next-token choice for a batch: greedy, temperature, top-k, top-p, per-request seeds.
+
+The random number for a request's i-th generated token is ``uniform(seed, i)``, a pure
+function (splitmix64) rather than a generator whose state advances. Hence a seeded
+request gives the same tokens whatever else shares its batch, after a preemption that
+recomputes it, and after a crash-recovery that replays it: there is no RNG state to save.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def uniform(seed: int, index: int) -> float:
+    """A float in [0, 1) determined by (seed, index) alone (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits [batch, vocab] (row i belongs to seqs[i]) -> one token id per row."""
+    out = logits.argmax(dim=-1).tolist()
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if not rows:
+        return out
+    sub = logits[rows].double()
+    temps = torch.tensor([seqs[i].params.temperature for i in rows], dtype=torch.float64)
+    sub = sub / temps[:, None]
+    sorted_logits, order = sub.sort(dim=-1, descending=True)
+    vocab = sub.shape[-1]
+    ranks = torch.arange(vocab)
+    top_k = torch.tensor([seqs[i].params.top_k or vocab for i in rows])
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    top_p = torch.tensor([seqs[i].params.top_p for i in rows], dtype=torch.float64)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+    cdf = probs.cumsum(dim=-1)
+    u = torch.tensor([uniform(seqs[i].seed, seqs[i].num_completion_tokens) for i in rows],
+                     dtype=torch.float64) * cdf[:, -1]
+    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=vocab - 1)
+    # a zero-probability token can only be picked at the cdf's flat tail; step back to it
+    kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
+    pick = torch.minimum(pick, kept)
+    chosen = order.gather(1, pick).squeeze(1).tolist()
+    for r, tok in zip(rows, chosen):
+        out[r] = tok
+    return out
