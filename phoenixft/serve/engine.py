@@ -60,11 +60,10 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.max_model_len  # type: ignore[return-value]
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    keep_logits: bool = False, add_special_tokens: bool = True) -> Sequence:
-        """Queue a request. ValueError (a client error) when it cannot be served."""
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      keep_logits: bool = False, add_special_tokens: bool = True) -> Sequence:
+        """Tokenize and validate a request without touching engine state, so any thread
+        may call it. ValueError (a client error) when it cannot be served."""
         ids = (self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
                if isinstance(prompt, str) else list(prompt))
         if not ids:
@@ -79,10 +78,20 @@ class LLMEngine:
                 f"{params.max_tokens} for the completion); shorten the prompt or lower "
                 "max_tokens")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        seq = Sequence(seq_id=request_id, token_ids=ids, num_prompt_tokens=len(ids),
-                       params=params, seed=seed, keep_logits=keep_logits)
-        self.seqs[request_id] = seq
+        return Sequence(seq_id=request_id, token_ids=ids, num_prompt_tokens=len(ids),
+                        params=params, seed=seed, keep_logits=keep_logits)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"request id {seq.seq_id!r} is already in use")
+        self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    keep_logits: bool = False, add_special_tokens: bool = True) -> Sequence:
+        """Validate and queue a request (``make_sequence`` then ``add_sequence``)."""
+        seq = self.make_sequence(request_id, prompt, params, keep_logits, add_special_tokens)
+        self.add_sequence(seq)
         return seq
 
     def abort(self, request_id: str) -> bool:
