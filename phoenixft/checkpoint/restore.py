@@ -1,0 +1,87 @@
+"""Restore planner: every member of a new generation gets its rank's committed snapshot
+from the fastest copy that survived.
+
+Run collectively by all members after the generation's group is built (so no old
+snapshot thread can still write). Each member verifies (checksum included) which ranks'
+snapshots of step t its node holds in shared memory: its own slot, or a replica slot it
+held for a peer. The members all-gather that table and decide the same plan:
+
+1. a copy on the member's own node (the survivor's own slot; a spare on the dead rank's
+   node; a spare beside the replica holder): read from shared memory, no network;
+2. otherwise the lowest rank that holds a verified copy sends it over the group;
+3. no copy anywhere: `IntegrityError` naming the rank and step (never a silent load).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.slots import SlotFile, slot_path
+from phoenixft.comm.collectives import Interrupt, wait_work
+
+
+def local_copy(shm_dir: str | Path, rank: int, step: int) -> SlotFile | None:
+    """A verified slot for (rank, step) in this node's shared memory, own slot first."""
+    for kind in ("snap", "rep"):
+        p = slot_path(shm_dir, kind, rank, step)
+        if not p.exists():
+            continue
+        f = SlotFile(p)
+        try:
+            f.verify(step)
+            return f
+        except IntegrityError:
+            continue
+    return None
+
+
+def restore_snapshot(pg: dist.ProcessGroup, *, rank: int, world_size: int, step: int,
+                     shm_dir: str | Path, interrupt: Interrupt, timeout_s: float
+                     ) -> tuple[SlotFile, dict, str]:
+    """Collective. Returns (slot, verified header, source) for this member's rank,
+    where source is "local_shm" or "peer:{rank}"."""
+    copies = {r: local_copy(shm_dir, r, step) for r in range(world_size)}
+    have = torch.tensor([1 if copies[r] is not None else 0 for r in range(world_size)],
+                        dtype=torch.int32)
+    table = torch.zeros(world_size * world_size, dtype=torch.int32)
+    wait_work(pg._allgather_base(table, have), interrupt, timeout_s, "restore planning")
+    table = table.view(world_size, world_size)  # table[holder][rank]
+    senders: dict[int, int] = {}
+    for r in range(world_size):
+        if table[r][r]:
+            continue
+        holders = [h for h in range(world_size) if table[h][r]]
+        if not holders:
+            raise IntegrityError(
+                f"no surviving copy of rank {r}'s snapshot for step {step}: its own node and "
+                "every replica holder are gone or corrupt; restart from a persisted "
+                "checkpoint or run with more replicas")
+        senders[r] = holders[0]
+    mine: SlotFile | None = copies[rank]
+    source = "local_shm"
+    for r, s in sorted(senders.items()):  # same order on every member
+        if rank == s:
+            slot = copies[r]
+            n = torch.tensor([slot.used_nbytes()], dtype=torch.int64)
+            wait_work(pg.send([n], r, 2), interrupt, timeout_s, "restore size send")
+            wait_work(pg.send([slot.tensor[:int(n)]], r, 3), interrupt, timeout_s, "restore send")
+        elif rank == r:
+            n = torch.zeros(1, dtype=torch.int64)
+            wait_work(pg.recv([n], s, 2), interrupt, timeout_s, "restore size recv")
+            mine = SlotFile(slot_path(shm_dir, "snap", r, step))
+            mine.ensure(int(n))
+            mine.begin_write(step)
+            wait_work(pg.recv([mine.tensor[:int(n)]], s, 3), interrupt, timeout_s, "restore recv")
+            source = f"peer:{s}"
+    if mine is None:  # unreachable: every rank had a copy or was sent one above
+        raise IntegrityError(f"rank {rank}: no snapshot of step {step} after planning")
+    hdr = mine.verify(step)
+    if hdr.get("rank") != rank:
+        raise IntegrityError(f"{mine.path}: snapshot belongs to rank {hdr.get('rank')}, "
+                             f"not rank {rank}")
+    return mine, hdr, source
+

@@ -1,0 +1,168 @@
+"""Snapshot slot files: one snapshot of one rank, memory-mapped from shared memory.
+
+A slot is a file (in /dev/shm, owned by the node's agent, so it outlives the worker
+that wrote it) laid out as::
+
+    [0:8)   magic b"PHXSLOT1"
+    [8:16)  state: 0 = being written, 1 = complete
+    [16:24) step
+    [24:32) header JSON length
+    [64:HEADER_BYTES)  header JSON: step, generation, rank, entries (name, dtype, shape,
+                       offset, nbytes), meta, data_nbytes, checksum of the data
+    [HEADER_BYTES:)    tensor bytes, each entry 64-byte aligned
+
+Writers mark the slot incomplete, write data, checksum, header, then mark it complete;
+readers accept a slot only when it is complete, for the step they want, and its checksum
+matches. A torn or corrupt slot is reported, never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from phoenixft.checkpoint.integrity import IntegrityError, checksum
+
+MAGIC = b"PHXSLOT1"
+HEADER_BYTES = 64 * 1024
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass
+class Entry:
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Layout:
+    entries: list[Entry] = field(default_factory=list)
+    data_nbytes: int = 0
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> Layout:
+        lay = cls()
+        off = 0
+        for name, t in tensors.items():
+            nb = t.numel() * t.element_size()
+            lay.entries.append(Entry(name, str(t.dtype).removeprefix("torch."), list(t.shape),
+                                     off, nb))
+            off = _align(off + nb)
+        lay.data_nbytes = off
+        return lay
+
+    def signature(self) -> list:
+        return [(e.name, e.dtype, e.shape) for e in self.entries]
+
+
+class SlotFile:
+    """A memory-mapped slot file. `ensure(nbytes)` grows it (re-mapping)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._mm: mmap.mmap | None = None
+        self.capacity = 0
+        if self.path.exists() and self.path.stat().st_size >= HEADER_BYTES:
+            self._map(self.path.stat().st_size)
+
+    def _map(self, size: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.capacity = size
+        self.np = np.frombuffer(self._mm, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.np)
+
+    def ensure(self, total_nbytes: int) -> None:
+        if total_nbytes > self.capacity:
+            self._map(total_nbytes)
+
+    @property
+    def total(self) -> int:
+        return self.capacity
+
+    # -- writing -------------------------------------------------------------------
+    def begin_write(self, step: int) -> None:
+        self.np[0:8] = np.frombuffer(MAGIC, dtype=np.uint8)
+        self.np[8:24] = np.frombuffer(struct.pack("<qq", 0, step), dtype=np.uint8)
+
+    def view(self, e: Entry) -> torch.Tensor:
+        start = HEADER_BYTES + e.offset
+        raw = self.tensor[start:start + e.nbytes]
+        return raw.view(getattr(torch, e.dtype)).view(e.shape)
+
+    def finish_write(self, step: int, layout: Layout, header: dict) -> str:
+        data = self.np[HEADER_BYTES:HEADER_BYTES + layout.data_nbytes]
+        digest = checksum(data)
+        hdr = dict(header, step=step, data_nbytes=layout.data_nbytes, checksum=digest,
+                   entries=[e.__dict__ for e in layout.entries])
+        blob = json.dumps(hdr).encode()
+        if 64 + len(blob) > HEADER_BYTES:
+            raise ValueError(f"snapshot header of {len(blob)} bytes exceeds {HEADER_BYTES}; "
+                             "keep tracked metadata small (large state belongs in tensors)")
+        self.np[64:64 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        self.np[24:32] = np.frombuffer(struct.pack("<q", len(blob)), dtype=np.uint8)
+        self.np[8:16] = np.frombuffer(struct.pack("<q", 1), dtype=np.uint8)
+        return digest
+
+    # -- reading -------------------------------------------------------------------
+    def peek(self) -> tuple[bool, int]:
+        """(complete, step) from the fixed header, without verifying data."""
+        if self._mm is None or bytes(self.np[0:8]) != MAGIC:
+            return False, -1
+        state, step = struct.unpack("<qq", bytes(self.np[8:24]))
+        return state == 1, step
+
+    def header(self) -> dict:
+        (n,) = struct.unpack("<q", bytes(self.np[24:32]))
+        if not 0 < n <= HEADER_BYTES - 64:
+            raise IntegrityError(f"{self.path}: bad header length {n}")
+        try:
+            return json.loads(bytes(self.np[64:64 + n]))
+        except ValueError as exc:
+            raise IntegrityError(f"{self.path}: unreadable header ({exc})") from None
+
+    def used_nbytes(self) -> int:
+        return HEADER_BYTES + int(self.header()["data_nbytes"])
+
+    def verify(self, step: int) -> dict:
+        """Return the header of a complete, uncorrupted snapshot of `step`, or raise."""
+        complete, got = self.peek()
+        if not complete:
+            raise IntegrityError(f"{self.path}: snapshot incomplete (writer died mid-copy?)")
+        if got != step:
+            raise IntegrityError(f"{self.path}: holds step {got}, wanted step {step}")
+        hdr = self.header()
+        data = self.np[HEADER_BYTES:HEADER_BYTES + int(hdr["data_nbytes"])]
+        if checksum(data) != hdr["checksum"]:
+            raise IntegrityError(f"{self.path}: checksum mismatch for step {step} "
+                                 "(corrupt snapshot; falling back to another copy)")
+        return hdr
+
+    def tensors(self, hdr: dict) -> dict[str, torch.Tensor]:
+        """Views (no copy) of the entries; copy them before the slot is rewritten."""
+        return {e["name"]: self.view(Entry(**e)) for e in hdr["entries"]}
+
+
+def slot_path(shm_dir: str | os.PathLike, kind: str, rank: int, step: int) -> Path:
+    """kind "snap": a rank's own snapshot; "rep": a replica held for that rank."""
+    return Path(shm_dir) / f"{kind}.r{rank}.s{step % 2}"

@@ -1,0 +1,175 @@
+"""Per-step snapshots off the critical path, peer replicas, and the global commit.
+
+After optimizer step t the session calls `begin(t, tensors, header)` and goes on with
+the next forward/backward. A background thread copies the tensors into this rank's slot
+for t (shared memory, double-buffered: slot t % 2), checksums it, acknowledges it, ships
+it to the rank's replica holders and receives the replicas it holds for others. The
+session's optimizer step-pre-hook calls `wait_copied()`, so step t+1 never mutates state
+that is still being copied.
+
+Guarantees:
+- Slot s % 2 is only rewritten once snapshot s-1 is committed, so the newest committed
+  snapshot is always intact on every rank and every replica holder.
+- Snapshot t is committed when every rank's local copy and every replica are
+  acknowledged in the store (``ack/{g}/{t}`` reaches its target); the acker that
+  completes it sets ``commit/{t}`` and raises ``committed`` (monotonic).
+- Errors in the thread are re-raised in the training thread at the next `wait_copied`;
+  a newer generation stops the thread quietly (the session is recovering anyway).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from phoenixft.checkpoint.replicate import exchange_slots
+from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
+from phoenixft.cluster.store import Keys, raise_to
+from phoenixft.comm.collectives import CommFailure, Interrupt
+
+
+def commit_key(step: int) -> str:
+    return f"commit/{step}"
+
+
+class Snapshotter:
+    def __init__(self, *, shm_dir: str | Path, rank: int, generation: int,
+                 connect: Callable[[], dist.Store], rep_pg: dist.ProcessGroup | None,
+                 holders: list[int], sources: list[int], world_size: int,
+                 interrupt: Interrupt, timeout_s: float,
+                 on_commit: Callable[[int, float], None] | None = None) -> None:
+        self.shm_dir = Path(shm_dir)
+        self.rank = rank
+        self.generation = generation
+        self._connect = connect
+        self._rep_pg = rep_pg
+        self._holders = holders
+        self._sources = sources
+        self._target = world_size * (1 + len(holders))
+        self._interrupt = interrupt
+        self._timeout = timeout_s
+        self._on_commit = on_commit
+        self._slots: dict[tuple[str, int, int], SlotFile] = {}
+        self._tasks: queue.Queue = queue.Queue()
+        self._copied_step = -1
+        self._begun_step = -1
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self.copy_seconds: list[float] = []
+        self._thread = threading.Thread(target=self._run, name=f"phoenixft-snap-r{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- training thread ------------------------------------------------------------
+    def begin(self, step: int, tensors: dict[str, torch.Tensor], header: dict) -> None:
+        self._raise_error()
+        self._begun_step = step
+        self._tasks.put((step, tensors, header))
+
+    def wait_copied(self) -> None:
+        """Block until the last begun snapshot is in host memory (the pre-hook)."""
+        target = self._begun_step
+        with self._cond:
+            while self._copied_step < target and self._error is None and not self._stopped:
+                if self._interrupt.is_set():
+                    break
+                self._cond.wait(0.5)
+        self._raise_error()
+        if self._copied_step < target:
+            raise CommFailure("snapshot copy abandoned: the generation changed")
+
+    def stop(self, join_timeout_s: float = 10.0) -> None:
+        self._stopped = True
+        self._tasks.put(None)
+        self._interrupt.notify()
+        self._thread.join(join_timeout_s)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    # -- background thread ----------------------------------------------------------
+    def _slot(self, kind: str, rank: int, step: int) -> SlotFile:
+        key = (kind, rank, step % 2)
+        if key not in self._slots:
+            self._slots[key] = SlotFile(slot_path(self.shm_dir, kind, rank, step))
+        return self._slots[key]
+
+    def _run(self) -> None:
+        store = self._connect()
+        while True:
+            task = self._tasks.get()
+            if task is None or self._stopped:
+                return
+            try:
+                self._snapshot(store, *task)
+            except CommFailure:
+                if not (self._stopped or self._interrupt.is_set()):
+                    self._fail(CommFailure("snapshot replication failed"))
+                return
+            except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
+                self._fail(exc)
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    def _wait_committed(self, store: dist.Store, step: int) -> None:
+        if step < 0:
+            return
+        deadline = time.monotonic() + self._timeout
+        while not self._stopped:
+            if self._interrupt.is_set():
+                raise CommFailure("generation changed")
+            try:
+                store.wait([commit_key(step)], timedelta(seconds=0.25))
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise CommFailure(f"snapshot {step} not committed within {self._timeout}s")
+        raise CommFailure("stopped")
+
+    def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict) -> None:
+        # The other slot must hold a committed snapshot before this one may be overwritten.
+        self._wait_committed(store, step - 1)
+        t0 = time.perf_counter()
+        layout = Layout.of(tensors)
+        slot = self._slot("snap", self.rank, step)
+        slot.ensure(HEADER_BYTES + layout.data_nbytes)
+        slot.begin_write(step)
+        for e in layout.entries:
+            slot.view(e).copy_(tensors[e.name].detach().reshape(e.shape))
+        slot.finish_write(step, layout, dict(header, generation=self.generation))
+        self.copy_seconds.append(time.perf_counter() - t0)
+        with self._cond:
+            self._copied_step = step
+            self._cond.notify_all()
+        self._ack(store, step)
+        if self._rep_pg is None or (not self._holders and not self._sources):
+            return
+        recv = {src: self._slot("rep", src, step) for src in self._sources}
+        exchange_slots(self._rep_pg, send=slot, send_nbytes=HEADER_BYTES + layout.data_nbytes,
+                       dsts=self._holders, recv=recv, interrupt=self._interrupt,
+                       timeout_s=self._timeout)
+        for src, rslot in recv.items():
+            rslot.verify(step)  # a corrupt transfer raises here and is never acknowledged
+            self._ack(store, step)
+
+    def _ack(self, store: dist.Store, step: int) -> None:
+        n = store.add(Keys.ack(self.generation, step), 1)
+        if n == self._target:
+            store.set(commit_key(step), str(time.time()))
+            raise_to(store, Keys.COMMITTED, step)
+            if self._on_commit is not None:
+                self._on_commit(step, time.time())

@@ -1,0 +1,82 @@
+"""Heartbeats: the only way to see a hung (SIGSTOPped, deadlocked) or lost worker.
+
+Senders bump an add-counter; the monitor remembers, in its own monotonic clock, when
+each counter last moved. No clocks are compared across machines.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from phoenixft.cluster.store import Keys
+
+
+class HeartbeatSender:
+    """A daemon thread that bumps ``hb/{wid}`` every `interval_s` on its own connection."""
+
+    def __init__(self, connect: Callable[[], dist.Store], wid: str, interval_s: float) -> None:
+        self._connect = connect
+        self._key = Keys.heartbeat(wid)
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"phoenixft-hb-{wid}", daemon=True)
+
+    def start(self) -> HeartbeatSender:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        store = self._connect()
+        while not self._stop.is_set():
+            try:
+                store.add(self._key, 1)
+            except Exception:  # the store is gone: the job is over, the agent will reap us
+                return
+            self._stop.wait(self._interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class HeartbeatMonitor:
+    """Tracks when each watched counter last changed; reports the stale ones."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self._last: dict[str, tuple[int, float]] = {}
+
+    def watch(self, wid: str) -> None:
+        self._last.setdefault(wid, (-1, time.monotonic()))
+
+    def forget(self, wid: str) -> None:
+        self._last.pop(wid, None)
+
+    def poll(self) -> None:
+        if not self._last:
+            return
+        wids = list(self._last)
+        now = time.monotonic()
+        keys = [Keys.heartbeat(w) for w in wids]
+        present = [w for w, k in zip(wids, keys) if self._store.check([k])]
+        if not present:
+            return
+        values = self._store.multi_get([Keys.heartbeat(w) for w in present])
+        for w, v in zip(present, values):
+            n = int(v.decode())
+            if n != self._last[w][0]:
+                self._last[w] = (n, now)
+
+    def silent_for(self, wid: str) -> float:
+        return time.monotonic() - self._last[wid][1]
+
+    def last_beat_wall(self, wid: str) -> float:
+        """Wall-clock estimate of the last beat (for detect_s of a hang)."""
+        return time.time() - self.silent_for(wid)
+
+    def stale(self, timeout_s: float) -> list[str]:
+        now = time.monotonic()
+        return [w for w, (_, t) in self._last.items() if now - t > timeout_s]

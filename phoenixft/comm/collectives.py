@@ -1,0 +1,104 @@
+"""Fault-tolerant waits: every collective and every blocking setup call has a deadline
+and is abandoned as soon as the leader publishes a newer generation.
+
+gloo raises at once when a peer process dies ("Connection closed by peer"), but a hung
+peer (SIGSTOP, a deadlock) blocks its partners for gloo's own timeout (30 minutes by
+default). So we never call ``work.wait()`` bare: we wait on the work's future *or* the
+generation watcher, whichever fires first, bounded by a deadline we choose.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class CommFailure(RuntimeError):
+    """A collective failed or missed its deadline: a peer died, hung or left."""
+
+
+class GenerationChanged(CommFailure):
+    """The leader published a newer generation while we were waiting."""
+
+
+class Interrupt:
+    """Wakes every waiter of this process when the leader announces a generation newer
+    than the one this process is in. Carrying the generation number (rather than a bare
+    flag) means a late announcement of a generation we already joined wakes nobody."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.current = -1
+        self.announced = -1
+
+    def enter(self, generation: int) -> None:
+        with self.cond:
+            self.current = generation
+
+    def announce(self, generation: int) -> None:
+        with self.cond:
+            self.announced = max(self.announced, generation)
+            self.cond.notify_all()
+
+    def is_set(self) -> bool:
+        return self.announced > self.current
+
+    def wait_until(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Block until done() is true; raise GenerationChanged or CommFailure otherwise."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while not done():
+                if self.is_set():
+                    raise GenerationChanged(f"{what}: generation {self.announced} was published")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommFailure(f"{what}: no progress within {timeout_s:.1f}s deadline")
+                self.cond.wait(left)
+
+    def notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+def wait_work(work, interrupt: Interrupt, timeout_s: float, what: str = "collective") -> None:
+    """Wait for a c10d Work: returns when it completed, raises CommFailure otherwise.
+
+    Collectives expose a future we can subscribe to; gloo's point-to-point works do not
+    ("getFuture not implemented"), so those are waited on by a helper thread."""
+    try:
+        fut = work.get_future()
+    except RuntimeError:
+        call_with_deadline(work.wait, interrupt, timeout_s, what)
+        return
+    fut.add_done_callback(lambda _f: interrupt.notify())
+    interrupt.wait_until(fut.done, timeout_s, what)
+    try:
+        work.wait()
+    except Exception as exc:  # gloo: "Connection closed by peer", "Read error", timeouts
+        raise CommFailure(f"{what} failed: {exc}") from exc
+
+
+def call_with_deadline(fn: Callable[[], T], interrupt: Interrupt, timeout_s: float,
+                       what: str) -> T:
+    """Run a blocking call (process-group construction, say) in a daemon thread and
+    abandon it if the generation changes or the deadline passes. An abandoned call is
+    left to fail on its own timeout; its result is dropped."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+        finally:
+            interrupt.notify()
+
+    threading.Thread(target=run, name=f"phoenixft-{what}", daemon=True).start()
+    interrupt.wait_until(lambda: "value" in box or "error" in box, timeout_s, what)
+    if "error" in box:
+        raise CommFailure(f"{what} failed: {box['error']}") from box["error"]
+    return box["value"]

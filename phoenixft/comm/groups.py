@@ -1,0 +1,52 @@
+"""One process group per generation, on its own store prefix.
+
+Re-using a prefix makes peers read a dead member's stale address (the torchrun failure
+in FACTS.md), so generation g's groups live under ``gen/{g}/…`` and are never reused.
+gloo on CPU (bound to the store's interface, loopback by default), NCCL when the
+model lives on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _gloo_options(bind_host: str, timeout: timedelta):
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if iface:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return opts
+
+
+def new_group(store: dist.Store, prefix: str, rank: int, size: int, *, device: torch.device,
+              bind_host: str = "127.0.0.1", timeout_s: float = 120.0) -> dist.ProcessGroup:
+    """Build a process group over ``PrefixStore(prefix, store)``; blocks until all
+    `size` members joined (callers wrap this in `call_with_deadline`)."""
+    pstore = dist.PrefixStore(prefix, store)
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(pstore, rank, size, opts)
+    return dist.ProcessGroupGloo(pstore, rank, size, _gloo_options(bind_host, timeout))
+
+
+def abort_group(pg: dist.ProcessGroup | None) -> None:
+    """Best-effort abort of a dead generation's group (NCCL needs it to free its
+    communicators; gloo's pending ops fail once the dead peer's sockets close)."""
+    if pg is None:
+        return
+    abort = getattr(pg, "abort", None)
+    if abort is not None:
+        try:
+            abort()
+        except Exception:
+            pass

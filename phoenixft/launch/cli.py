@@ -1,0 +1,75 @@
+"""`phoenixft run`, `phoenixft demo` and `phoenixft status`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from phoenixft.launch.inject import InjectSpecError, parse_spec
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="launch a training script with warm spares (like torchrun)",
+                         description="Start N workers and S warm spares of SCRIPT on this node.")
+    run.add_argument("--nproc", type=int, default=1, help="active workers on this node")
+    run.add_argument("--spares", type=int, default=0, help="warm spare workers on this node")
+    run.add_argument("--nnodes", type=int, default=1)
+    run.add_argument("--node-rank", type=int, default=0)
+    run.add_argument("--store", default=None, help="HOST:PORT of the job store (node 0 hosts it)")
+    run.add_argument("--run-dir", default="runs/latest")
+    run.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                     help="fault to inject, e.g. kill:rank=1:step=20 or stop:rank=0:step=5")
+    run.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                     help="seconds of heartbeat silence after which a worker counts as hung")
+    run.add_argument("--replicas", type=int, default=1, help="peers holding each rank's snapshot")
+    run.add_argument("--quiet", action="store_true")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.set_defaults(func=cmd_run)
+
+    demo = sub.add_parser("demo", help="4 workers + 1 spare, one killed mid-run, live view")
+    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("--run-dir", default="runs/demo")
+    demo.set_defaults(func=_lazy("phoenixft.launch.demo", "cmd_demo"))
+
+    st = sub.add_parser("status", help="print a run directory's status.json")
+    st.add_argument("run_dir", nargs="?", default="runs/latest")
+    st.set_defaults(func=cmd_status)
+
+
+def _lazy(module: str, name: str):
+    def call(args):
+        import importlib
+        return getattr(importlib.import_module(module), name)(args)
+    return call
+
+
+def agent_config_from_args(args):
+    from phoenixft.launch.agent import AgentConfig
+    specs = [parse_spec(s) for s in args.inject]
+    return AgentConfig(script=args.script, script_args=list(args.script_args),
+                       nproc=args.nproc, spares=args.spares, nnodes=args.nnodes,
+                       node_rank=args.node_rank, store=args.store, run_dir=args.run_dir,
+                       inject=specs, heartbeat_timeout_s=args.heartbeat_timeout,
+                       replicas=args.replicas, echo=not args.quiet)
+
+
+def cmd_run(args) -> int:
+    from phoenixft.launch.agent import Agent, LaunchError
+    try:
+        cfg = agent_config_from_args(args)
+    except (InjectSpecError, LaunchError, ValueError) as exc:
+        print(f"phoenixft run: error: {exc}", file=sys.stderr)
+        return 2
+    return Agent(cfg).run()
+
+
+def cmd_status(args) -> int:
+    p = Path(args.run_dir) / "status.json"
+    if not p.exists():
+        print(f"phoenixft status: no status.json in {args.run_dir}", file=sys.stderr)
+        return 2
+    print(json.dumps(json.loads(p.read_text()), indent=2))
+    return 0

@@ -1,0 +1,67 @@
+"""The run directory's event log and JSON files.
+
+Every process of a job (agents, workers, the leader) appends to one ``events.jsonl``:
+one JSON object per line with ``t`` (wall-clock seconds), ``event`` and its fields. Each
+line is written with a single ``write`` on an ``O_APPEND`` descriptor, so lines from
+different processes never interleave on a local file system. Readers must tolerate a
+torn last line (a process killed mid-write).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class EventLog:
+    """Append-only JSON-lines log shared by every process of a run."""
+
+    def __init__(self, path: str | os.PathLike | None, **common: Any) -> None:
+        self.path = Path(path) if path else None
+        self.common = common
+        self._fd: int | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        record = {"t": round(time.time(), 6), "event": event, **self.common, **fields}
+        if self._fd is not None:
+            os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
+        return record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_events(path: str | os.PathLike) -> Iterator[dict]:
+    """Yield the complete records of an events.jsonl, skipping a torn final line."""
+    p = Path(path)
+    if not p.exists():
+        return
+    with p.open() as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON so a reader sees the old or the new file, never half of one."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    with tmp.open("w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)

@@ -1,0 +1,45 @@
+"""Worker-side configuration: what the launcher tells a worker, with its defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class SessionConfig:
+    """Set by `phoenixft run` through the environment; defaults give a standalone
+    single-process session (handy in notebooks and unit tests)."""
+
+    store: str | None = None  # HOST:PORT of the job's TCPStore; None = standalone
+    worker_id: str = "n0w0"
+    node: int = 0
+    run_dir: str | None = None
+    shm_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="phoenixft-shm-"))
+    inject: str = ""
+    heartbeat_interval_s: float = 0.2
+    collective_timeout_s: float = 60.0  # backstop for one collective; hangs are caught sooner
+    join_timeout_s: float = 60.0  # waiting for a plan, building a generation's groups
+    spare_wait_s: float = 24 * 3600.0  # how long a spare waits to be activated
+    replicas: int = 1  # peers that hold a copy of each rank's snapshot
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "collective_timeout_s", "join_timeout_s",
+                     "spare_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.replicas < 0:
+            raise ValueError(f"SessionConfig.replicas must be >= 0, got {self.replicas}")
+
+    @classmethod
+    def from_env(cls) -> SessionConfig:
+        env = os.environ
+        if "PHOENIXFT_STORE" not in env:
+            return cls()
+        extra = json.loads(env.get("PHOENIXFT_CONFIG", "{}"))
+        return cls(store=env["PHOENIXFT_STORE"], worker_id=env["PHOENIXFT_WORKER_ID"],
+                   node=int(env.get("PHOENIXFT_NODE", "0")), run_dir=env.get("PHOENIXFT_RUN_DIR"),
+                   shm_dir=env["PHOENIXFT_SHM_DIR"], inject=env.get("PHOENIXFT_INJECT", ""),
+                   **extra)

@@ -1,0 +1,80 @@
+"""Real text on every machine: the Python standard library's own .py files, as bytes.
+
+`stdlib_corpus()` concatenates them in a fixed order (sorted paths) with an EOS byte
+between files, so every worker of every run sees the same token stream.
+`RandomWindows` samples training windows with its own `torch.Generator`: its position
+and generator state are per-rank state that the session snapshots (`track=`).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from phoenixft.models.llama import EOS_ID
+
+
+def stdlib_corpus(max_bytes: int | None = None) -> torch.Tensor:
+    """uint8-range token ids (as int64 would be wasteful: kept as int16)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks: list[bytes] = []
+    total = 0
+    for p in sorted(root.rglob("*.py")):
+        if "site-packages" in p.parts or "test" in p.parts:
+            continue
+        try:
+            b = p.read_bytes()
+        except OSError:
+            continue
+        chunks.append(b)
+        total += len(b) + 1
+        if max_bytes is not None and total >= max_bytes:
+            break
+    if not chunks:
+        raise RuntimeError(f"no .py files under {root}: cannot build the example corpus")
+    out = torch.empty(total, dtype=torch.int16)
+    pos = 0
+    for b in chunks:
+        out[pos:pos + len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8).to(torch.int16)
+        out[pos + len(b)] = EOS_ID
+        pos += len(b) + 1
+    return out[:max_bytes] if max_bytes else out
+
+
+class RandomWindows:
+    """Random (input, target) windows of `context` tokens, from a per-rank generator.
+
+    `seed` may be a callable: it is called at the first draw, when the rank is known
+    (a spare builds its sampler before it knows which rank it will take over)."""
+
+    def __init__(self, tokens: torch.Tensor, *, context: int, batch: int,
+                 seed: int | Callable[[], int]) -> None:
+        if len(tokens) <= context + 1:
+            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than context {context}")
+        self.tokens, self.context, self.batch = tokens, context, batch
+        self.seed = seed
+        self.gen = torch.Generator()
+        self.seeded = False
+        self.position = 0  # batches drawn so far
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.seeded:
+            self.gen.manual_seed(self.seed() if callable(self.seed) else self.seed)
+            self.seeded = True
+        starts = torch.randint(0, len(self.tokens) - self.context - 1, (self.batch,),
+                               generator=self.gen)
+        idx = starts[:, None] + torch.arange(self.context + 1)[None, :]
+        w = self.tokens[idx].long()
+        self.position += 1
+        return w[:, :-1], w[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seeded": self.seeded, "gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self.seeded = bool(state["seeded"])
+        self.gen.set_state(state["gen"])

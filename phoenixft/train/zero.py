@@ -1,0 +1,117 @@
+"""ZeRO-1: parameters as views of one flat buffer, optimizer state sharded over ranks.
+
+Every rank holds all parameters (identical, so never snapshotted whole: any survivor
+serves them), but only rank r keeps the optimizer state and the fp32 master copy of its
+contiguous shard ``[r*S, (r+1)*S)`` of the flat parameter vector. That shard is exactly
+the state that would be lost with the rank, so it is what the snapshot and its replica
+protect. After the step, an all-gather of the shards rebuilds the full parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class FlatParams:
+    """The model's trainable parameters re-pointed at views of one flat buffer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not self.named:
+            raise ValueError("the model has no trainable parameters")
+        dtypes = {p.dtype for _, p in self.named}
+        devices = {p.device for _, p in self.named}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(f"phoenixft shards one flat buffer: all trainable parameters must "
+                             f"share a dtype and device, got {dtypes} on {devices}")
+        self.dtype, self.device = dtypes.pop(), devices.pop()
+        self.numel = sum(p.numel() for _, p in self.named)
+        self.offsets: list[tuple[int, int]] = []
+        off = 0
+        for _, p in self.named:
+            self.offsets.append((off, p.numel()))
+            off += p.numel()
+        self.buf = torch.empty(0)
+        self.world_size = 0
+
+    def shard_size(self, world_size: int) -> int:
+        return -(-self.numel // world_size)
+
+    def layout(self, world_size: int) -> None:
+        """(Re)allocate the flat buffer padded to a multiple of `world_size`."""
+        if world_size == self.world_size:
+            return
+        size = self.shard_size(world_size) * world_size
+        buf = torch.zeros(size, dtype=self.dtype, device=self.device)
+        for (off, n), (_, p) in zip(self.offsets, self.named):
+            buf[off:off + n].copy_(p.detach().reshape(-1))
+            p.data = buf[off:off + n].view_as(p)
+        self.buf, self.world_size = buf, world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        s = self.shard_size(self.world_size)
+        return rank * s, (rank + 1) * s
+
+    def gather_grads(self, out: torch.Tensor) -> None:
+        """Copy every parameter's .grad into out[:numel] (zeros where there is none)."""
+        for (off, n), (_, p) in zip(self.offsets, self.named):
+            if p.grad is None:
+                out[off:off + n].zero_()
+            else:
+                out[off:off + n].copy_(p.grad.reshape(-1))
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: flat[off:off + n].view_as(p)
+                for (off, n), (name, p) in zip(self.offsets, self.named)}
+
+
+class ShardedOptimizer:
+    """Runs the user's torch optimizer on this rank's shard only."""
+
+    def __init__(self, flat: FlatParams, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 rank: int) -> None:
+        self.flat = flat
+        self.rank = rank
+        self.start, self.end = flat.shard_range(rank)
+        self.shard = nn.Parameter(flat.buf[self.start:self.end].detach().clone())
+        self.inner = factory([self.shard])
+        if not isinstance(self.inner, torch.optim.Optimizer):
+            raise TypeError("optimizer factory must return a torch.optim.Optimizer built on "
+                            "the parameters it is given, e.g. lambda p: torch.optim.AdamW(p, lr=3e-4)")
+
+    def step(self, flat_grad: torch.Tensor) -> None:
+        self.shard.grad = flat_grad[self.start:self.end]
+        self.inner.step()
+        self.shard.grad = None
+
+    def reload_shard_from_params(self) -> None:
+        with torch.no_grad():
+            self.shard.copy_(self.flat.buf[self.start:self.end])
+
+    # -- snapshot support --------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"param_shard": self.shard.detach()}
+        for k, v in self.inner.state.get(self.shard, {}).items():
+            if torch.is_tensor(v):
+                out[f"opt.{k}"] = v
+        return out
+
+    def state_meta(self) -> dict:
+        scalars = {k: v for k, v in self.inner.state.get(self.shard, {}).items()
+                   if not torch.is_tensor(v)}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
+        return {"opt_scalars": scalars, "param_groups": groups, "shard": [self.start, self.end]}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        with torch.no_grad():
+            self.shard.copy_(tensors["param_shard"])
+        state = {k[4:]: v.clone() for k, v in tensors.items() if k.startswith("opt.")}
+        state.update(meta.get("opt_scalars", {}))
+        self.inner.state.clear()
+        if state:
+            self.inner.state[self.shard] = state
+        for g, saved in zip(self.inner.param_groups, meta.get("param_groups", [])):
+            g.update({k: v for k, v in saved.items() if k in g})
