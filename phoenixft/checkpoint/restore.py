@@ -24,16 +24,17 @@ from phoenixft.checkpoint.slots import SlotFile, slot_path
 from phoenixft.comm.collectives import Interrupt, wait_work
 
 
-def local_copy(shm_dir: str | Path, rank: int, step: int) -> SlotFile | None:
-    """A verified slot for (rank, step) in this node's shared memory, own slot first."""
-    for kind in ("snap", "rep"):
+def local_copy(shm_dir: str | Path, rank: int, step: int) -> tuple[SlotFile, str] | None:
+    """A verified slot for (rank, step) in this node's shared memory, own slot first,
+    with its kind: "local_snapshot" or "local_replica"."""
+    for kind, name in (("snap", "local_snapshot"), ("rep", "local_replica")):
         p = slot_path(shm_dir, kind, rank, step)
         if not p.exists():
             continue
         f = SlotFile(p)
         try:
             f.verify(step)
-            return f
+            return f, name
         except IntegrityError:
             continue
     return None
@@ -43,7 +44,7 @@ def restore_snapshot(pg: dist.ProcessGroup, *, rank: int, world_size: int, step:
                      shm_dir: str | Path, interrupt: Interrupt, timeout_s: float
                      ) -> tuple[SlotFile, dict, str]:
     """Collective. Returns (slot, verified header, source) for this member's rank,
-    where source is "local_shm" or "peer:{rank}"."""
+    where source is "local_snapshot", "local_replica" or "peer_memory" (sent by a peer)."""
     copies = {r: local_copy(shm_dir, r, step) for r in range(world_size)}
     have = torch.tensor([1 if copies[r] is not None else 0 for r in range(world_size)],
                         dtype=torch.int32)
@@ -61,11 +62,10 @@ def restore_snapshot(pg: dist.ProcessGroup, *, rank: int, world_size: int, step:
                 "every replica holder are gone or corrupt; restart from a persisted "
                 "checkpoint or run with more replicas")
         senders[r] = holders[0]
-    mine: SlotFile | None = copies[rank]
-    source = "local_shm"
+    mine, source = copies[rank] if copies[rank] is not None else (None, "")
     for r, s in sorted(senders.items()):  # same order on every member
         if rank == s:
-            slot = copies[r]
+            slot = copies[r][0]
             n = torch.tensor([slot.used_nbytes()], dtype=torch.int64)
             wait_work(pg.send([n], r, 2), interrupt, timeout_s, "restore size send")
             wait_work(pg.send([slot.tensor[:int(n)]], r, 3), interrupt, timeout_s, "restore send")
@@ -76,7 +76,7 @@ def restore_snapshot(pg: dist.ProcessGroup, *, rank: int, world_size: int, step:
             mine.ensure(int(n))
             mine.begin_write(step)
             wait_work(pg.recv([mine.tensor[:int(n)]], s, 3), interrupt, timeout_s, "restore recv")
-            source = f"peer:{s}"
+            source = "peer_memory"
     if mine is None:  # unreachable: every rank had a copy or was sent one above
         raise IntegrityError(f"rank {rank}: no snapshot of step {step} after planning")
     hdr = mine.verify(step)

@@ -93,8 +93,8 @@ class Keys:
         return f"loss/{step}"
 
     @staticmethod
-    def inject(i: int) -> str:  # fault injection i fired (add-counter claims it once)
-        return f"inject/{i}"
+    def inject(spec: str) -> str:  # a fault injection fired (add-counter claims it once)
+        return f"inject/{spec}"
 
     @staticmethod
     def result(name: str) -> str:  # rank 0 at the end: digest, final step

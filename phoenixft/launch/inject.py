@@ -8,7 +8,8 @@ Spec grammar (``--inject``, repeatable)::
     kill:rank=R:step=T:microbatch=J  SIGKILL it right after its J-th microbatch of step T
 
 The worker signals itself, so the fault lands exactly at that point; each spec fires
-once per job (claimed through the store), so the spare that takes rank R over does not
+once per job (claimed through the store under its own text, so agents on different
+nodes may pass different lists), so the spare that takes rank R over does not
 die again when it replays step T.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 KINDS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
@@ -83,16 +85,17 @@ class Injector:
     """Fires matching specs in the worker. `claim(i)` must return True only once per
     spec across the job (the store's add counter gives that)."""
 
-    def __init__(self, specs: list[InjectSpec], claim, on_fire=None) -> None:
+    def __init__(self, specs: list[InjectSpec], claim: Callable[[str], bool],
+                 on_fire: Callable | None = None) -> None:
         self.specs = specs
         self._claim = claim
         self._on_fire = on_fire
 
     def _fire(self, point: dict, **match) -> None:
-        for i, s in enumerate(self.specs):
+        for s in self.specs:
             if all(getattr(s, k) == v for k, v in match.items()) and all(
                     getattr(s, k) is None for k in ("step", "gen", "microbatch") if k not in match):
-                if self._claim(i):
+                if self._claim(str(s)):
                     if self._on_fire is not None:
                         self._on_fire(s, time.time(), point)
                     os.kill(os.getpid(), KINDS[s.kind])

@@ -105,7 +105,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        seqs, _ = self.scheduler.schedule()
+        seqs = self.scheduler.schedule()
         if not seqs:
             return []
         starts = [s.num_computed_tokens for s in seqs]

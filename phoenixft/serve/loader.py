@@ -28,6 +28,26 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def fuse_hf_state(tensors: dict[str, torch.Tensor], num_layers: int
+                  ) -> dict[str, torch.Tensor]:
+    """transformers names -> ours: q/k/v stacked into qkv_proj, gate/up into gate_up_proj.
+
+    Leaves the dict unchanged where a layer lacks one of the parts, so the name check in
+    ``load_model`` reports the missing tensor by its Hugging Face name.
+    """
+    out = dict(tensors)
+    for i in range(num_layers):
+        pre = f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            names = [f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv"]
+            if all(n in out for n in names):
+                out[f"{pre}self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in names])
+        names = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
+        if all(n in out for n in names):
+            out[f"{pre}mlp.gate_up_proj.weight"] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32
                ) -> tuple[ModelConfig, PagedCausalLM]:
     """Build the model described by ``model_dir`` and load its weights.
@@ -40,6 +60,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32
         raise ValueError(f"model directory {path} does not exist")
     cfg = ModelConfig.from_hf(path)
     tensors = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
+    tensors = fuse_hf_state(tensors, cfg.num_hidden_layers)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     with torch.device("meta"):

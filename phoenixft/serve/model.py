@@ -2,10 +2,12 @@
 
 The forward takes the tokens of a whole batch flattened to one dimension (no padding in
 the projections and MLP), writes each token's K and V into its cache slot, then attends
-per sequence over K/V gathered through the sequence's block table. Parameter names are
-those of transformers (``model.layers.0.self_attn.q_proj.weight`` ...), so a Hugging Face
-state dict loads as is. Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias) and Qwen3
-(per-head RMSNorm on q and k before RoPE).
+per sequence over K/V gathered through the sequence's block table. Parameter names follow
+transformers except two fusions that halve the number of small matmuls per layer (on CPU
+a step of a small model is dominated by per-call overhead): ``self_attn.qkv_proj`` is
+q/k/v stacked and ``mlp.gate_up_proj`` is gate/up stacked (``loader.fuse_hf_state``).
+Covers Llama (optional q/k/v/o bias), Qwen2 (q/k/v bias) and Qwen3 (per-head RMSNorm on
+q and k before RoPE).
 """
 
 from __future__ import annotations
@@ -16,31 +18,71 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phoenixft.models.llama import MLP, RMSNorm, apply_rope
+from phoenixft.models.llama import apply_rope
 
 from .config import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences attended together: flat tokens [start, end) of the batch.
+
+    Attention runs on a padded [batch, max_query_len] layout: ``query_index`` maps the
+    group's flat tokens into it (None when every sequence has one query: decode),
+    ``mask`` is [batch, 1, max_query_len, kv_len] (True = attend), and ``block_tables``
+    [batch, max_blocks] lists each sequence's blocks (padding entries point at block 0
+    and are masked out). Decodes and prefills form separate groups so one long prompt
+    does not pad every decode row to its length.
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+    query_index: torch.Tensor | None
+    max_query_len: int
+    kv_len: int
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where a batch's tokens sit, built once per step by the runner and shared by layers.
 
-    ``slot_mapping[i]`` is the flat cache slot (block * block_size + offset) token ``i``
-    writes. Attention runs on a padded [batch, max_query_len] layout: ``query_index`` maps
-    flat tokens into it, ``mask`` is [batch, 1, max_query_len, kv_len] (True = attend) and
-    ``block_tables`` [batch, max_blocks] lists each sequence's blocks (padding entries
-    point at block 0 and are masked out).
+    ``slot_mapping[i]`` is the flat cache slot (block * block_size + offset) that token
+    ``i`` writes; ``cos``/``sin`` are its rotary factors.
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    mask: torch.Tensor
-    query_index: torch.Tensor | None
-    max_query_len: int
-    kv_len: int
     cos: torch.Tensor
     sin: torch.Tensor
+    groups: list[AttentionGroup]
+
+
+class RMSNorm(nn.Module):
+    """Same math as transformers' (float32 statistics), as one fused ``F.rms_norm``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up projections in one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class PagedAttention(nn.Module):
@@ -49,9 +91,9 @@ class PagedAttention(nn.Module):
         hd = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, hd)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -62,9 +104,10 @@ class PagedAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
@@ -74,32 +117,40 @@ class PagedAttention(nn.Module):
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
-        b, nb = meta.block_tables.shape
+        outs = [self._attend(q[g.start:g.end], g, k_cache, v_cache) for g in meta.groups]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.o_proj(out)
+
+
+    def _attend(self, q: torch.Tensor, g: AttentionGroup, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        b, nb = g.block_tables.shape
         bs = k_cache.shape[1]
-        keys = k_cache[meta.block_tables].view(b, nb * bs, self.num_kv_heads, self.head_dim)
-        vals = v_cache[meta.block_tables].view(b, nb * bs, self.num_kv_heads, self.head_dim)
-        keys = keys[:, :meta.kv_len].transpose(1, 2)
-        vals = vals[:, :meta.kv_len].transpose(1, 2)
-        mq = meta.max_query_len
-        if meta.query_index is None:  # one query per sequence (decode): no padding
+        flat_tables = g.block_tables.view(-1)
+        keys = k_cache.index_select(0, flat_tables).view(b, nb * bs, self.num_kv_heads,
+                                                         self.head_dim)
+        vals = v_cache.index_select(0, flat_tables).view(b, nb * bs, self.num_kv_heads,
+                                                         self.head_dim)
+        keys = keys[:, :g.kv_len].transpose(1, 2)
+        vals = vals[:, :g.kv_len].transpose(1, 2)
+        mq = g.max_query_len
+        if g.query_index is None:  # one query per sequence (decode): no padding
             qp = q.view(b, 1, self.num_heads, self.head_dim)
         else:
             qp = q.new_zeros(b * mq, self.num_heads, self.head_dim)
-            qp[meta.query_index] = q
+            qp[g.query_index] = q
             qp = qp.view(b, mq, self.num_heads, self.head_dim)
         out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals,
-                                             attn_mask=meta.mask, enable_gqa=True)
+                                             attn_mask=g.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * mq, self.num_heads * self.head_dim)
-        if meta.query_index is not None:
-            out = out[meta.query_index]
-        return self.o_proj(out)
+        return out if g.query_index is None else out[g.query_index]
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = PagedAttention(cfg)
-        self.mlp = MLP(cfg)  # type: ignore[arg-type]  # same attribute names as LlamaConfig
+        self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -12,7 +12,7 @@ import torch
 from phoenixft.models.llama import rope_tables
 
 from .config import EngineConfig, ModelConfig
-from .model import AttentionMetadata, PagedCausalLM
+from .model import AttentionGroup, AttentionMetadata, PagedCausalLM
 from .sequence import Sequence
 
 
@@ -34,28 +34,23 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return self.model_config.kv_bytes_per_token
 
-    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionMetadata,
-                                                     torch.Tensor]:
-        """Flat input ids, attention metadata and the flat index of each sequence's last
-        token, for computing ``token_ids[num_computed_tokens:]`` of every sequence."""
+    def _group(self, seqs: list[Sequence], start: int) -> tuple[AttentionGroup, torch.Tensor,
+                                                              torch.Tensor]:
+        """One attention group over ``seqs`` whose tokens begin at flat index ``start``;
+        also returns the group's token positions and cache slots."""
         bs = self.config.block_size
-        ids: list[int] = []
-        starts, q_lens, ctx_lens = [], [], []
-        for s in seqs:
-            start = s.num_computed_tokens
-            ids.extend(s.token_ids[start:])
-            starts.append(start)
-            q_lens.append(len(s) - start)
-            ctx_lens.append(len(s))
-        b, kv_len, mq = len(seqs), max(ctx_lens), max(q_lens)
+        starts = [s.num_computed_tokens for s in seqs]
+        q_lens = torch.tensor([len(s) - s.num_computed_tokens for s in seqs])
+        ctx_lens = [len(s) for s in seqs]
+        b, kv_len, mq = len(seqs), max(ctx_lens), int(q_lens.max())
         nb = -(-kv_len // bs)
         tables = torch.zeros(b, nb, dtype=torch.long)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = torch.tensor(s.block_table[:nb], dtype=torch.long)
-        q_lens_t = torch.tensor(q_lens)
-        row = torch.repeat_interleave(torch.arange(b), q_lens_t)
-        offset_in_row = torch.arange(len(ids)) - torch.repeat_interleave(
-            torch.cumsum(q_lens_t, 0) - q_lens_t, q_lens_t)
+        n = int(q_lens.sum())
+        row = torch.repeat_interleave(torch.arange(b), q_lens)
+        offset_in_row = torch.arange(n) - torch.repeat_interleave(
+            torch.cumsum(q_lens, 0) - q_lens, q_lens)
         positions = torch.tensor(starts)[row] + offset_in_row
         slots = tables[row, positions // bs] * bs + positions % bs
         kv_pos = torch.arange(kv_len)
@@ -64,14 +59,43 @@ class ModelRunner:
             mask = (kv_pos[None, :] < torch.tensor(ctx_lens)[:, None]).view(b, 1, 1, kv_len)
         else:
             query_index = row * mq + offset_in_row
-            qpos = torch.zeros(b * mq, dtype=torch.long)
+            qpos = torch.zeros(b * mq, dtype=torch.long)  # padding rows see position 0
             qpos[query_index] = positions
             mask = (kv_pos[None, None, :] <= qpos.view(b, mq, 1)).view(b, 1, mq, kv_len)
+        group = AttentionGroup(start=start, end=start + n, block_tables=tables, mask=mask,
+                               query_index=query_index, max_query_len=mq, kv_len=kv_len)
+        return group, positions, slots
+
+    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionMetadata,
+                                                     torch.Tensor]:
+        """Flat input ids, attention metadata and the flat index of each sequence's last
+        token, for computing ``token_ids[num_computed_tokens:]`` of every sequence.
+
+        Sequences must come decodes first (one new token each), then prefills, as the
+        scheduler orders them; each kind forms one attention group.
+        """
+        n_decode = 0
+        for s in seqs:
+            if len(s) - s.num_computed_tokens != 1:
+                break
+            n_decode += 1
+        parts = [p for p in (seqs[:n_decode], seqs[n_decode:]) if p]
+        ids: list[int] = []
+        for s in seqs:
+            ids.extend(s.token_ids[s.num_computed_tokens:])
+        groups, positions, slots, start = [], [], [], 0
+        for part in parts:
+            g, pos, sl = self._group(part, start)
+            groups.append(g)
+            positions.append(pos)
+            slots.append(sl)
+            start = g.end
+        pos = torch.cat(positions) if len(positions) > 1 else positions[0]
         meta = AttentionMetadata(
-            positions=positions, slot_mapping=slots, block_tables=tables, mask=mask,
-            query_index=query_index, max_query_len=mq, kv_len=kv_len,
-            cos=self.cos[positions][:, None, :], sin=self.sin[positions][:, None, :])
-        last = torch.cumsum(q_lens_t, 0) - 1
+            positions=pos, slot_mapping=torch.cat(slots) if len(slots) > 1 else slots[0],
+            cos=self.cos[pos][:, None, :], sin=self.sin[pos][:, None, :], groups=groups)
+        q_lens = torch.tensor([len(s) - s.num_computed_tokens for s in seqs])
+        last = torch.cumsum(q_lens, 0) - 1
         return torch.tensor(ids, dtype=torch.long), meta, last
 
     @torch.inference_mode()

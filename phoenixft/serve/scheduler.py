@@ -1,9 +1,11 @@
 """Continuous batching: which sequences run in the next step.
 
-A step is either a prefill batch (waiting sequences admitted while blocks, the sequence
-limit and the token budget allow) or a decode batch (one token for every running
-sequence). Prefills go first, so new requests join the running batch at the next step
-instead of waiting for the batch to drain.
+Every step decodes one token for each running sequence and, in the same forward pass,
+prefills the waiting sequences that blocks, the sequence limit and the prefill token
+budget admit. Mixing the two means a newly arrived request neither waits for the batch
+to drain nor stalls the running sequences for a prefill-only step (on CPU a small
+prefill costs about what a decode step costs, so separate steps would halve decode
+throughput under steady arrivals).
 
 Preemption is by *recompute*: when a decode step needs a block and none is free, the most
 recently admitted running sequence gives up all its blocks and returns to the front of the
@@ -40,38 +42,43 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return (sequences to run, is_prefill). Empty when there is nothing to do."""
+    def schedule(self) -> list[Sequence]:
+        """Sequences to run this step: the running ones first, then newly admitted ones.
+
+        Empty when there is nothing to do. No sequence is admitted in a step that had to
+        preempt (blocks are short; admitting would only preempt again).
+        """
         cfg, bm = self.config, self.block_manager
         batch: list[Sequence] = []
-        num_tokens = 0
-        while self.waiting and len(self.running) + len(batch) < cfg.max_num_seqs:
-            seq = self.waiting[0]
-            if not bm.can_allocate(seq):
-                break
-            if batch and num_tokens + len(seq) > cfg.max_num_batched_tokens:
-                break
-            bm.allocate(seq)
-            num_tokens += len(seq) - seq.num_computed_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            batch.append(seq)
-        if batch:
-            self.running.extend(batch)
-            return batch, True
-        while self.running:
-            seq = self.running.popleft()
+        candidates, preempted = list(self.running), False
+        candidates.reverse()  # pop() from the end = oldest first
+        while candidates:
+            seq = candidates.pop()
             while not bm.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
+                preempted = True
+                if candidates:
+                    self._preempt(candidates.pop(0))  # the most recently admitted
                 else:
                     self._preempt(seq)
                     break
             else:
                 bm.append(seq)
                 batch.append(seq)
-        self.running.extendleft(reversed(batch))
-        return batch, False
+        self.running = deque(batch)
+        prefill_tokens = 0
+        while (not preempted and self.waiting and len(self.running) < cfg.max_num_seqs):
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break
+            if prefill_tokens and prefill_tokens + len(seq) > cfg.max_num_batched_tokens:
+                break
+            bm.allocate(seq)
+            prefill_tokens += len(seq) - seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append(seq)
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)

@@ -297,12 +297,15 @@ class Session:
             self._injector.at_recovery(self.rank, g)
         dev = self._flat.device
         host = kv.parse_addr(self.cfg.store)[0]
+        # Each build gets its own store connection: an abandoned build (a member died
+        # mid-join) keeps blocking in a store wait, and a shared client would queue
+        # every later call behind it.
         self._pg = call_with_deadline(
-            lambda: new_group(self.store, f"gen/{g}/train/", self.rank, self.world_size, device=dev,
-                              bind_host=host, timeout_s=self.cfg.collective_timeout_s),
+            lambda: new_group(self._connect(), f"gen/{g}/train/", self.rank, self.world_size,
+                              device=dev, bind_host=host, timeout_s=self.cfg.collective_timeout_s),
             self.interrupt, self.cfg.join_timeout_s, f"building generation {g}'s group")
         self._rep_pg = call_with_deadline(
-            lambda: new_group(self.store, f"gen/{g}/replicate/", self.rank, self.world_size,
+            lambda: new_group(self._connect(), f"gen/{g}/replicate/", self.rank, self.world_size,
                               device=torch.device("cpu"), bind_host=host,
                               timeout_s=self.cfg.collective_timeout_s),
             self.interrupt, self.cfg.join_timeout_s, f"building generation {g}'s replica group")
@@ -370,7 +373,7 @@ class Session:
         wait_work(self._pg._allgather_base(self._flat.buf, self._opt.shard.detach()),
                   self.interrupt, self.cfg.collective_timeout_s, "parameter all-gather (restore)")
         self.step = step
-        return "local_shm" if source == "local_shm" else "peer_memory"
+        return source
 
     def _recover(self, exc: CommFailure) -> None:
         if not isinstance(exc, GenerationChanged):
@@ -401,13 +404,13 @@ class Session:
         except Exception:
             pass
 
-    def _claim_injection(self, i: int) -> bool:
-        return self.store.add(Keys.inject(i), 1) == 1
+    def _claim_injection(self, spec: str) -> bool:
+        return self.store.add(Keys.inject(spec), 1) == 1
 
     def _on_injection(self, spec, t: float, point: dict) -> None:
         self.store.set(f"failing/{self.wid}", repr(t))
-        self.events.emit("inject", spec=str(spec), rank=self.rank, gen=self.generation,
-                         pid=os.getpid(), **point)
+        fields = {"rank": self.rank, "gen": self.generation, "pid": os.getpid(), **point}
+        self.events.emit("inject", spec=str(spec), **fields)
 
     def _install_exit_hooks(self) -> None:
         previous = sys.excepthook

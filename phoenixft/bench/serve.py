@@ -1,0 +1,223 @@
+"""`phoenixft bench serve`: our paged engine vs transformers' generate, same model, same CPU.
+
+For 1, 8 and 32 concurrent clients it measures output tokens/s and time to first token
+(TTFT), after an untimed warm-up of both systems (first calls at new shapes are slow).
+
+Workload, like real traffic: ``rounds`` x concurrency requests with prompts of 16..64
+tokens, each asking for 16..128 new tokens (EOS ignored, so both systems produce exactly
+what was asked). Each of the N clients sends its next request as soon as its previous one
+returned (closed loop).
+- engine: a finished request's client submits its next at once; it joins the running
+  batch at the next step (continuous batching).
+- transformers: requests go in waves of N through one batched ``generate`` call (left
+  padding), the best a server built on ``generate`` can do; a wave runs until its longest
+  request is done, and the next wave starts after it. The JSON also gives the tokens it
+  computed (``computed_tokens``, including those past a request's max_tokens), while
+  tokens/s counts only the tokens requests asked for (``useful_tokens``).
+TTFT is from a request's submission to its first token (for a wave: the wave's first
+decoding step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(kw_only=True)
+class ServeBenchConfig:
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    rounds: int = 4
+    threads: int = 2
+    prompt_len: tuple[int, int] = (16, 64)
+    output_len: tuple[int, int] = (16, 128)
+    model_dir: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        for name in ("rounds", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prompt_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be 1 <= low <= high, got {(lo, hi)}")
+
+
+def build_bench_model(out: Path) -> str:
+    """A random byte-vocab Llama (4 layers, d=256, GQA 8/2 heads, 512 positions)."""
+    import torch
+
+    from phoenixft.models.llama import LlamaConfig, LlamaForCausalLM, save_hf
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg)
+    save_hf(model, out)
+    return f"random Llama, {model.num_params() / 1e6:.1f}M params, 4x256"
+
+
+def _workload(n: int, cfg: ServeBenchConfig, rng: random.Random) -> list[tuple[list[int], int]]:
+    return [([rng.randrange(256) for _ in range(rng.randint(*cfg.prompt_len))],
+             rng.randint(*cfg.output_len)) for _ in range(n)]
+
+
+def _run_engine(llm, reqs: list[tuple[list[int], int]], clients: int) -> dict:
+    from phoenixft.serve import SamplingParams
+
+    eng, pending, seqs = llm.engine, list(reversed(reqs)), []
+
+    def submit() -> None:
+        prompt, m = pending.pop()
+        seqs.append(eng.add_request(f"b{time.monotonic_ns()}-{len(seqs)}", prompt,
+                                    SamplingParams(max_tokens=m, temperature=0.0,
+                                                   ignore_eos=True)))
+
+    t0 = time.monotonic()
+    for _ in range(min(clients, len(pending))):
+        submit()
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished and pending:
+                submit()
+    wall = time.monotonic() - t0
+    tokens = sum(s.num_completion_tokens for s in seqs)
+    return {"wall_s": wall, "useful_tokens": tokens, "computed_tokens": tokens,
+            "ttft_s": [s.first_token_time - s.arrival_time for s in seqs]}
+
+
+def _hf_wave(model, reqs) -> dict:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class FirstToken(LogitsProcessor):
+        at: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.at is None:
+                self.at = time.monotonic()
+            return scores
+
+    width = max(len(p) for p, _ in reqs)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in reqs])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in reqs])
+    new = max(m for _, m in reqs)
+    rec = FirstToken()
+    t0 = time.monotonic()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             logits_processor=LogitsProcessorList([rec]))
+    if out.shape[1] != width + new:
+        raise RuntimeError(f"transformers stopped early: {out.shape[1] - width} of {new}")
+    return {"useful_tokens": sum(m for _, m in reqs), "computed_tokens": len(reqs) * new,
+            "ttft_s": [rec.at - t0] * len(reqs)}
+
+
+def _run_hf(model, reqs: list[tuple[list[int], int]], clients: int) -> dict:
+    res = {"useful_tokens": 0, "computed_tokens": 0, "ttft_s": []}
+    t0 = time.monotonic()
+    for i in range(0, len(reqs), clients):
+        wave = _hf_wave(model, reqs[i:i + clients])
+        for k in res:
+            res[k] += wave[k]
+    return res | {"wall_s": time.monotonic() - t0}
+
+
+def run(cfg: ServeBenchConfig) -> dict:
+    import torch
+    import transformers
+
+    from phoenixft.serve import LLM, EngineConfig
+
+    torch.set_num_threads(cfg.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, desc = cfg.model_dir, f"model from {cfg.model_dir}"
+        if model_dir is None:
+            model_dir = str(Path(tmp) / "model")
+            desc = build_bench_model(Path(model_dir))
+        llm = LLM(model_dir, EngineConfig(max_num_seqs=max(64, max(cfg.concurrency))))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        hf.generation_config.pad_token_id = 0
+        hf.generation_config.eos_token_id = None  # requests ignore EOS in both systems
+        rng = random.Random(cfg.seed)
+        for n in cfg.concurrency:  # warm-up: first calls at new shapes are slow in both
+            warm = _workload(n, cfg, rng)
+            _run_engine(llm, warm, n)
+            _run_hf(hf, warm, n)
+        rows = []
+        for n in cfg.concurrency:
+            reqs = _workload(n * cfg.rounds, cfg, rng)
+            row: dict = {"concurrency": n, "requests": len(reqs)}
+            for name, res in (("engine", _run_engine(llm, reqs, n)),
+                              ("transformers", _run_hf(hf, reqs, n))):
+                row[name] = {"tokens_per_s": res["useful_tokens"] / res["wall_s"],
+                             "ttft_mean_ms": 1e3 * statistics.fmean(res["ttft_s"]),
+                             "ttft_p50_ms": 1e3 * statistics.median(res["ttft_s"]),
+                             "useful_tokens": res["useful_tokens"],
+                             "computed_tokens": res["computed_tokens"],
+                             "wall_s": res["wall_s"]}
+            row["speedup"] = row["engine"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+            rows.append(row)
+        eng = llm.engine
+        return {"bench": "serve", "model": desc, "config": asdict(cfg),
+                "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "machine": platform.machine(),
+                "kv_bytes_per_token": eng.runner.kv_bytes_per_token,
+                "kv_pool": {"blocks": eng.config.num_blocks, "block_size": eng.config.block_size,
+                            "bytes": 2 * eng.runner.k_cache.numel() * 4},
+                "results": rows}
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"phoenixft bench serve: {result['model']}, {result['threads']} threads")
+    for col in ("concurrent", "engine tok/s", "transformers tok/s", "speedup",
+                "engine TTFT ms", "transformers TTFT ms"):
+        t.add_column(col, justify="right")
+    for r in result["results"]:
+        e, h = r["engine"], r["transformers"]
+        t.add_row(str(r["concurrency"]), f"{e['tokens_per_s']:.0f}",
+                  f"{h['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
+                  f"{e['ttft_mean_ms']:.1f}", f"{h['ttft_mean_ms']:.1f}")
+    c = Console()
+    c.print(t)
+    c.print(f"engine KV cache: {result['kv_bytes_per_token']} bytes/token "
+            f"(float32 K+V, all layers); pool {result['kv_pool']['blocks']} blocks x "
+            f"{result['kv_pool']['block_size']} = {result['kv_pool']['bytes'] / 2**20:.1f} MiB")
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = ServeBenchConfig(concurrency=args.concurrency, rounds=args.rounds,
+                           threads=args.threads, model_dir=args.model)
+    result = run(cfg)
+    _print(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    p = bench_subparsers.add_parser(
+        "serve", help="paged engine vs transformers generate: tokens/s, TTFT, KV bytes")
+    p.add_argument("--model", default=None,
+                   help="model directory (default: build a random 4-layer Llama)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--rounds", type=int, default=4,
+                   help="requests per client at each concurrency level (default 4)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.set_defaults(func=_main)
