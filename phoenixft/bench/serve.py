@@ -3,6 +3,9 @@
 For 1, 8 and 32 concurrent clients it measures output tokens/s and time to first token
 (TTFT), after an untimed warm-up of both systems (first calls at new shapes are slow).
 
+Each level runs ``repeats`` times, alternating the two systems so that load from other
+processes hits both alike; the table shows the median repeat (the JSON has all).
+
 Workload, like real traffic: ``rounds`` x concurrency requests with prompts of 16..64
 tokens, each asking for 16..128 new tokens (EOS ignored, so both systems produce exactly
 what was asked). Each of the N clients sends its next request as soon as its previous one
@@ -34,7 +37,8 @@ from pathlib import Path
 @dataclass(kw_only=True)
 class ServeBenchConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
-    rounds: int = 4
+    rounds: int = 2
+    repeats: int = 3
     threads: int = 2
     prompt_len: tuple[int, int] = (16, 64)
     output_len: tuple[int, int] = (16, 128)
@@ -44,7 +48,7 @@ class ServeBenchConfig:
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        for name in ("rounds", "threads"):
+        for name in ("rounds", "repeats", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("prompt_len", "output_len"):
@@ -156,16 +160,22 @@ def run(cfg: ServeBenchConfig) -> dict:
             _run_hf(hf, warm, n)
         rows = []
         for n in cfg.concurrency:
-            reqs = _workload(n * cfg.rounds, cfg, rng)
-            row: dict = {"concurrency": n, "requests": len(reqs)}
-            for name, res in (("engine", _run_engine(llm, reqs, n)),
-                              ("transformers", _run_hf(hf, reqs, n))):
-                row[name] = {"tokens_per_s": res["useful_tokens"] / res["wall_s"],
-                             "ttft_mean_ms": 1e3 * statistics.fmean(res["ttft_s"]),
-                             "ttft_p50_ms": 1e3 * statistics.median(res["ttft_s"]),
-                             "useful_tokens": res["useful_tokens"],
-                             "computed_tokens": res["computed_tokens"],
-                             "wall_s": res["wall_s"]}
+            reps: dict[str, list[dict]] = {"engine": [], "transformers": []}
+            for _ in range(cfg.repeats):
+                reqs = _workload(n * cfg.rounds, cfg, rng)
+                for name, fn, model in (("engine", _run_engine, llm),
+                                        ("transformers", _run_hf, hf)):
+                    res = fn(model, reqs, n)
+                    reps[name].append({
+                        "tokens_per_s": res["useful_tokens"] / res["wall_s"],
+                        "ttft_mean_ms": 1e3 * statistics.fmean(res["ttft_s"]),
+                        "ttft_p50_ms": 1e3 * statistics.median(res["ttft_s"]),
+                        "useful_tokens": res["useful_tokens"],
+                        "computed_tokens": res["computed_tokens"], "wall_s": res["wall_s"]})
+            row: dict = {"concurrency": n, "requests_per_repeat": n * cfg.rounds}
+            for name, runs in reps.items():
+                median = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+                row[name] = median | {"repeats": runs}
             row["speedup"] = row["engine"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
             rows.append(row)
         eng = llm.engine
@@ -200,6 +210,7 @@ def _print(result: dict) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     cfg = ServeBenchConfig(concurrency=args.concurrency, rounds=args.rounds,
+                           repeats=args.repeats,
                            threads=args.threads, model_dir=args.model)
     result = run(cfg)
     _print(result)
@@ -216,8 +227,10 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="model directory (default: build a random 4-layer Llama)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--rounds", type=int, default=4,
-                   help="requests per client at each concurrency level (default 4)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="requests per client in one repeat (default 2)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="repeats per level, alternating the systems; median shown")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.set_defaults(func=_main)

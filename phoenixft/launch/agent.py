@@ -153,6 +153,7 @@ class Agent:
         job = store.get("job_id").decode()
         self.shm_dir = Path("/dev/shm") / f"phoenixft-{job}" / f"n{cfg.node_rank}"
         self.shm_dir.mkdir(parents=True, exist_ok=True)
+        self.events.emit("agent_start", job=job, shm_dir=str(self.shm_dir), pid=os.getpid())
         kv.set_json(store, Keys.node(cfg.node_rank),
                     {"nproc": cfg.nproc, "spares": cfg.spares, "pid": os.getpid()})
         if cfg.node_rank == 0:

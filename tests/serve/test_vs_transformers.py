@@ -36,8 +36,8 @@ def test_prefill_logits_every_position_batched(hf_models, arch):
     eng = llm.engine
     seqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=4))
             for i, p in enumerate(PROMPTS)]
-    batch, is_prefill = eng.scheduler.schedule()
-    assert is_prefill and batch == seqs
+    batch = eng.scheduler.schedule()
+    assert batch == seqs
     logits = eng.runner.run(batch, all_logits=True)
     offset = 0
     for p in PROMPTS:

@@ -1,0 +1,150 @@
+"""Hot-swap with real processes and real faults (SIGKILL, SIGSTOP, a whole node lost),
+checked against a failure-free run of the same job: same final state digest, same loss
+curve, survivors never restarted."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import kill_members, kill_tree, load, run, start
+
+pytestmark = [pytest.mark.integration]
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    job = run(tmp_path_factory.mktemp("ref"), "--nproc", "2", steps=STEPS)
+    assert job.rc == 0, job.out
+    assert job.summary["final_step"] == STEPS
+    assert len(job.summary["losses"]) == STEPS
+    return job.summary
+
+
+def survivors_kept_pids(job) -> None:
+    """Every worker that was a member before and after a failure kept its PID."""
+    joined: dict[str, set[int]] = {}
+    for e in job.of("joined"):
+        joined.setdefault(e["wid"], set()).add(e["pid"])
+    assert all(len(pids) == 1 for pids in joined.values()), joined
+    failed = {f["wid"] for f in job.summary["failures"]}
+    gens = sorted({e["gen"] for e in job.of("joined")})
+    first = {e["wid"] for e in job.of("joined") if e["gen"] == gens[0]}
+    last = {e["wid"] for e in job.of("joined") if e["gen"] == gens[-1]}
+    assert first - failed <= last, "a survivor left the job"
+
+
+def same_as_reference(job, reference, failures: int) -> None:
+    assert job.rc == 0, job.out[-3000:]
+    s = job.summary
+    assert s["final_step"] == STEPS
+    assert s["final_state_digest"] == reference["final_state_digest"]
+    assert s["losses"] == reference["losses"]
+    assert len(s["failures"]) == failures
+    assert len(s["recoveries"]) == failures
+    for r in s["recoveries"]:
+        assert r["lost_steps"] <= 1, r
+        assert r["recover_s"] is not None and r["detect_s"] is not None
+    survivors_kept_pids(job)
+
+
+@pytest.mark.timeout(200)
+def test_kill_nonzero_rank_is_hot_swapped(tmp_path, reference):
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--inject", "kill:rank=1:step=6",
+              steps=STEPS)
+    same_as_reference(job, reference, failures=1)
+    rec = job.summary["recoveries"][0]
+    assert rec["rank"] == 1 and rec["kind"] == "exit"
+    assert rec["source"] == "local_snapshot"  # the spare mapped the dead rank's shm
+
+
+@pytest.mark.timeout(200)
+def test_kill_rank0_is_hot_swapped(tmp_path, reference):
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--inject", "kill:rank=0:step=9",
+              steps=STEPS)
+    same_as_reference(job, reference, failures=1)
+    assert job.summary["recoveries"][0]["rank"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_hang_is_caught_by_heartbeat_deadline(tmp_path, reference):
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--heartbeat-timeout", "2",
+              "--inject", "stop:rank=1:step=7", steps=STEPS)
+    same_as_reference(job, reference, failures=1)
+    rec = job.summary["recoveries"][0]
+    assert rec["kind"] == "hang"
+    assert 1.5 <= rec["detect_s"] < 10, rec  # the deadline, not gloo's 30 minutes
+
+
+@pytest.mark.timeout(240)
+def test_two_failures_and_a_failure_during_recovery(tmp_path, reference):
+    job = run(tmp_path / "seq", "--nproc", "2", "--spares", "2", "--inject", "kill:rank=1:step=4",
+              "--inject", "kill:rank=0:step=11", steps=STEPS)
+    same_as_reference(job, reference, failures=2)
+    assert [r["gen"] for r in job.summary["recoveries"]] == [1, 2]
+    # rank 0 dies while the first recovery (into generation 1) is under way
+    job = run(tmp_path / "nested", "--nproc", "2", "--spares", "2", "--inject",
+              "kill:rank=1:step=5", "--inject", "kill:rank=0:gen=1", steps=STEPS)
+    same_as_reference(job, reference, failures=2)
+    assert {r["gen"] for r in job.summary["recoveries"]} == {2}
+    assert job.of("join_failed"), "the first recovery should have been abandoned"
+
+
+@pytest.mark.timeout(120)
+def test_no_spare_left_stops_cleanly(tmp_path):
+    t0 = time.monotonic()
+    job = run(tmp_path, "--nproc", "2", "--inject", "kill:rank=1:step=4", steps=STEPS)
+    assert job.rc == 1
+    assert "no spare is left" in job.out and "--spares" in job.out
+    assert time.monotonic() - t0 < 60
+    assert job.summary["aborted"]
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_worker_killed_then_node_lost(tmp_path, reference):
+    from phoenixft.cluster.store import free_port
+
+    def two_nodes(run_dir: Path, node1_args: tuple):
+        addr = f"127.0.0.1:{free_port()}"
+        common = ("--nnodes", "2", "--store", addr, "--heartbeat-timeout", "2")
+        a0 = start(run_dir, *common, "--node-rank", "0", "--nproc", "1", "--spares", "1",
+                   steps=STEPS)
+        a1 = start(run_dir, *common, "--node-rank", "1", "--nproc", "1", *node1_args,
+                   steps=STEPS)
+        return a0, a1
+
+    # 1. a worker on node 1 is killed: the spare on node 0 restores it from the replica
+    run_dir = tmp_path / "worker"
+    a0, a1 = two_nodes(run_dir, ("--inject", "kill:rank=1:step=6"))
+    try:
+        out0, _ = a0.communicate(timeout=150)
+        a1.communicate(timeout=30)
+    finally:
+        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
+    job = load(run_dir, a0.returncode, out0)
+    same_as_reference(job, reference, failures=1)
+    assert job.summary["recoveries"][0]["source"] == "local_replica"
+
+    # 2. node 1 lost whole: its agent and worker SIGKILLed, its shared memory deleted
+    run_dir = tmp_path / "node"
+    a0, a1 = two_nodes(run_dir, ())
+    try:
+        for line in a0.stdout:  # node 0 prints a progress line every 10 steps
+            if line.startswith("step") and int(line.split()[1]) >= 10:
+                break
+        shm = [e["shm_dir"] for e in load(run_dir, 0, "").of("agent_start") if e["node"] == 1]
+        kill_tree(a1.pid)
+        for d in shm:
+            shutil.rmtree(d)
+        out0, _ = a0.communicate(timeout=150)
+    finally:
+        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
+    job = load(run_dir, a0.returncode, out0)
+    same_as_reference(job, reference, failures=1)
+    assert shm, "node 1 never reported its shared-memory directory"
+    rec = job.summary["recoveries"][0]
+    assert rec["rank"] == 1 and rec["kind"] == "hang" and rec["source"] == "local_replica"
