@@ -71,8 +71,10 @@ def build_bench_model(out: Path) -> str:
     return f"random Llama, {model.num_params() / 1e6:.1f}M params, 4x256"
 
 
-def _workload(n: int, cfg: ServeBenchConfig, rng: random.Random) -> list[tuple[list[int], int]]:
-    return [([rng.randrange(256) for _ in range(rng.randint(*cfg.prompt_len))],
+def _workload(n: int, cfg: ServeBenchConfig, rng: random.Random, vocab: int
+              ) -> list[tuple[list[int], int]]:
+    """Random prompt ids below min(vocab, 256): bytes for the byte-vocab default model."""
+    return [([rng.randrange(min(vocab, 256)) for _ in range(rng.randint(*cfg.prompt_len))],
              rng.randint(*cfg.output_len)) for _ in range(n)]
 
 
@@ -154,15 +156,16 @@ def run(cfg: ServeBenchConfig) -> dict:
         hf.generation_config.pad_token_id = 0
         hf.generation_config.eos_token_id = None  # requests ignore EOS in both systems
         rng = random.Random(cfg.seed)
+        vocab = llm.engine.model_config.vocab_size
         for n in cfg.concurrency:  # warm-up: first calls at new shapes are slow in both
-            warm = _workload(n, cfg, rng)
+            warm = _workload(n, cfg, rng, vocab)
             _run_engine(llm, warm, n)
             _run_hf(hf, warm, n)
         rows = []
         for n in cfg.concurrency:
             reps: dict[str, list[dict]] = {"engine": [], "transformers": []}
             for _ in range(cfg.repeats):
-                reqs = _workload(n * cfg.rounds, cfg, rng)
+                reqs = _workload(n * cfg.rounds, cfg, rng, vocab)
                 for name, fn, model in (("engine", _run_engine, llm),
                                         ("transformers", _run_hf, hf)):
                     res = fn(model, reqs, n)

@@ -1,0 +1,81 @@
+"""`phoenixft generate`, CLI registration, the engine thread's failure rule, bench smoke."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from phoenixft.serve import SamplingParams
+from phoenixft.serve.async_engine import AsyncEngine, EngineDead
+from phoenixft.serve.engine import LLMEngine
+
+
+@pytest.mark.timeout(60)
+def test_generate_cli_byte_model(tmp_path):
+    from phoenixft.models.llama import LlamaForCausalLM, preset, save_hf
+
+    torch.manual_seed(0)
+    save_hf(LlamaForCausalLM(preset("tiny")), tmp_path / "m")
+    cmd = [sys.executable, "-m", "phoenixft.serve.cli", "generate", str(tmp_path / "m"),
+           "--prompt", "import os", "--max-tokens", "5", "--threads", "1"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("import os")
+    bad = subprocess.run(cmd[:-4] + ["--max-tokens", "1000"], check=False, capture_output=True,
+                         text=True, timeout=50)
+    assert bad.returncode == 2 and "maximum context length" in bad.stderr
+
+
+def test_commands_register_under_phoenixft_cli():
+    from phoenixft.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "d"])
+    assert (args.host, args.port, callable(args.func)) == ("127.0.0.1", 8000, True)
+    assert parser.parse_args(["generate", "d", "--prompt", "x"]).temperature == 0.0
+    bench = parser.parse_args(["bench", "serve", "--out", "x.json"])
+    assert bench.threads == 2 and callable(bench.func)
+
+
+def test_engine_thread_failure_reaches_waiters(hf_models):
+    engine = LLMEngine(hf_models["llama"][0])
+
+    def boom():
+        raise RuntimeError("injected step failure")
+
+    engine.step = boom  # type: ignore[method-assign]
+    runner = AsyncEngine(engine)
+    runner.start()
+
+    async def one():
+        seq = engine.make_sequence("r1", [1, 2, 3], SamplingParams(max_tokens=2))
+        return [o async for o in runner.generate(seq)]
+
+    try:
+        with pytest.raises(EngineDead, match="injected step failure"):
+            asyncio.run(asyncio.wait_for(one(), 10))
+        assert not runner.alive and "injected" in repr(runner.error)
+    finally:
+        runner.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_bench_serve_smoke(hf_models, tmp_path):
+    from phoenixft.bench.serve import ServeBenchConfig, run
+
+    cfg = ServeBenchConfig(concurrency=[1, 3], rounds=1, repeats=1, threads=1,
+                           prompt_len=(4, 8), output_len=(2, 6),
+                           model_dir=str(hf_models["llama"][0]))
+    result = run(cfg)
+    json.dumps(result)
+    assert result["threads"] == 1 and result["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    for row in result["results"]:
+        assert row["engine"]["useful_tokens"] == row["transformers"]["useful_tokens"]
+        assert row["engine"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="concurrency"):
+        ServeBenchConfig(concurrency=[0])
