@@ -109,3 +109,32 @@ def test_model_saved_by_save_hf_with_byte_tokenizer(tmp_path):
     torch.testing.assert_close(torch.stack(out.logits), ref, atol=ATOL, rtol=0)
     assert out.token_ids == ref.argmax(-1).tolist()
     assert out.text == bytes(t for t in out.token_ids if t < 256).decode(errors="replace")
+
+
+def test_logits_when_requests_join_a_running_batch(hf_models):
+    """Prefills of new requests share a forward pass with decodes of running ones."""
+    path, model = hf_models["llama"]
+    llm = LLM(path, block_size=4, max_model_len=128)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    query_lens: list[list[int]] = []
+    run = eng.runner.run
+
+    def recording_run(batch, **kw):
+        query_lens.append([len(s) - s.num_computed_tokens for s in batch])
+        return run(batch, **kw)
+
+    eng.runner.run = recording_run
+    seqs = [eng.add_request("a", PROMPTS[0], params, keep_logits=True)]
+    for step in range(40):
+        if step in (2, 5):
+            seqs.append(eng.add_request(f"j{step}", PROMPTS[1 + step // 5], params,
+                                        keep_logits=True))
+        eng.step()
+        if not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished()
+    assert [1, len(PROMPTS[1])] in query_lens and [1, 1, len(PROMPTS[2])] in query_lens
+    for s, p in zip(seqs, [PROMPTS[0], PROMPTS[1], PROMPTS[2]]):
+        ref = hf_logits(model, p + s.completion_token_ids)[len(p) - 1:-1]
+        torch.testing.assert_close(torch.stack(s.logits), ref, atol=ATOL, rtol=0)
