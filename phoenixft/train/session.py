@@ -140,7 +140,17 @@ class Session:
         for name, obj in (track or {}).items():
             self.tracked.add(name, obj)
         self._flat = FlatParams(model)
+        self._warm_up()
         self._enter(self._await_plan(0, self.cfg.spare_wait_s))
+
+    def _warm_up(self) -> None:
+        """Pay lazy imports and first-call costs now, not on activation: constructing and
+        stepping a torch optimizer the first time imports torch._dynamo (~2 s here)."""
+        p = nn.Parameter(torch.zeros(8, dtype=self._flat.dtype, device=self._flat.device))
+        opt = self._factory([p])
+        p.grad = torch.zeros_like(p)
+        opt.step()
+        state_digest({"warm": p.detach()})
 
     def steps(self, total: int) -> Iterator[Step]:
         """Yield steps until `total` optimizer steps are done, recovering from failures."""
@@ -304,6 +314,7 @@ class Session:
             lambda: new_group(self._connect(), f"gen/{g}/train/", self.rank, self.world_size,
                               device=dev, bind_host=host, timeout_s=self.cfg.collective_timeout_s),
             self.interrupt, self.cfg.join_timeout_s, f"building generation {g}'s group")
+        phases = {"group": time.time() - t0}
         self._rep_pg = call_with_deadline(
             lambda: new_group(self._connect(), f"gen/{g}/replicate/", self.rank, self.world_size,
                               device=torch.device("cpu"), bind_host=host,
@@ -314,6 +325,7 @@ class Session:
             self._opt = ShardedOptimizer(self._flat, self._factory, self.rank)
             self._opt.inner.register_step_pre_hook(lambda *_: self._snap.wait_copied())
         self._grad = torch.zeros(self._flat.buf.numel() + 2, dtype=self._flat.dtype, device=dev)
+        phases["rep_group"] = time.time() - t0
         committed = torch.tensor([kv.get_int(self.store, Keys.COMMITTED, -1)], dtype=torch.int64)
         wait_work(self._pg.broadcast(committed, 0), self.interrupt,
                   self.cfg.collective_timeout_s, "agreeing on the restore step")
@@ -327,6 +339,7 @@ class Session:
             self.step = 0
         else:
             source = self._restore(restore_step)
+        phases["restore"] = time.time() - t0
         holders = replica_holders(plan.nodes, min(self.cfg.replicas, self.world_size - 1))
         self._snap = Snapshotter(
             shm_dir=self.cfg.shm_dir, rank=self.rank, generation=g, connect=self._connect,
@@ -349,8 +362,10 @@ class Session:
                        recover_s=_delta(plan.t_detect, now))
             kv.set_json(self.store, f"recovered/{g}", rec)
             self.events.emit("recovered", **rec)
+        phases["barrier"] = time.time() - t0
         self.events.emit("joined", gen=g, rank=self.rank, world_size=self.world_size,
-                         step=self.step, source=source, pid=os.getpid())
+                         step=self.step, source=source, pid=os.getpid(),
+                         phases={k: round(v, 4) for k, v in phases.items()})
 
     def _restore(self, step: int) -> str:
         slot, hdr, source = restore_snapshot(
