@@ -1,0 +1,120 @@
+"""Snapshots, replicas, commit and the restore planner, with threads as ranks over real
+gloo groups and a real TCPStore (the processes are not the point here)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+
+from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.restore import restore_snapshot
+from phoenixft.checkpoint.slots import slot_path
+from phoenixft.checkpoint.snapshot import Snapshotter, commit_key
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.membership import replica_holders
+from phoenixft.cluster.store import Keys
+from phoenixft.comm.collectives import Interrupt
+from phoenixft.comm.groups import new_group
+
+
+def ranks(fn, n=2):
+    """Run fn(rank) in n threads; re-raise the first error."""
+    out, errs = [None] * n, []
+
+    def body(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+
+    ts = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    if errs:
+        raise errs[0]
+    return out
+
+
+@pytest.fixture()
+def store_addr():
+    port = kv.free_port()
+    server = kv.host_store("127.0.0.1", port)
+    yield f"127.0.0.1:{port}"
+    del server
+
+
+def state(rank, step):
+    g = torch.Generator().manual_seed(rank * 100 + step)
+    return {"param_shard": torch.randn(1000, generator=g), "opt.exp_avg": torch.randn(1000, generator=g)}
+
+
+def snapshot_steps(addr, shm, steps, gen=0):
+    nodes = {0: 0, 1: 1}
+    holders = replica_holders(nodes, 1)
+
+    def rank(r):
+        it = Interrupt()
+        it.enter(gen)
+        pg = new_group(kv.connect(addr), f"g{gen}/rep/", r, 2, device=torch.device("cpu"))
+        snap = Snapshotter(shm_dir=shm[r], rank=r, generation=gen, connect=lambda: kv.connect(addr),
+                           rep_pg=pg, holders=holders[r],
+                           sources=[s for s, hs in holders.items() if r in hs], world_size=2,
+                           interrupt=it, timeout_s=30)
+        for s in steps:
+            snap.begin(s, state(r, s), {"rank": r, "world_size": 2})
+            snap.wait_copied()
+        store = kv.connect(addr)
+        store.wait([commit_key(steps[-1])], timedelta(seconds=30))
+        snap.stop()
+        return int(store.get(Keys.COMMITTED))
+
+    return ranks(rank)
+
+
+def restore(addr, shm, step, prefix):
+    def rank(r):
+        it = Interrupt()
+        it.enter(9)
+        pg = new_group(kv.connect(addr), prefix, r, 2, device=torch.device("cpu"))
+        slot, hdr, source = restore_snapshot(pg, rank=r, world_size=2, step=step, shm_dir=shm[r],
+                                             interrupt=it, timeout_s=30)
+        t = slot.tensors(hdr)
+        assert torch.equal(t["param_shard"], state(r, step)["param_shard"])
+        return source
+
+    return ranks(rank)
+
+
+def test_commit_needs_every_copy_and_replica(tmp_path, store_addr):
+    shm = [tmp_path / "node0", tmp_path / "node1"]
+    assert snapshot_steps(store_addr, shm, [0, 1, 2]) == [2, 2]
+    for r in range(2):  # own slot on its node, replica on the other node
+        assert slot_path(shm[r], "snap", r, 2).exists()
+        assert slot_path(shm[1 - r], "rep", r, 2).exists()
+    # double buffering: step 1 is still intact next to step 2
+    assert restore(store_addr, shm, 1, "a/") == ["local_snapshot", "local_snapshot"]
+
+
+def test_restore_falls_back_to_replica_then_peer_then_fails_clearly(tmp_path, store_addr):
+    shm = [tmp_path / "node0", tmp_path / "node1"]
+    snapshot_steps(store_addr, shm, [0, 1])
+    # node 1 lost whole; its rank restarts beside the replica holder on node 0
+    shutil.rmtree(shm[1])
+    assert restore(store_addr, [shm[0], shm[0]], 1, "b/") == ["local_snapshot", "local_replica"]
+    # ... or on a fresh node: the holder sends the replica over the group
+    fresh = tmp_path / "node2"
+    assert restore(store_addr, [shm[0], fresh], 1, "c/") == ["local_snapshot", "peer_memory"]
+    # corrupt the last copy: a clear error, never a silent load
+    rep = slot_path(shm[0], "rep", 1, 1)
+    data = bytearray(rep.read_bytes())
+    data[-10] ^= 0xFF
+    rep.write_bytes(bytes(data))
+    shutil.rmtree(fresh)
+    with pytest.raises(IntegrityError, match="no surviving copy of rank 1's snapshot for step 1"):
+        restore(store_addr, [shm[0], fresh], 1, "d/")
