@@ -12,8 +12,10 @@ what was asked). Each of the N clients sends its next request as soon as its pre
 returned (closed loop).
 - engine: a finished request's client submits its next at once; it joins the running
   batch at the next step (continuous batching).
-- transformers: requests go in waves of N through one batched ``generate`` call (left
-  padding), the best a server built on ``generate`` can do; a wave runs until its longest
+- transformers: requests go in waves of N through one batched ``generate`` call, left
+  padded to the longest possible prompt so that every wave has the same shapes (with
+  varying shapes, its first calls at each new shape cost seconds on this CPU); this is
+  the best a server built on ``generate`` can do; a wave runs until its longest
   request is done, and the next wave starts after it. The JSON also gives the tokens it
   computed (``computed_tokens``, including those past a request's max_tokens), while
   tokens/s counts only the tokens requests asked for (``useful_tokens``).
@@ -37,7 +39,7 @@ from pathlib import Path
 @dataclass(kw_only=True)
 class ServeBenchConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
-    rounds: int = 2
+    rounds: int = 4
     repeats: int = 3
     threads: int = 2
     prompt_len: tuple[int, int] = (16, 64)
@@ -78,7 +80,8 @@ def _workload(n: int, cfg: ServeBenchConfig, rng: random.Random, vocab: int
              rng.randint(*cfg.output_len)) for _ in range(n)]
 
 
-def _run_engine(llm, reqs: list[tuple[list[int], int]], clients: int) -> dict:
+def _run_engine(llm, reqs: list[tuple[list[int], int]], clients: int, width: int = 0
+                ) -> dict:
     from phoenixft.serve import SamplingParams
 
     eng, pending, seqs = llm.engine, list(reversed(reqs)), []
@@ -102,7 +105,7 @@ def _run_engine(llm, reqs: list[tuple[list[int], int]], clients: int) -> dict:
             "ttft_s": [s.first_token_time - s.arrival_time for s in seqs]}
 
 
-def _hf_wave(model, reqs) -> dict:
+def _hf_wave(model, reqs, width: int) -> dict:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -114,7 +117,6 @@ def _hf_wave(model, reqs) -> dict:
                 self.at = time.monotonic()
             return scores
 
-    width = max(len(p) for p, _ in reqs)
     ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in reqs])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in reqs])
     new = max(m for _, m in reqs)
@@ -129,11 +131,11 @@ def _hf_wave(model, reqs) -> dict:
             "ttft_s": [rec.at - t0] * len(reqs)}
 
 
-def _run_hf(model, reqs: list[tuple[list[int], int]], clients: int) -> dict:
+def _run_hf(model, reqs: list[tuple[list[int], int]], clients: int, width: int) -> dict:
     res = {"useful_tokens": 0, "computed_tokens": 0, "ttft_s": []}
     t0 = time.monotonic()
     for i in range(0, len(reqs), clients):
-        wave = _hf_wave(model, reqs[i:i + clients])
+        wave = _hf_wave(model, reqs[i:i + clients], width)
         for k in res:
             res[k] += wave[k]
     return res | {"wall_s": time.monotonic() - t0}
@@ -157,10 +159,11 @@ def run(cfg: ServeBenchConfig) -> dict:
         hf.generation_config.eos_token_id = None  # requests ignore EOS in both systems
         rng = random.Random(cfg.seed)
         vocab = llm.engine.model_config.vocab_size
+        width = cfg.prompt_len[1]
         for n in cfg.concurrency:  # warm-up: first calls at new shapes are slow in both
             warm = _workload(n, cfg, rng, vocab)
             _run_engine(llm, warm, n)
-            _run_hf(hf, warm, n)
+            _run_hf(hf, warm, n, width)
         rows = []
         for n in cfg.concurrency:
             reps: dict[str, list[dict]] = {"engine": [], "transformers": []}
@@ -168,7 +171,7 @@ def run(cfg: ServeBenchConfig) -> dict:
                 reqs = _workload(n * cfg.rounds, cfg, rng, vocab)
                 for name, fn, model in (("engine", _run_engine, llm),
                                         ("transformers", _run_hf, hf)):
-                    res = fn(model, reqs, n)
+                    res = fn(model, reqs, n, width)
                     reps[name].append({
                         "tokens_per_s": res["useful_tokens"] / res["wall_s"],
                         "ttft_mean_ms": 1e3 * statistics.fmean(res["ttft_s"]),
@@ -230,8 +233,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="model directory (default: build a random 4-layer Llama)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--rounds", type=int, default=2,
-                   help="requests per client in one repeat (default 2)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="requests per client in one repeat (default 4)")
     p.add_argument("--repeats", type=int, default=3,
                    help="repeats per level, alternating the systems; median shown")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")

@@ -56,7 +56,9 @@ class ModelRunner:
         kv_pos = torch.arange(kv_len)
         if mq == 1:
             query_index = None
-            mask = (kv_pos[None, :] < torch.tensor(ctx_lens)[:, None]).view(b, 1, 1, kv_len)
+            valid = kv_pos[None, :] < torch.tensor(ctx_lens)[:, None]
+            mask = torch.zeros(b, 1, 1, kv_len).masked_fill_(~valid.view(b, 1, 1, kv_len),
+                                                             float("-inf"))
         else:
             query_index = row * mq + offset_in_row
             qpos = torch.zeros(b * mq, dtype=torch.long)  # padding rows see position 0
