@@ -148,6 +148,10 @@ class Leader:
             self.store.set(Keys.fence(wid), "1")
             new.append(Failure(wid, self.plan.rank_of(wid), "hang", w.exit_detail, t_fail, now))
         if self._all_members_exited():
+            if not self.store.check([Keys.result("digest")]):
+                self._abort("every rank exited before training finished; see the worker logs "
+                            f"in {self.run_dir / 'logs'}")
+                return
             self.finished = True
             self._publish(Plan(generation=self.plan.generation + 1, kind="done",
                                reason="all ranks finished"))

@@ -42,7 +42,7 @@ def new_group(store: dist.Store, prefix: str, rank: int, size: int, *, device: t
 def abort_group(pg: dist.ProcessGroup | None) -> None:
     """Best-effort abort of a dead generation's group (NCCL needs it to free its
     communicators; gloo's pending ops fail once the dead peer's sockets close)."""
-    if pg is None:
+    if pg is None or pg.name() == "gloo":
         return
     abort = getattr(pg, "abort", None)
     if abort is not None:

@@ -29,6 +29,8 @@ def stdlib_corpus(max_bytes: int | None = None) -> torch.Tensor:
             b = p.read_bytes()
         except OSError:
             continue
+        if not b:
+            continue
         chunks.append(b)
         total += len(b) + 1
         if max_bytes is not None and total >= max_bytes:

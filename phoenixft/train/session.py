@@ -101,6 +101,7 @@ class Session:
         self.tracked = Tracked()
         self._pg = None
         self._rep_pg = None
+        self._dead_groups: list = []
         self._snap: Snapshotter | None = None
         self._flat: FlatParams | None = None
         self._opt: ShardedOptimizer | None = None
@@ -255,6 +256,7 @@ class Session:
                 break
             except Exception:
                 if time.monotonic() > deadline:
+                    self._exit_code = 1
                     raise JobAborted(f"phoenixft: no generation {g} plan within {timeout_s:.0f}s; "
                                      "is the agent alive?") from None
         while self.store.check([Keys.plan(g + 1)]):
@@ -274,6 +276,8 @@ class Session:
                 return
             except CommFailure as exc:
                 self.events.emit("join_failed", gen=plan.generation, error=str(exc))
+                self._dead_groups += [self._pg, self._rep_pg]
+                self._pg = self._rep_pg = None
                 plan = self._await_plan(plan.generation + 1, self.cfg.join_timeout_s)
 
     def _leave(self, plan: Plan) -> None:
@@ -399,7 +403,13 @@ class Session:
             self._snap.stop()
         abort_group(self._pg)
         abort_group(self._rep_pg)
+        # A broken gloo group's destructor joins its worker threads, which sit in the
+        # abandoned collective until gloo's own timeout: dropping the last reference here
+        # would stall recovery for that long. Keep dead groups referenced instead.
+        self._dead_groups += [self._pg, self._rep_pg]
         self._pg = self._rep_pg = None
+        # ...and never let their late-finishing ops write into live buffers.
+        self._flat.relocate()
         self._enter(self._await_plan(self.generation + 1, self.cfg.join_timeout_s))
 
     # -- plumbing -------------------------------------------------------------------

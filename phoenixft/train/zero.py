@@ -51,6 +51,14 @@ class FlatParams:
             p.data = buf[off:off + n].view_as(p)
         self.buf, self.world_size = buf, world_size
 
+    def relocate(self) -> None:
+        """Move the parameters to a fresh flat buffer (same values), so an abandoned
+        collective that still targets the old buffer cannot change them."""
+        buf = self.buf.clone()
+        for (off, n), (_, p) in zip(self.offsets, self.named):
+            p.data = buf[off:off + n].view_as(p)
+        self.buf = buf
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         s = self.shard_size(self.world_size)
         return rank * s, (rank + 1) * s

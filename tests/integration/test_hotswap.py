@@ -16,13 +16,23 @@ pytestmark = [pytest.mark.integration]
 STEPS = 16
 
 
+_REFERENCES: dict[int, dict] = {}
+
+
+def failure_free(tmp_path_factory, nproc: int) -> dict:
+    """The same job without failures (run once per world size)."""
+    if nproc not in _REFERENCES:
+        job = run(tmp_path_factory.mktemp(f"ref{nproc}"), "--nproc", str(nproc), steps=STEPS)
+        assert job.rc == 0, job.out
+        assert job.summary["final_step"] == STEPS
+        assert len(job.summary["losses"]) == STEPS
+        _REFERENCES[nproc] = job.summary
+    return _REFERENCES[nproc]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    job = run(tmp_path_factory.mktemp("ref"), "--nproc", "2", steps=STEPS)
-    assert job.rc == 0, job.out
-    assert job.summary["final_step"] == STEPS
-    assert len(job.summary["losses"]) == STEPS
-    return job.summary
+    return failure_free(tmp_path_factory, 2)
 
 
 def survivors_kept_pids(job) -> None:
@@ -60,6 +70,18 @@ def test_kill_nonzero_rank_is_hot_swapped(tmp_path, reference):
     rec = job.summary["recoveries"][0]
     assert rec["rank"] == 1 and rec["kind"] == "exit"
     assert rec["source"] == "local_snapshot"  # the spare mapped the dead rank's shm
+
+
+@pytest.mark.timeout(240)
+def test_four_ranks_kill_a_middle_rank(tmp_path, tmp_path_factory):
+    """With more than two ranks, some survivors stay blocked in the broken collective
+    (only the dead rank's ring neighbours see the error); recovery must not wait for
+    gloo's own timeout on them."""
+    ref = failure_free(tmp_path_factory, 4)
+    job = run(tmp_path, "--nproc", "4", "--spares", "1", "--inject", "kill:rank=2:step=8",
+              steps=STEPS)
+    same_as_reference(job, ref, failures=1)
+    assert job.summary["recoveries"][0]["recover_s"] < 5
 
 
 @pytest.mark.timeout(200)
