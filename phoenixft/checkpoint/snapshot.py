@@ -39,19 +39,29 @@ def commit_key(step: int) -> str:
     return f"commit/{step}"
 
 
+def _copied_key(generation: int, rank: int, step: int) -> str:
+    return f"copied/{generation}/{rank}/{step}"
+
+
 class Snapshotter:
     def __init__(self, *, shm_dir: str | Path, rank: int, generation: int,
                  connect: Callable[[], dist.Store], rep_pg: dist.ProcessGroup | None,
                  holders: list[int], sources: list[int], world_size: int,
-                 interrupt: Interrupt, timeout_s: float,
+                 nodes: dict[int, int], interrupt: Interrupt, timeout_s: float,
                  on_commit: Callable[[int, float], None] | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.rank = rank
         self.generation = generation
         self._connect = connect
         self._rep_pg = rep_pg
-        self._holders = holders
-        self._sources = sources
+        me = nodes.get(rank)
+        # Peers on another node get the slot over the replication group; a holder on the
+        # same node copies it out of this rank's shared-memory slot itself (one memcpy,
+        # no sockets), once this rank says the slot is complete.
+        self._remote_holders = [h for h in holders if nodes.get(h) != me]
+        self._remote_sources = [s for s in sources if nodes.get(s) != me]
+        self._local_sources = [s for s in sources if nodes.get(s) == me]
+        self._announce = any(nodes.get(h) == me for h in holders)
         self._target = world_size * (1 + len(holders))
         self._interrupt = interrupt
         self._timeout = timeout_s
@@ -63,7 +73,7 @@ class Snapshotter:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._stopped = False
-        self.copy_seconds: list[float] = []
+        self.stats = {"snapshots": 0, "copy_s": 0.0, "replicate_s": 0.0, "thread_cpu_s": 0.0}
         self._thread = threading.Thread(target=self._run, name=f"phoenixft-snap-r{rank}",
                                         daemon=True)
         self._thread.start()
@@ -126,23 +136,33 @@ class Snapshotter:
             self._cond.notify_all()
 
     def _wait_committed(self, store: dist.Store, step: int) -> None:
-        if step < 0:
-            return
+        if step >= 0:
+            self._wait_key(store, commit_key(step))
+
+    def _wait_key(self, store: dist.Store, key: str) -> None:
+        """Wait for a store key, giving up on a newer generation, a stop or the deadline."""
         deadline = time.monotonic() + self._timeout
         while not self._stopped:
             if self._interrupt.is_set():
                 raise CommFailure("generation changed")
             try:
-                store.wait([commit_key(step)], timedelta(seconds=0.25))
+                store.wait([key], timedelta(seconds=0.25))
                 return
             except Exception:
                 if time.monotonic() > deadline:
-                    raise CommFailure(f"snapshot {step} not committed within {self._timeout}s")
+                    raise CommFailure(f"{key} not set within {self._timeout}s") from None
         raise CommFailure("stopped")
 
     def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict) -> None:
         # The other slot must hold a committed snapshot before this one may be overwritten.
         self._wait_committed(store, step - 1)
+        cpu0 = time.thread_time()
+        self._copy_and_replicate(store, step, tensors, header)
+        self.stats["thread_cpu_s"] += time.thread_time() - cpu0
+        self.stats["snapshots"] += 1
+
+    def _copy_and_replicate(self, store: dist.Store, step: int, tensors: dict,
+                            header: dict) -> None:
         t0 = time.perf_counter()
         layout = Layout.of(tensors)
         slot = self._slot("snap", self.rank, step)
@@ -151,25 +171,38 @@ class Snapshotter:
         for e in layout.entries:
             slot.view(e).copy_(tensors[e.name].detach().reshape(e.shape))
         slot.finish_write(step, layout, dict(header, generation=self.generation))
-        self.copy_seconds.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
         with self._cond:
             self._copied_step = step
             self._cond.notify_all()
+        if self._announce:
+            store.set(_copied_key(self.generation, self.rank, step), "1")
         self._ack(store, step)
-        if self._rep_pg is None or (not self._holders and not self._sources):
-            return
-        recv = {src: self._slot("rep", src, step) for src in self._sources}
-        exchange_slots(self._rep_pg, send=slot, send_nbytes=HEADER_BYTES + layout.data_nbytes,
-                       dsts=self._holders, recv=recv, interrupt=self._interrupt,
-                       timeout_s=self._timeout)
-        for src, rslot in recv.items():
-            rslot.verify(step)  # a corrupt transfer raises here and is never acknowledged
+        if self._rep_pg is not None and (self._remote_holders or self._remote_sources):
+            recv = {src: self._slot("rep", src, step) for src in self._remote_sources}
+            exchange_slots(self._rep_pg, send=slot,
+                           send_nbytes=HEADER_BYTES + layout.data_nbytes,
+                           dsts=self._remote_holders, recv=recv, interrupt=self._interrupt,
+                           timeout_s=self._timeout)
+            for rslot in recv.values():
+                rslot.verify(step)  # a corrupt transfer raises here and is never acknowledged
+                self._ack(store, step)
+        for src in self._local_sources:
+            self._wait_key(store, _copied_key(self.generation, src, step))
+            source = SlotFile(slot_path(self.shm_dir, "snap", src, step))
+            n = source.used_nbytes()
+            rslot = self._slot("rep", src, step)
+            rslot.ensure(n)
+            rslot.begin_write(step)
+            rslot.tensor[:n].copy_(source.tensor[:n])  # checksummed with it; verified on restore
             self._ack(store, step)
+        self.stats["copy_s"] += t1 - t0
+        self.stats["replicate_s"] += time.perf_counter() - t1
 
     def _ack(self, store: dist.Store, step: int) -> None:
         n = store.add(Keys.ack(self.generation, step), 1)
         if n == self._target:
+            raise_to(store, Keys.COMMITTED, step)  # before the marker its waiters read
             store.set(commit_key(step), str(time.time()))
-            raise_to(store, Keys.COMMITTED, step)
             if self._on_commit is not None:
                 self._on_commit(step, time.time())

@@ -249,7 +249,9 @@ class Leader:
         members = []
         rank_of = {w: r for r, w in plan.members.items()} if plan else {}
         for w in sorted(self.workers.values(), key=lambda w: (rank_of.get(w.wid, 1 << 30), w.wid)):
-            members.append({"rank": rank_of.get(w.wid), "role": "active" if w.wid in rank_of else "spare",
+            role = ("active" if w.wid in rank_of else
+                    "failed" if w.state in ("dead", "fenced") else "spare")
+            members.append({"rank": rank_of.get(w.wid), "role": role,
                             "pid": w.pid, "state": w.state, "wid": w.wid, "node": w.node})
         return {"generation": plan.generation if plan else -1,
                 "kind": plan.kind if plan else "starting",

@@ -50,6 +50,7 @@ class AgentConfig:
     join_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     replicas: int = 1
+    snapshots: bool = True  # False only for the overhead benchmark's baseline
     tick_s: float = 0.02
     shutdown_grace_s: float = 20.0
     python: str = sys.executable
@@ -124,7 +125,8 @@ class Agent:
             PHOENIXFT_CONFIG=json.dumps({
                 "heartbeat_interval_s": cfg.heartbeat_interval_s,
                 "collective_timeout_s": cfg.collective_timeout_s,
-                "join_timeout_s": cfg.join_timeout_s, "replicas": cfg.replicas}),
+                "join_timeout_s": cfg.join_timeout_s, "replicas": cfg.replicas,
+                "snapshots": cfg.snapshots}),
             # torchrun-compatible names; RANK/WORLD_SIZE are set when a generation is joined
             LOCAL_RANK=str(local), MASTER_ADDR=host, MASTER_PORT=str(port),
             GROUP_RANK=str(cfg.node_rank), PYTHONUNBUFFERED="1",
@@ -149,6 +151,8 @@ class Agent:
     def run(self) -> int:
         cfg = self.cfg
         t_start = time.time()
+        if cfg.node_rank == 0:
+            self._set_aside_previous_run()
         store = self._open_store()
         job = store.get("job_id").decode()
         self.shm_dir = Path("/dev/shm") / f"phoenixft-{job}" / f"n{cfg.node_rank}"
@@ -196,6 +200,19 @@ class Agent:
             self._stop_workers()
             sel.close()
         return self._finish(store, final, time.time() - t_start)
+
+    def _set_aside_previous_run(self) -> None:
+        """A reused run dir: move the last run's files into previous/ rather than mixing
+        two runs in one events.jsonl (nothing is deleted)."""
+        old = [self.run_dir / n for n in ("events.jsonl", "status.json", "summary.json", "model")]
+        if not any(p.exists() for p in old):
+            return
+        dest = self.run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in old:
+            if p.exists():
+                p.rename(dest / p.name)
+        self.events = EventLog(self.run_dir / "events.jsonl", node=self.cfg.node_rank)
 
     def _reap(self, store, p: _Proc) -> None:
         rc = p.popen.wait()

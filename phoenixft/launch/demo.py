@@ -32,6 +32,7 @@ def _watch(console: Console, proc: subprocess.Popen, view: RunView) -> tuple[int
             live.update(view.render())
             time.sleep(0.25)  # UI refresh period, not synchronisation
         live.update(view.render())
+    console.print()
     return proc.returncode, proc.stderr.read() if proc.stderr else ""
 
 
@@ -40,7 +41,7 @@ def cmd_demo(args) -> int:
     if not EXAMPLE.exists():
         console.print(f"[red]phoenixft demo needs the source tree: {EXAMPLE} is missing[/]")
         return 2
-    steps = args.steps or 50
+    steps = args.steps or 80
     kill_at = max(2, int(steps * 0.4))
     root = Path(args.run_dir)
     shutil.rmtree(root, ignore_errors=True)

@@ -24,6 +24,7 @@ class SessionConfig:
     join_timeout_s: float = 60.0  # waiting for a plan, building a generation's groups
     spare_wait_s: float = 24 * 3600.0  # how long a spare waits to be activated
     replicas: int = 1  # peers that hold a copy of each rank's snapshot
+    snapshots: bool = True  # off only to measure what snapshots cost (no recovery then)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "collective_timeout_s", "join_timeout_s",

@@ -224,6 +224,8 @@ class Session:
         self._snapshot()
 
     def _snapshot(self) -> None:
+        if not self.cfg.snapshots:
+            return
         tensors = self._opt.state_tensors()
         tensors["rng.torch"] = torch.get_rng_state()
         if torch.cuda.is_available() and self._flat.device.type == "cuda":
@@ -232,10 +234,17 @@ class Session:
         header = {"rank": self.rank, "world_size": self.world_size, "numel": self._flat.numel,
                   "opt": self._opt.state_meta(), "tracked": self.tracked.meta(),
                   "python_random": random.getstate()}
+        if self.step == 1 and self.rank == 0:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            copies = 1 + len(replica_holders(self.plan.nodes, 1)[0]) if self.world_size > 1 else 1
+            self.events.emit("snapshot_size", bytes_per_slot=nbytes, slots=2, copies=copies,
+                             host_bytes_per_rank=2 * copies * nbytes)
         self._snap.begin(self.step, tensors, header)
 
     def _finish(self, total: int) -> None:
         self._snap.wait_copied()
+        self.events.emit("snapshot_stats", rank=self.rank, gen=self.generation,
+                         **{k: round(v, 4) for k, v in self._snap.stats.items()})
         digest = state_digest(self.full_state())
         wait_work(self._pg.allreduce([torch.zeros(1)]), self.interrupt,
                   self.cfg.collective_timeout_s, "final barrier")
@@ -349,7 +358,7 @@ class Session:
             shm_dir=self.cfg.shm_dir, rank=self.rank, generation=g, connect=self._connect,
             rep_pg=self._rep_pg, holders=holders[self.rank],
             sources=[r for r, hs in holders.items() if self.rank in hs],
-            world_size=self.world_size, interrupt=self.interrupt,
+            world_size=self.world_size, nodes=plan.nodes, interrupt=self.interrupt,
             timeout_s=self.cfg.collective_timeout_s, on_commit=self._on_commit)
         if restore_step < 0:
             self._snapshot()

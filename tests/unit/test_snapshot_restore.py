@@ -54,8 +54,8 @@ def state(rank, step):
     return {"param_shard": torch.randn(1000, generator=g), "opt.exp_avg": torch.randn(1000, generator=g)}
 
 
-def snapshot_steps(addr, shm, steps, gen=0):
-    nodes = {0: 0, 1: 1}
+def snapshot_steps(addr, shm, steps, gen=0, nodes=None):
+    nodes = nodes or {0: 0, 1: 1}
     holders = replica_holders(nodes, 1)
 
     def rank(r):
@@ -65,6 +65,7 @@ def snapshot_steps(addr, shm, steps, gen=0):
         snap = Snapshotter(shm_dir=shm[r], rank=r, generation=gen, connect=lambda: kv.connect(addr),
                            rep_pg=pg, holders=holders[r],
                            sources=[s for s, hs in holders.items() if r in hs], world_size=2,
+                           nodes=nodes,
                            interrupt=it, timeout_s=30)
         for s in steps:
             snap.begin(s, state(r, s), {"rank": r, "world_size": 2})
@@ -99,6 +100,15 @@ def test_commit_needs_every_copy_and_replica(tmp_path, store_addr):
         assert slot_path(shm[1 - r], "rep", r, 2).exists()
     # double buffering: step 1 is still intact next to step 2
     assert restore(store_addr, shm, 1, "a/") == ["local_snapshot", "local_snapshot"]
+
+
+def test_same_node_replicas_are_copied_through_shared_memory(tmp_path, store_addr):
+    shm = [tmp_path / "node0", tmp_path / "node0"]
+    assert snapshot_steps(store_addr, shm, [0, 1, 2], nodes={0: 0, 1: 0}) == [2, 2]
+    for r in range(2):
+        assert slot_path(shm[0], "rep", r, 2).exists()
+        slot_path(shm[0], "snap", r, 2).unlink()  # own copies gone: the replicas serve
+    assert restore(store_addr, shm, 2, "s/") == ["local_replica", "local_replica"]
 
 
 def test_restore_falls_back_to_replica_then_peer_then_fails_clearly(tmp_path, store_addr):
