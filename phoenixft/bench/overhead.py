@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def cmd_overhead(args) -> int:
-    console = Console()
+    console = Console(width=max(Console().width, 130))
     root = Path(args.out).parent / "overhead-runs"
     runs = []
     t0 = time.time()

@@ -47,7 +47,7 @@ def measure(events: list[dict]) -> dict:
 
 
 def cmd_recovery(args) -> int:
-    console = Console()
+    console = Console(width=max(Console().width, 130))
     root = Path(args.out).parent / "recovery-runs"
     rows = []
     t0 = time.time()

@@ -37,8 +37,13 @@ from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatSender
 from phoenixft.cluster.membership import Plan, replica_holders
 from phoenixft.cluster.store import Keys
-from phoenixft.comm.collectives import (CommFailure, GenerationChanged, Interrupt,
-                                        call_with_deadline, wait_work)
+from phoenixft.comm.collectives import (
+    CommFailure,
+    GenerationChanged,
+    Interrupt,
+    call_with_deadline,
+    wait_work,
+)
 from phoenixft.comm.groups import abort_group, new_group
 from phoenixft.launch.inject import Injector, parse_env
 from phoenixft.observe.events import EventLog

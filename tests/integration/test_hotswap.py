@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from jobs import kill_members, kill_tree, load, run, start
 
 pytestmark = [pytest.mark.integration]

@@ -4,11 +4,9 @@ the job with its traceback shown, without hanging."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 
 import pytest
-
 from jobs import PHOENIXFT, ROOT, kill_members, kill_tree, load
 
 pytestmark = [pytest.mark.integration]
