@@ -1,9 +1,11 @@
 """Train a small Llama-style byte-level model on the Python standard library, under
 phoenixft. Run it with `phoenixft run --nproc 2 --spares 1 examples/train_gpt.py`.
 
-The optimizer state is sharded over ranks (ZeRO-1) and each rank draws its own data
-windows from its own generator, so a dead rank's state exists nowhere else but in its
-snapshot and that snapshot's peer replica.
+The optimizer state is sharded over ranks (ZeRO-1). With `--data rank` (default) each
+rank draws its own windows from its own generator, so a dead rank's state exists nowhere
+else but in its snapshot and that snapshot's peer replica. With `--data ids` a
+microbatch's windows are a pure function of its id (step, j), so survivors can take over
+a dead rank's microbatches (ReCoVer: `phoenixft run --min-nproc 1`).
 """
 
 import argparse
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 import phoenixft
 from phoenixft.models.llama import LlamaForCausalLM, preset, save_hf
-from phoenixft.train.data import RandomWindows, stdlib_corpus
+from phoenixft.train.data import MicrobatchWindows, RandomWindows, stdlib_corpus
 
 BATCH = {"tiny": 4, "small": 8, "ref": 8}
 
@@ -27,6 +29,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="microbatches per step, over all ranks (default: one per rank)")
+    ap.add_argument("--data", default="rank", choices=["rank", "ids"],
+                    help="rank: per-rank sampler state; ids: data is a function of the microbatch id")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -37,14 +43,20 @@ def main() -> None:
     corpus = stdlib_corpus(max_bytes=2_000_000 if args.preset == "tiny" else None)
     # Each rank draws from its own stream, seeded at the first draw once the rank is
     # known; after a failure the replacement gets the generator state from the snapshot.
-    data = RandomWindows(corpus, context=cfg.max_position_embeddings, batch=BATCH[args.preset],
-                         seed=lambda: args.seed * 1000 + sess.rank)
+    ctx, batch = cfg.max_position_embeddings, BATCH[args.preset]
+    if args.data == "rank":
+        data = RandomWindows(corpus, context=ctx, batch=batch,
+                             seed=lambda: args.seed * 1000 + sess.rank)
+        track = {"data": data}
+    else:
+        windows = MicrobatchWindows(corpus, context=ctx, batch=batch, seed=args.seed)
+        track = {}
     sess.setup(model, lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
-               track={"data": data})
+               track=track, microbatches=args.microbatches)
 
     for step in sess.steps(args.steps):
-        for _ in step.microbatches():
-            x, y = data.next_batch()
+        for j in step.microbatches():
+            x, y = data.next_batch() if args.data == "rank" else windows.get(step.index, j)
             logits = model(x)
             step.backward(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
 

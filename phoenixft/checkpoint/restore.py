@@ -24,16 +24,21 @@ from phoenixft.checkpoint.slots import SlotFile, slot_path
 from phoenixft.comm.collectives import Interrupt, wait_work
 
 
-def local_copy(shm_dir: str | Path, rank: int, step: int) -> tuple[SlotFile, str] | None:
+def local_copy(shm_dir: str | Path, rank: int, step: int,
+               generation: int | None = None) -> tuple[SlotFile, str] | None:
     """A verified slot for (rank, step) in this node's shared memory, own slot first,
-    with its kind: "local_snapshot" or "local_replica"."""
+    with its kind: "local_snapshot" or "local_replica". With `generation`, only a slot
+    written by that generation counts (after a world-size change, an abandoned snapshot
+    of the same step from an older numbering may still sit in a slot)."""
     for kind, name in (("snap", "local_snapshot"), ("rep", "local_replica")):
         p = slot_path(shm_dir, kind, rank, step)
         if not p.exists():
             continue
         f = SlotFile(p)
         try:
-            f.verify(step)
+            hdr = f.verify(step)
+            if generation is not None and hdr.get("generation") != generation:
+                continue
             return f, name
         except IntegrityError:
             continue
@@ -41,16 +46,12 @@ def local_copy(shm_dir: str | Path, rank: int, step: int) -> tuple[SlotFile, str
 
 
 def restore_snapshot(pg: dist.ProcessGroup, *, rank: int, world_size: int, step: int,
-                     shm_dir: str | Path, interrupt: Interrupt, timeout_s: float
-                     ) -> tuple[SlotFile, dict, str]:
+                     shm_dir: str | Path, interrupt: Interrupt, timeout_s: float,
+                     generation: int | None = None) -> tuple[SlotFile, dict, str]:
     """Collective. Returns (slot, verified header, source) for this member's rank,
     where source is "local_snapshot", "local_replica" or "peer_memory" (sent by a peer)."""
-    copies = {r: local_copy(shm_dir, r, step) for r in range(world_size)}
-    have = torch.tensor([1 if copies[r] is not None else 0 for r in range(world_size)],
-                        dtype=torch.int32)
-    table = torch.zeros(world_size * world_size, dtype=torch.int32)
-    wait_work(pg._allgather_base(table, have), interrupt, timeout_s, "restore planning")
-    table = table.view(world_size, world_size)  # table[holder][rank]
+    copies, table = _copy_table(pg, shm_dir, world_size, world_size, step, generation,
+                                interrupt, timeout_s)
     senders: dict[int, int] = {}
     for r in range(world_size):
         if table[r][r]:
@@ -85,3 +86,53 @@ def restore_snapshot(pg: dist.ProcessGroup, *, rank: int, world_size: int, step:
                              f"not rank {rank}")
     return mine, hdr, source
 
+
+
+def _copy_table(pg, shm_dir, world_size: int, old_world: int, step: int, generation,
+                interrupt: Interrupt, timeout_s: float):
+    """Which member's node holds a verified copy of which old rank's snapshot."""
+    copies = {r: local_copy(shm_dir, r, step, generation) for r in range(old_world)}
+    have = torch.tensor([1 if copies[r] is not None else 0 for r in range(old_world)],
+                        dtype=torch.int32)
+    table = torch.zeros(world_size * old_world, dtype=torch.int32)
+    wait_work(pg._allgather_base(table, have), interrupt, timeout_s, "restore planning")
+    return copies, table.view(world_size, old_world)  # table[member][old rank]
+
+
+def gather_resharded(pg: dist.ProcessGroup, *, rank: int, world_size: int, old_world: int,
+                     step: int, generation: int, shm_dir: str | Path, interrupt: Interrupt,
+                     timeout_s: float) -> tuple[dict[str, torch.Tensor], dict]:
+    """Collective, for a world-size change: every member gets the whole committed state of
+    step t (all `old_world` shards concatenated, per entry name) so it can cut its new
+    shard. Each old shard comes from the lowest member holding a verified copy, broadcast
+    to all. Returns (full tensors by entry name, header of old rank 0)."""
+    copies, table = _copy_table(pg, shm_dir, world_size, old_world, step, generation,
+                                interrupt, timeout_s)
+    parts: dict[str, list[torch.Tensor]] = {}
+    header0: dict = {}
+    for o in range(old_world):
+        holders = [m for m in range(world_size) if table[m][o]]
+        if not holders:
+            raise IntegrityError(
+                f"no surviving copy of old rank {o}'s snapshot for step {step} (generation "
+                f"{generation}): its node and its replica holders are gone or corrupt")
+        src = holders[0]
+        n = torch.tensor([copies[o][0].used_nbytes() if rank == src else 0], dtype=torch.int64)
+        wait_work(pg.broadcast(n, src), interrupt, timeout_s, "reshard size")
+        if rank == src:
+            slot = copies[o][0]
+        else:
+            slot = SlotFile(slot_path(shm_dir, "xfer", o, step))
+            slot.ensure(int(n))
+        wait_work(pg.broadcast(slot.tensor[:int(n)], src), interrupt, timeout_s, "reshard data")
+        hdr = slot.verify(step)
+        if hdr.get("rank") != o or hdr.get("world_size") != old_world:
+            raise IntegrityError(f"{slot.path}: holds rank {hdr.get('rank')} of world "
+                                 f"{hdr.get('world_size')}, wanted rank {o} of {old_world}")
+        if o == 0:
+            header0 = hdr
+        for name, t in slot.tensors(hdr).items():
+            parts.setdefault(name, []).append(t.clone())
+    full = {name: (ts[0] if ts[0].dim() == 0 else torch.cat(ts)) for name, ts in parts.items()
+            if name == "param_shard" or name.startswith("opt.")}
+    return full, header0

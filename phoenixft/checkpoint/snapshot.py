@@ -19,6 +19,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -63,6 +64,7 @@ class Snapshotter:
         self._local_sources = [s for s in sources if nodes.get(s) == me]
         self._announce = any(nodes.get(h) == me for h in holders)
         self._target = world_size * (1 + len(holders))
+        self._world_size = world_size
         self._interrupt = interrupt
         self._timeout = timeout_s
         self._on_commit = on_commit
@@ -135,6 +137,11 @@ class Snapshotter:
             self._error = exc
             self._cond.notify_all()
 
+    def wait_committed(self, step: int, store: dist.Store) -> None:
+        """Training thread: block until snapshot `step` is committed (deadline, abandoned
+        on a newer generation)."""
+        self._wait_committed(store, step)
+
     def _wait_committed(self, store: dist.Store, step: int) -> None:
         if step >= 0:
             self._wait_key(store, commit_key(step))
@@ -146,7 +153,7 @@ class Snapshotter:
             if self._interrupt.is_set():
                 raise CommFailure("generation changed")
             try:
-                store.wait([key], timedelta(seconds=0.25))
+                store.wait([key], timedelta(seconds=0.05))
                 return
             except Exception:
                 if time.monotonic() > deadline:
@@ -203,6 +210,7 @@ class Snapshotter:
         n = store.add(Keys.ack(self.generation, step), 1)
         if n == self._target:
             raise_to(store, Keys.COMMITTED, step)  # before the marker its waiters read
-            store.set(commit_key(step), str(time.time()))
+            store.set(commit_key(step), json.dumps({"t": time.time(), "generation": self.generation,
+                                                   "world_size": self._world_size}))
             if self._on_commit is not None:
                 self._on_commit(step, time.time())

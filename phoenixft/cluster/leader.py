@@ -45,6 +45,7 @@ class LeaderConfig:
     nnodes: int = 1
     heartbeat_timeout_s: float = 3.0
     startup_timeout_s: float = 120.0
+    min_world: int | None = None  # shrink down to this many ranks when no spare is left
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -79,6 +80,7 @@ class Leader:
         self._started = time.monotonic()
         self._status_t = 0.0
         self.finished = False
+        self.target_world = 0
 
     # -- start ----------------------------------------------------------------------
     def try_start(self) -> bool:
@@ -103,7 +105,9 @@ class Leader:
             info = kv.get_json(self.store, Keys.worker(w))
             self.workers[w] = WorkerInfo(w, k, info["pid"], "waiting")
             self.monitor.watch(w)
-        plan = Plan(generation=0, members=ranks, nodes={r: self.workers[w].node for r, w in ranks.items()})
+        plan = Plan(generation=0, members=ranks,
+                    nodes={r: self.workers[w].node for r, w in ranks.items()})
+        self.target_world = len(ranks)
         self._publish(plan)
         return True
 
@@ -164,6 +168,8 @@ class Leader:
                              role="active" if f.rank is not None else "spare")
         if member_failures:
             self._replace(member_failures)
+        elif self.plan.kind == "run":
+            self._grow()
         self._write_status()
 
     def _fail_time(self, wid: str, fallback: float) -> float:
@@ -198,9 +204,7 @@ class Leader:
             if f.rank is None:
                 continue
             if not spares:
-                self._abort(
-                    f"worker {f.wid} (rank {f.rank}) failed ({f.detail}) and no spare is left; "
-                    "rerun with more --spares")
+                self._shrink(failures)
                 return
             node = plan.nodes[f.rank]
             spares.sort(key=lambda s: (s.node != node, s.wid))
@@ -221,6 +225,61 @@ class Leader:
                    t_fail=t_fail, t_detect=t_detect,
                    progress=kv.get_int(self.store, Keys.PROGRESS, 0))
         self._publish(new)
+
+    def _shrink(self, failures: list[Failure]) -> None:
+        """No spare left: go on with the survivors (ReCoVer) if allowed, else stop."""
+        plan = self.plan
+        dead = {f.wid for f in failures}
+        alive = [(r, w) for r, w in sorted(plan.members.items()) if w not in dead]
+        f = failures[0]
+        if self.cfg.min_world is None or len(alive) < self.cfg.min_world:
+            why = ("rerun with more --spares, or let the job shrink with --min-nproc"
+                   if self.cfg.min_world is None else
+                   f"only {len(alive)} ranks would be left, below --min-nproc {self.cfg.min_world}")
+            self._abort(f"worker {f.wid} (rank {f.rank}) failed ({f.detail}) and no spare is "
+                        f"left; {why}")
+            return
+        members = {i: w for i, (_, w) in enumerate(alive)}
+        nodes = {i: plan.nodes[r] for i, (r, _) in enumerate(alive)}
+        replaced = {f.rank: f.wid for f in failures if f.rank is not None}
+        self._publish(Plan(generation=plan.generation + 1, members=members, nodes=nodes,
+                           replaced=replaced, reason="shrink: " + "; ".join(
+                               f"{x.wid}: {x.detail}" for x in failures),
+                           t_fail=min(x.t_fail for x in failures),
+                           t_detect=min(x.t_detect for x in failures),
+                           progress=kv.get_int(self.store, Keys.PROGRESS, 0)))
+
+    def _grow(self) -> None:
+        """A spare is waiting while the job runs below its starting size: ask the members
+        to stop at the next committed step, then admit the spare."""
+        plan = self.plan
+        if plan.world_size >= self.target_world or not self._spares():
+            return
+        if not self.store.check([Keys.grow(plan.generation)]):
+            self.store.set(Keys.grow(plan.generation), "1")
+            return
+        if not self.store.check([Keys.grow_ready(plan.generation)]):
+            return
+        members, nodes = dict(plan.members), dict(plan.nodes)
+        for s in sorted(self._spares(), key=lambda w: w.wid):
+            if len(members) >= self.target_world:
+                break
+            members[len(members)] = s.wid
+            nodes[len(nodes)] = s.node
+            s.state = "running"
+        self._publish(Plan(generation=plan.generation + 1, members=members, nodes=nodes,
+                           reason="grow", progress=kv.get_int(self.store, Keys.PROGRESS, 0)))
+
+    def adopt(self, wid: str, node: int) -> bool:
+        """A worker started after the job began (a respawned replacement): a spare once it
+        has registered."""
+        if wid in self.workers or not self.store.check([Keys.worker(wid)]):
+            return wid in self.workers
+        info = kv.get_json(self.store, Keys.worker(wid))
+        self.workers[wid] = WorkerInfo(wid, node, info["pid"], "waiting")
+        self.monitor.watch(wid)
+        self.events.emit("spare_added", wid=wid, node=node, pid=info["pid"])
+        return True
 
     def _abort(self, reason: str, error: bool = False) -> None:
         self.fatal = reason
@@ -272,7 +331,7 @@ class Leader:
             plan = Plan.from_json(self.store.get(Keys.plan(gen)))
             for rank, dead in sorted(plan.replaced.items()):
                 f = kinds.get(dead)
-                src_key = f"source/{gen}/{rank}"
+                src_key = f"source/{gen}/{rank if rank < plan.world_size else 0}"
                 out.append({"gen": gen, "rank": rank, "failed_worker": dead,
                             "replacement": plan.members.get(rank),
                             "kind": f.kind if f else "unknown",
@@ -298,9 +357,24 @@ class Leader:
             losses = [float(v) for v in self.store.multi_get(
                 [Keys.loss(s) for s in range(1, final_step + 1)])]
         recoveries = self.recoveries()
+        if final_step > 0:
+            audit = self.store.multi_get([Keys.audit(s) for s in range(1, final_step + 1)])
+            with (self.run_dir / "audit.jsonl").open("w") as f:
+                for s, ids in enumerate(audit, start=1):
+                    f.write(json.dumps({"step": s, "microbatches": json.loads(ids)}) + "\n")
         g = self.plan.generation if self.plan else 0
         return {"final_step": final_step, "final_state_digest": digest, "losses": losses,
                 "final_loss": losses[-1] if losses else None,
                 "failures": [f.__dict__ for f in self.failures], "recoveries": recoveries,
-                "generations": g, "wall_s": round(wall_s, 3), "aborted": self.fatal}
+                "generations": g, "wall_s": round(wall_s, 3), "aborted": self.fatal,
+                "microbatch_passes": kv.get_int(self.store, Keys.MB_COUNT, 0),
+                "world_sizes": self._world_sizes()}
+
+    def _world_sizes(self) -> list[int]:
+        out = []
+        for gen in range((self.plan.generation if self.plan else -1) + 1):
+            p = Plan.from_json(self.store.get(Keys.plan(gen)))
+            if p.kind == "run":
+                out.append(p.world_size)
+        return out
 

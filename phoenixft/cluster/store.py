@@ -85,12 +85,25 @@ class Keys:
     def ack(g: int, step: int) -> str:  # snapshot threads: local copies + replicas done
         return f"ack/{g}/{step}"
 
+    MB_COUNT = "mb_count"  # add-counter: microbatch forward+backward passes, all ranks
     COMMITTED = "committed"  # the newest committed snapshot step (monotonic)
     PROGRESS = "progress"  # rank 0: last completed step
 
     @staticmethod
     def loss(step: int) -> str:  # rank 0: global mean loss of a step
         return f"loss/{step}"
+
+    @staticmethod
+    def audit(step: int) -> str:  # rank 0: microbatch ids that contributed to a step
+        return f"audit/{step}"
+
+    @staticmethod
+    def grow(g: int) -> str:  # the leader: generation g should admit waiting spares
+        return f"grow/{g}"
+
+    @staticmethod
+    def grow_ready(g: int) -> str:  # rank 0: generation g stopped at a committed step
+        return f"grow_ready/{g}"
 
     @staticmethod
     def inject(spec: str) -> str:  # a fault injection fired (add-counter claims it once)

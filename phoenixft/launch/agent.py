@@ -51,6 +51,10 @@ class AgentConfig:
     startup_timeout_s: float = 120.0
     replicas: int = 1
     snapshots: bool = True  # False only for the overhead benchmark's baseline
+    min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
+    policy: str = "constant"  # microbatches per step after a shrink: constant | shrink-batch
+    respawn: int = 0  # replacement workers this agent may start for dead ones (they grow
+                      # the job back at a step boundary)
     tick_s: float = 0.02
     shutdown_grace_s: float = 20.0
     python: str = sys.executable
@@ -71,6 +75,13 @@ class AgentConfig:
             raise LaunchError("--heartbeat-timeout must exceed twice the heartbeat interval")
         if self.store:
             kv.parse_addr(self.store)
+        if self.min_nproc is not None and not 1 <= self.min_nproc <= self.nproc * self.nnodes:
+            raise LaunchError(f"--min-nproc must be in [1, {self.nproc * self.nnodes}], "
+                              f"got {self.min_nproc}")
+        if self.policy not in ("constant", "shrink-batch"):
+            raise LaunchError(f"--policy must be 'constant' or 'shrink-batch', got {self.policy!r}")
+        if self.respawn < 0:
+            raise LaunchError(f"--respawn must be >= 0, got {self.respawn}")
 
 
 @dataclass
@@ -92,6 +103,9 @@ class Agent:
         self.leader: Leader | None = None
         self._server = None
         self.shm_dir: Path | None = None
+        self._respawns_left = cfg.respawn
+        self._spawns_seen = 0
+        self._final: Plan | None = None
 
     # -- set-up ---------------------------------------------------------------------
     def _open_store(self):
@@ -126,7 +140,7 @@ class Agent:
                 "heartbeat_interval_s": cfg.heartbeat_interval_s,
                 "collective_timeout_s": cfg.collective_timeout_s,
                 "join_timeout_s": cfg.join_timeout_s, "replicas": cfg.replicas,
-                "snapshots": cfg.snapshots}),
+                "snapshots": cfg.snapshots, "policy": cfg.policy}),
             # torchrun-compatible names; RANK/WORLD_SIZE are set when a generation is joined
             LOCAL_RANK=str(local), MASTER_ADDR=host, MASTER_PORT=str(port),
             GROUP_RANK=str(cfg.node_rank), PYTHONUNBUFFERED="1",
@@ -136,16 +150,32 @@ class Agent:
         return env
 
     def _spawn(self) -> None:
+        for i in range(self.cfg.nproc + self.cfg.spares):
+            self._start_worker(i)
+
+    def _start_worker(self, i: int) -> _Proc:
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        for i in range(self.cfg.nproc + self.cfg.spares):
-            wid = f"n{self.cfg.node_rank}w{i}"
-            log = logs / f"{wid}.log"
-            with log.open("wb") as out:
-                p = subprocess.Popen([self.cfg.python, self.cfg.script, *self.cfg.script_args],
-                                     env=self._env(wid, i), stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-            self.procs[wid] = _Proc(wid, p, os.pidfd_open(p.pid), log)
+        wid = f"n{self.cfg.node_rank}w{i}"
+        log = logs / f"{wid}.log"
+        with log.open("wb") as out:
+            p = subprocess.Popen([self.cfg.python, self.cfg.script, *self.cfg.script_args],
+                                 env=self._env(wid, i), stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
+        proc = self.procs[wid] = _Proc(wid, p, os.pidfd_open(p.pid), log)
+        return proc
+
+    def _respawn(self, store, sel) -> None:
+        """Start a replacement for a dead worker; it registers as a spare and the leader
+        admits it at the next step boundary (the job grows back)."""
+        if self._respawns_left <= 0 or self._final is not None:
+            return
+        self._respawns_left -= 1
+        p = self._start_worker(len(self.procs))
+        sel.register(p.pidfd, selectors.EVENT_READ, p)
+        i = store.add("spawns", 1)
+        kv.set_json(store, f"spawn/{i}", {"wid": p.wid, "node": self.cfg.node_rank})
+        self.events.emit("respawn", wid=p.wid, pid=p.popen.pid)
 
     # -- main loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -164,7 +194,8 @@ class Agent:
             self.leader = Leader(store, self.events, self.run_dir,
                                  LeaderConfig(nnodes=cfg.nnodes,
                                               heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                              startup_timeout_s=cfg.startup_timeout_s))
+                                              startup_timeout_s=cfg.startup_timeout_s,
+                                              min_world=cfg.min_nproc))
             self.events.emit("start", store=self.store_addr, nnodes=cfg.nnodes,
                              nproc=cfg.nproc, spares=cfg.spares, script=cfg.script,
                              args=cfg.script_args, inject=[str(s) for s in cfg.inject])
@@ -181,15 +212,17 @@ class Agent:
             while True:
                 for key, _ in sel.select(timeout=cfg.tick_s):
                     sel.unregister(key.fileobj)
-                    self._reap(store, key.data)
+                    if not self._reap(store, key.data):
+                        self._respawn(store, sel)
                 self._fences(store)
                 if self.leader is not None:
                     if not started:
                         started = self.leader.try_start()
                     else:
+                        self._adopt_spawns(store)
                         self.leader.tick()
                     last_progress = self._echo_progress(store, last_progress)
-                final = final or self._final_plan(store)
+                final = self._final = final or self._final_plan(store)
                 if final is not None and (final.kind == "abort" or
                                           all(p.done for p in self.procs.values())):
                     break
@@ -214,7 +247,16 @@ class Agent:
                 p.rename(dest / p.name)
         self.events = EventLog(self.run_dir / "events.jsonl", node=self.cfg.node_rank)
 
-    def _reap(self, store, p: _Proc) -> None:
+    def _adopt_spawns(self, store) -> None:
+        n = kv.get_int(store, "spawns", 0)
+        while self._spawns_seen < n:
+            info = kv.get_json(store, f"spawn/{self._spawns_seen + 1}")
+            if not self.leader.adopt(info["wid"], info["node"]):
+                return  # not registered yet; try again next tick
+            self._spawns_seen += 1
+
+    def _reap(self, store, p: _Proc) -> bool:
+        """Report a worker's exit; returns True when it was a clean one."""
         rc = p.popen.wait()
         os.close(p.pidfd)
         p.done = True
@@ -229,6 +271,7 @@ class Agent:
         i = store.add(Keys.REPORTS, 1)
         kv.set_json(store, Keys.report(i), {"kind": kind, "wid": p.wid, "t": time.time(),
                                            "detail": detail, "clean": clean, "rc": rc})
+        return clean or kind == "error"
 
     def _fences(self, store) -> None:
         for p in self.procs.values():

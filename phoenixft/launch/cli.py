@@ -24,6 +24,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--heartbeat-timeout", type=float, default=3.0,
                      help="seconds of heartbeat silence after which a worker counts as hung")
     run.add_argument("--replicas", type=int, default=1, help="peers holding each rank's snapshot")
+    run.add_argument("--min-nproc", type=int, default=None,
+                     help="when no spare is left, go on with the survivors down to this many "
+                          "ranks, keeping every step's microbatches (ReCoVer); default: stop")
+    run.add_argument("--policy", default="constant", choices=["constant", "shrink-batch"],
+                     help="microbatches per step after a shrink: constant (same gradients as "
+                          "a failure-free run) or shrink-batch (fewer: the batch shrinks)")
+    run.add_argument("--respawn", type=int, default=0,
+                     help="replacement workers this agent may start; they grow the job back")
     run.add_argument("--quiet", action="store_true")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -53,7 +61,8 @@ def agent_config_from_args(args):
                        nproc=args.nproc, spares=args.spares, nnodes=args.nnodes,
                        node_rank=args.node_rank, store=args.store, run_dir=args.run_dir,
                        inject=specs, heartbeat_timeout_s=args.heartbeat_timeout,
-                       replicas=args.replicas, echo=not args.quiet)
+                       replicas=args.replicas, echo=not args.quiet, min_nproc=args.min_nproc,
+                       policy=args.policy, respawn=args.respawn)
 
 
 def cmd_run(args) -> int:

@@ -25,12 +25,16 @@ class SessionConfig:
     spare_wait_s: float = 24 * 3600.0  # how long a spare waits to be activated
     replicas: int = 1  # peers that hold a copy of each rank's snapshot
     snapshots: bool = True  # off only to measure what snapshots cost (no recovery then)
+    policy: str = "constant"  # microbatches per step when the world shrinks: constant | shrink-batch
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "collective_timeout_s", "join_timeout_s",
                      "spare_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SessionConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.policy not in ("constant", "shrink-batch"):
+            raise ValueError(f"SessionConfig.policy must be 'constant' or 'shrink-batch', "
+                             f"got {self.policy!r}")
         if self.replicas < 0:
             raise ValueError(f"SessionConfig.replicas must be >= 0, got {self.replicas}")
 

@@ -80,3 +80,19 @@ class RandomWindows:
         self.position = int(state["position"])
         self.seeded = bool(state["seeded"])
         self.gen.set_state(state["gen"])
+
+
+class MicrobatchWindows:
+    """Windows as a pure function of the microbatch id (step, j): any rank can compute
+    any microbatch, which is what lets ReCoVer hand a dead rank's share to survivors."""
+
+    def __init__(self, tokens: torch.Tensor, *, context: int, batch: int, seed: int) -> None:
+        if len(tokens) <= context + 1:
+            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than context {context}")
+        self.tokens, self.context, self.batch, self.seed = tokens, context, batch, seed
+
+    def get(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_000_003 + j)
+        starts = torch.randint(0, len(self.tokens) - self.context - 1, (self.batch,), generator=gen)
+        w = self.tokens[starts[:, None] + torch.arange(self.context + 1)[None, :]].long()
+        return w[:, :-1], w[:, 1:]

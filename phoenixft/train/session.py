@@ -18,6 +18,7 @@ and resumes the loop there. Survivors are never restarted.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import random
 import sys
@@ -31,7 +32,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from phoenixft.checkpoint.restore import restore_snapshot
 from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatSender
@@ -47,6 +47,7 @@ from phoenixft.comm.collectives import (
 from phoenixft.comm.groups import abort_group, new_group
 from phoenixft.launch.inject import Injector, parse_env
 from phoenixft.observe.events import EventLog
+from phoenixft.train import quota, rejoin
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.tracked import Tracked
@@ -58,28 +59,40 @@ class JobAborted(SystemExit):
 
 
 class Step:
-    """One optimizer step. Iterate `microbatches()`, call `backward(loss)` for each."""
+    """One optimizer step of M microbatches. Iterate `microbatches()` and call
+    `backward(loss)` once per microbatch, with the mean loss of that microbatch.
 
-    def __init__(self, session: Session, index: int, ids: list[int]) -> None:
+    After an in-step recovery the same step is yielded again (`retry` is True) with only
+    the microbatches this rank still has to compute; gradients of the ones it finished
+    are kept."""
+
+    def __init__(self, session: Session, index: int, ids: list[int], m: int) -> None:
         self.session = session
         self.index = index
         self.ids = ids
+        self.m = m  # microbatches in this step, over all ranks
         self.loss_sum = 0.0
         self.done: list[int] = []
+        self.phase = "compute"  # -> "reduce" -> "update"
+        self.retry = False
 
     def microbatches(self) -> Iterator[int]:
-        """The microbatch ids (j in [0, M)) this rank computes in this step."""
-        for j in self.ids:
-            if j in self.done:
-                continue
-            yield j
+        """The microbatch ids j (0 <= j < M) this rank computes in this step; the data of
+        (step.index, j) should be a pure function of them if the world may shrink."""
+        for j in list(self.ids):
+            if j not in self.done:
+                self._current = j
+                yield j
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         self.loss_sum += float(loss.detach())
-        j = next(j for j in self.ids if j not in self.done)
+        j = getattr(self, "_current", None)
+        if j is None or j in self.done:
+            j = next(k for k in self.ids if k not in self.done)
         self.done.append(j)
         s = self.session
+        s.store.add(Keys.MB_COUNT, 1)
         s._injector.at_microbatch(s.rank, self.index, len(self.done) - 1)
 
 
@@ -107,6 +120,10 @@ class Session:
         self._pg = None
         self._rep_pg = None
         self._dead_groups: list = []
+        self._pending: Step | None = None
+        self._grow_requested = False
+        self.m = 0  # microbatches per step (set in setup)
+        self.initial_world = 0
         self._snap: Snapshotter | None = None
         self._flat: FlatParams | None = None
         self._opt: ShardedOptimizer | None = None
@@ -138,16 +155,25 @@ class Session:
 
     def setup(self, model: nn.Module,
               optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-              *, track: dict[str, object] | None = None) -> None:
+              *, track: dict[str, object] | None = None, microbatches: int | None = None) -> None:
         """Register the model, the optimizer factory and any extra per-rank state
-        (data samplers, generators, LR schedulers). Spares block here until activated."""
+        (data samplers, generators, LR schedulers). `microbatches` is M, the microbatches
+        of every step (default: the starting world size, one per rank). Spares block here
+        until activated."""
+        if microbatches is not None and microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        self._m_requested = microbatches
         self._model = model
         self._factory = optimizer
         for name, obj in (track or {}).items():
             self.tracked.add(name, obj)
         self._flat = FlatParams(model)
         self._warm_up()
-        self._enter(self._await_plan(0, self.cfg.spare_wait_s))
+        plan = self._await_plan(0, self.cfg.spare_wait_s)
+        first = Plan.from_json(self.store.get(Keys.plan(0)))
+        self.initial_world = first.world_size or 1
+        self.m = self._m_requested or self.initial_world
+        self._enter(plan)
 
     def _warm_up(self) -> None:
         """Pay lazy imports and first-call costs now, not on activation: constructing and
@@ -168,15 +194,21 @@ class Session:
                     self._finish(total)
                     return
                 except CommFailure as exc:
-                    self._recover(exc)
+                    self._recover(exc, None)
                     continue
-            st = Step(self, self.step + 1, self._quota())
-            self._injector.at_step(self.rank, st.index)
+            st, self._pending = self._pending, None
+            if st is None:
+                m = self._m_for(self.world_size)
+                st = Step(self, self.step + 1, quota.plan(m, self.world_size)[self.rank], m)
+                self._injector.at_step(self.rank, st.index)
             yield st
             try:
                 self._complete(st)
             except CommFailure as exc:
-                self._recover(exc)
+                self._recover(exc, st)
+                continue
+            if self._grow_requested:
+                self._hand_over_for_growth()
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model and (unsharded) optimizer state, world-size free."""
@@ -199,23 +231,34 @@ class Session:
         self.events.emit(event, rank=self.rank, gen=self.generation, **fields)
 
     # -- the step -------------------------------------------------------------------
-    def _quota(self) -> list[int]:
-        """Microbatch ids of this rank: one per rank per step (M = world size)."""
-        return [self.rank]
+    def _m_for(self, world_size: int) -> int:
+        return quota.effective_m(self.m, self.initial_world, world_size, self.cfg.policy)
 
     def _complete(self, st: Step) -> None:
-        flat, n = self._flat, self._flat.numel
-        g = self._grad
+        flat, n, size = self._flat, self._flat.numel, self._flat.buf.numel()
+        if self.cfg.snapshots:  # in-step recovery restores the optimizer from step t
+            self._snap.wait_committed(self.step, self.store)
+        g = self._grad[:size + st.m + 3]
         flat.gather_grads(g)
         g[n:].zero_()
+        for j in st.done:
+            g[size + j] = 1.0  # which microbatches this rank contributes (the audit)
+        if self.rank == 0 and self.store.check([Keys.grow(self.generation)]):
+            g[-3] = 1.0
         g[-2] = st.loss_sum
         g[-1] = len(st.done)
+        st.phase = "reduce"
         wait_work(self._pg.allreduce([g]), self.interrupt, self.cfg.collective_timeout_s,
                   f"gradient all-reduce (step {st.index})")
-        m = float(g[-1])
-        loss = float(g[-2]) / m
-        g.div_(m)
-        self._opt.step(g)  # its pre-hook waits for the previous snapshot copy
+        st.phase = "update"
+        counts = g[size:size + st.m].tolist()
+        if int(g[-1]) != st.m or any(c != 1.0 for c in counts):
+            raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
+                               f"cover each of the {st.m} microbatches exactly once")
+        self._grow_requested = g[-3] > 0
+        loss = float(g[-2]) / st.m
+        g[:size].div_(st.m)
+        self._opt.step(g[:size])  # its pre-hook waits for the previous snapshot copy
         wait_work(self._pg._allgather_base(flat.buf, self._opt.shard.detach()),
                   self.interrupt, self.cfg.collective_timeout_s,
                   f"parameter all-gather (step {st.index})")
@@ -223,6 +266,7 @@ class Session:
         self.step = st.index
         if self.rank == 0:
             self.store.set(Keys.loss(self.step), repr(loss))
+            self.store.set(Keys.audit(self.step), json.dumps([j for j, c in enumerate(counts) if c > 0]))
             self.store.set(Keys.PROGRESS, str(self.step))
             self.events.emit("step", step=self.step, loss=loss, gen=self.generation,
                              world_size=self.world_size)
@@ -277,7 +321,7 @@ class Session:
             g += 1
         return Plan.from_json(self.store.get(Keys.plan(g)))
 
-    def _enter(self, plan: Plan) -> None:
+    def _enter(self, plan: Plan, in_flight: Step | None = None) -> None:
         """Wait as a spare until a plan includes us, then join it (retrying newer ones)."""
         while True:
             if plan.kind in ("done", "abort"):
@@ -286,7 +330,7 @@ class Session:
                 plan = self._await_plan(plan.generation + 1, self.cfg.spare_wait_s)
                 continue
             try:
-                self._join(plan)
+                self._join(plan, in_flight)
                 return
             except CommFailure as exc:
                 self.events.emit("join_failed", gen=plan.generation, error=str(exc))
@@ -311,7 +355,7 @@ class Session:
             except Exception:
                 continue
 
-    def _join(self, plan: Plan) -> None:
+    def _join(self, plan: Plan, in_flight: Step | None = None) -> None:
         t0 = time.time()
         g = plan.generation
         first = self._opt is None
@@ -339,24 +383,26 @@ class Session:
                               timeout_s=self.cfg.collective_timeout_s),
             self.interrupt, self.cfg.join_timeout_s, f"building generation {g}'s replica group")
         self._flat.layout(self.world_size)
-        if first or self._opt.rank != self.rank or self._flat.world_size != self.world_size:
+        if first or self._opt.rank != self.rank or self._opt.world_size != self.world_size:
             self._opt = ShardedOptimizer(self._flat, self._factory, self.rank)
             self._opt.inner.register_step_pre_hook(lambda *_: self._snap.wait_copied())
-        self._grad = torch.zeros(self._flat.buf.numel() + 2, dtype=self._flat.dtype, device=dev)
+        self._grad = torch.zeros(self._flat.buf.numel() + max(self.m, self._m_for(self.world_size)) + 3,
+                                 dtype=self._flat.dtype, device=dev)
         phases["rep_group"] = time.time() - t0
         committed = torch.tensor([kv.get_int(self.store, Keys.COMMITTED, -1)], dtype=torch.int64)
         wait_work(self._pg.broadcast(committed, 0), self.interrupt,
                   self.cfg.collective_timeout_s, "agreeing on the restore step")
         restore_step = int(committed)
         source = "init"
-        self._model.zero_grad(set_to_none=True)  # drop gradients of an abandoned step
+        self._pending = None
         if restore_step < 0:  # fresh start: everyone takes rank 0's initial parameters
+            self._model.zero_grad(set_to_none=True)
             wait_work(self._pg.broadcast(self._flat.buf, 0), self.interrupt,
                       self.cfg.collective_timeout_s, "initial parameter broadcast")
             self._opt.reload_shard_from_params()
             self.step = 0
         else:
-            source = self._restore(restore_step)
+            source, self._pending = rejoin.restore(self, restore_step, in_flight, new_member=first)
         phases["restore"] = time.time() - t0
         holders = replica_holders(plan.nodes, min(self.cfg.replicas, self.world_size - 1))
         self._snap = Snapshotter(
@@ -376,6 +422,7 @@ class Session:
             rec = dict(gen=g, step=self.step, restore_step=restore_step,
                        replaced=plan.replaced, join_s=round(now - t0, 4),
                        lost_steps=max(0, plan.progress - max(restore_step, 0)),
+                       in_step=self._pending is not None, world_size=self.world_size,
                        detect_s=_delta(plan.t_fail, plan.t_detect),
                        recover_s=_delta(plan.t_detect, now))
             kv.set_json(self.store, f"recovered/{g}", rec)
@@ -385,30 +432,7 @@ class Session:
                          step=self.step, source=source, pid=os.getpid(),
                          phases={k: round(v, 4) for k, v in phases.items()})
 
-    def _restore(self, step: int) -> str:
-        slot, hdr, source = restore_snapshot(
-            self._pg, rank=self.rank, world_size=self.world_size, step=step,
-            shm_dir=self.cfg.shm_dir, interrupt=self.interrupt,
-            timeout_s=self.cfg.collective_timeout_s)
-        if hdr["world_size"] != self.world_size or hdr["numel"] != self._flat.numel:
-            raise RuntimeError(
-                f"snapshot of step {step} was taken with world size {hdr['world_size']} and "
-                f"{hdr['numel']} parameters; this generation has {self.world_size} and "
-                f"{self._flat.numel}: resharding needs the ReCoVer shrink policy")
-        tensors = slot.tensors(hdr)
-        self._opt.load_state(tensors, hdr["opt"])
-        torch.set_rng_state(tensors["rng.torch"].clone())
-        if "rng.cuda" in tensors:
-            torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), self._flat.device)
-        self.tracked.load(tensors, hdr["tracked"])
-        v, state, gauss = hdr["python_random"]
-        random.setstate((v, tuple(state), gauss))
-        wait_work(self._pg._allgather_base(self._flat.buf, self._opt.shard.detach()),
-                  self.interrupt, self.cfg.collective_timeout_s, "parameter all-gather (restore)")
-        self.step = step
-        return source
-
-    def _recover(self, exc: CommFailure) -> None:
+    def _recover(self, exc: CommFailure, in_flight: Step | None) -> None:
         if not isinstance(exc, GenerationChanged):
             self._report("collective", str(exc))
         self.events.emit("failure_seen", gen=self.generation, rank=self.rank, step=self.step,
@@ -424,7 +448,17 @@ class Session:
         self._pg = self._rep_pg = None
         # ...and never let their late-finishing ops write into live buffers.
         self._flat.relocate()
-        self._enter(self._await_plan(self.generation + 1, self.cfg.join_timeout_s))
+        self._enter(self._await_plan(self.generation + 1, self.cfg.join_timeout_s), in_flight)
+
+    def _hand_over_for_growth(self) -> None:
+        """The leader asked to admit new members: finish here, at a committed step
+        boundary, and join the grown generation (nothing is recomputed)."""
+        self._grow_requested = False
+        if self.cfg.snapshots:
+            self._snap.wait_committed(self.step, self.store)
+        if self.rank == 0:
+            self.store.set(Keys.grow_ready(self.generation), str(self.step))
+        self._recover(GenerationChanged("admitting new members"), None)
 
     # -- plumbing -------------------------------------------------------------------
     def _connect(self):

@@ -83,6 +83,7 @@ class ShardedOptimizer:
                  rank: int) -> None:
         self.flat = flat
         self.rank = rank
+        self.world_size = flat.world_size
         self.start, self.end = flat.shard_range(rank)
         self.shard = nn.Parameter(flat.buf[self.start:self.end].detach().clone())
         self.inner = factory([self.shard])

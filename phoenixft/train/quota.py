@@ -1,0 +1,52 @@
+"""ReCoVer quota plans: which microbatch ids of a step each rank computes.
+
+A step consumes exactly M microbatches, ids 0..M-1, whatever the world size; the data of
+an id is a pure function of (step, id), so any rank can compute any id. Plans are
+deterministic functions of their inputs, so every member computes the same plan without
+talking to the others.
+"""
+
+from __future__ import annotations
+
+
+def plan(m: int, world_size: int) -> list[list[int]]:
+    """Contiguous, as even as possible: the first m % world_size ranks get one more."""
+    if m < 1 or world_size < 1:
+        raise ValueError(f"need m >= 1 and world_size >= 1, got m={m}, world_size={world_size}")
+    base, extra = divmod(m, world_size)
+    out, start = [], 0
+    for r in range(world_size):
+        n = base + (1 if r < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def reassign(remaining: list[int], old_plan: list[list[int]], world_size: int) -> list[list[int]]:
+    """Give the unfinished ids of an interrupted step to the new generation's ranks: an id
+    stays with its old rank number when that rank exists (a spare took it over), the rest
+    are dealt round-robin from the least loaded rank up."""
+    owner = {j: r for r, ids in enumerate(old_plan) for j in ids}
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    orphans = []
+    for j in sorted(remaining):
+        r = owner.get(j, -1)
+        if 0 <= r < world_size and r < len(old_plan):
+            out[r].append(j)
+        else:
+            orphans.append(j)
+    for j in orphans:
+        r = min(range(world_size), key=lambda k: (len(out[k]), k))
+        out[r].append(j)
+    return out
+
+
+def effective_m(m: int, initial_world: int, world_size: int, policy: str) -> int:
+    """Microbatches per step under a policy: `constant` keeps M (ReCoVer); `shrink-batch`
+    keeps each rank's share, so the global batch shrinks with the world (the old way:
+    the optimisation trajectory changes)."""
+    if policy == "constant":
+        return m
+    if policy == "shrink-batch":
+        return max(1, m * world_size // initial_world)
+    raise ValueError(f"unknown microbatch policy {policy!r}; use 'constant' or 'shrink-batch'")
