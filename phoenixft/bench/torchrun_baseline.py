@@ -10,8 +10,9 @@ phoenixft's session: only the same model (`phoenixft.models.llama`), the same co
 (`phoenixft.train.data`) and the same microbatch size, so the benchmark compares
 recovery strategies, not models.
 
-Microbatch (step, j) is a pure function of its id (its own seeded generator), so a
-restarted job recomputes exactly the data it lost. Rank r computes ids j = r, r+W, ...;
+Microbatch (step, j) is a pure function of its id (`MicrobatchWindows`, as with
+`examples/train_gpt.py --data ids`), so a restarted job recomputes exactly the data it lost
+and every mode of the benchmark trains on the same windows. Rank r computes ids j = r, r+W, ...;
 the loss is scaled by W/M so that DDP's mean over W ranks yields the sum over the M
 microbatches divided by M, as phoenixft's session does.
 
@@ -37,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from phoenixft.models.llama import LlamaForCausalLM, preset
 from phoenixft.observe.events import EventLog
-from phoenixft.train.data import stdlib_corpus
+from phoenixft.train.data import MicrobatchWindows, stdlib_corpus
 
 # Windows of `context` tokens per microbatch, per preset: examples/train_gpt.py's sizes.
 BATCH = {"tiny": 4, "small": 8, "ref": 8}
@@ -46,15 +47,6 @@ BATCH = {"tiny": 4, "small": 8, "ref": 8}
 def microbatch_tokens(preset_name: str) -> int:
     """Tokens in one microbatch (windows x context), the unit of the benchmark's tokens/s."""
     return BATCH[preset_name] * preset(preset_name).max_position_embeddings
-
-
-def microbatch(corpus: torch.Tensor, *, seed: int, step: int, j: int, context: int,
-               batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (input, target) windows of microbatch (step, j): any rank, any attempt, same data."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + j)
-    starts = torch.randint(0, len(corpus) - context - 1, (batch,), generator=gen)
-    w = corpus[starts[:, None] + torch.arange(context + 1)[None, :]].long()
-    return w[:, :-1], w[:, 1:]
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -109,14 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     start = load_checkpoint(ckpt, model, opt)
     ddp = DDP(model)
     corpus = stdlib_corpus(max_bytes=2_000_000 if args.preset == "tiny" else None)
+    windows = MicrobatchWindows(corpus, context=cfg.max_position_embeddings,
+                                batch=BATCH[args.preset], seed=args.seed)
     mine = list(range(rank, args.microbatches, world))
     log.emit("resumed", step=start, init_s=round(time.time() - t_launch, 3))
 
     for step in range(start + 1, args.steps + 1):
         loss_sum = 0.0
         for i, j in enumerate(mine):
-            x, y = microbatch(corpus, seed=args.seed, step=step, j=j,
-                              context=cfg.max_position_embeddings, batch=BATCH[args.preset])
+            x, y = windows.get(step, j)
             # Gradients are all-reduced only on this rank's last microbatch.
             with ddp.no_sync() if i < len(mine) - 1 else nullcontext():
                 loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())

@@ -3,8 +3,9 @@
 Called collectively by every member after the generation's groups are built and the
 restore step t (the newest committed snapshot) is agreed.
 
-In-step recovery (ReCoVer): if every surviving member was waiting in the gradient
-all-reduce of step t+1 (so none has touched its optimizer state yet), the step is not
+In-step recovery (ReCoVer): if every surviving member was interrupted in step t+1 before
+its optimizer update (waiting for snapshot t's commit or in the gradient all-reduce), the
+step is not
 thrown away. Survivors keep the gradients of the microbatches they finished; the ids
 nobody finished (the dead ranks' ones) are handed out again; only new members (spares)
 load per-rank state from the snapshot. Otherwise every member rolls back to t.
@@ -43,7 +44,7 @@ def restore(sess: Session, t: int, in_flight: Step | None, new_member: bool) -> 
     info = json.loads(sess.store.get(commit_key(t)))
     old_world, old_gen = info["world_size"], info["generation"]
     keep = (not new_member and in_flight is not None and in_flight.index == t + 1
-            and in_flight.phase == "reduce")
+            and in_flight.phase != "update")
     flags = _allreduce(sess, torch.tensor([float(keep), float(not new_member)]),
                        "agreeing on in-step recovery")
     in_step = flags[1] > 0 and flags[0] == flags[1]

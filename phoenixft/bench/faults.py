@@ -1,0 +1,204 @@
+"""Run a training job as its own process tree and SIGKILL its workers on a wall-clock schedule.
+
+Used by `phoenixft bench goodput` to put phoenixft and a plain torchrun job through the
+same failures. The faults are real: the benchmark process sends SIGKILL to a training
+worker's PID, chosen among the workers that are training at that moment. Each job kind
+says how to read its progress and find its workers (`Job`); `drive` does the rest.
+
+Schedule: fault k (k = 1..n) is due `k * interval_s` after the job's first completed step,
+and is sent only once the job has completed a step since the previous fault's recovery
+(a step of a newer generation or restart attempt). Every job gets n faults *while
+training*, none while it is still restarting, so the modes are compared on equal terms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+
+
+class ProcessTree:
+    """A job started in its own session, with every descendant it ever had remembered.
+
+    A benchmark that kills workers must also clean up whatever is left, including workers
+    whose parent already died (they are re-parented and no longer show up as descendants):
+    `refresh()` records descendants while the job runs, and `kill()` SIGKILLs every
+    recorded process that is still the same process (PID and start time both match)."""
+
+    def __init__(self, argv: list[str], *, log: Path, env: dict[str, str] | None = None) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log.open("wb")
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **(env or {})}, start_new_session=True)
+        self.root = psutil.Process(self.popen.pid)
+        self._seen: dict[int, psutil.Process] = {self.root.pid: self.root}
+
+    def refresh(self) -> list[psutil.Process]:
+        """The live descendants now (remembered for `kill`)."""
+        try:
+            kids = self.root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            kids = []
+        for k in kids:
+            self._seen.setdefault(k.pid, k)
+        return kids
+
+    def owns(self, pid: int) -> bool:
+        """True if `pid` is a live process of this tree: nothing else is ever signalled."""
+        p = self._seen.get(pid)
+        try:
+            return p is not None and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree (idempotent) and reap the root."""
+        self.refresh()
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in self._seen.values():
+            try:
+                if p.is_running():  # compares the start time too: a reused PID is left alone
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+class JsonlTail:
+    """The complete lines appended to a JSON-lines file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._offset = 0
+
+    def read_new(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a torn last line is read on a later call
+        self._offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    """A completed optimizer step. `epoch` grows with every recovery: phoenixft's
+    generation, torchrun's restart attempt."""
+
+    t: float
+    step: int
+    epoch: int
+    world_size: int
+
+
+class Job(Protocol):
+    """One launched job. `start()` launches it; `new_steps()` returns steps completed since
+    the last call (in order); `victims()` maps rank -> PID of the workers training now
+    (PIDs of this job's own tree only); `events` holds every record read so far."""
+
+    tree: ProcessTree | None
+    events: list[dict]
+
+    def start(self) -> ProcessTree: ...
+    def new_steps(self) -> list[StepEvent]: ...
+    def victims(self) -> dict[int, int]: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultConfig:
+    """When to kill. `failures` faults, `interval_s` apart from the first step; the job is
+    killed outright after `timeout_s` of wall time."""
+
+    failures: int = 3
+    interval_s: float = 30.0
+    timeout_s: float = 600.0
+    seed: int = 0  # which rank dies at each fault (a seeded choice among the live ones)
+    poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.failures < 0:
+            raise ValueError(f"FaultConfig.failures must be >= 0, got {self.failures}")
+        for name in ("interval_s", "timeout_s", "poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"FaultConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    """What happened to one job: its steps as they completed, the faults sent, how it ended."""
+
+    t_launch: float
+    steps: list[StepEvent] = field(default_factory=list)
+    kills: list[dict] = field(default_factory=list)
+    rc: int | None = None
+    timed_out: bool = False
+    t_exit: float = 0.0
+
+
+def drive(job: Job, cfg: FaultConfig) -> Outcome:
+    """Launch `job`, kill its workers on `cfg`'s schedule, wait for its end (or timeout),
+    and always kill whatever is left of its process tree."""
+    rng = random.Random(cfg.seed)
+    out = Outcome(t_launch=time.time())
+    tree = job.start()
+    try:
+        while True:
+            out.steps += job.new_steps()
+            tree.refresh()
+            out.rc = tree.popen.poll()
+            now = time.time()
+            if out.rc is not None:
+                break
+            if now - out.t_launch > cfg.timeout_s:
+                out.timed_out = True
+                break
+            if out.steps and len(out.kills) < cfg.failures:
+                _maybe_kill(job, cfg, out, rng, now)
+            time.sleep(cfg.poll_s)  # polling a log file with a bounded deadline
+    finally:
+        out.t_exit = time.time()
+        tree.kill()
+        out.steps += job.new_steps()
+    return out
+
+
+def _maybe_kill(job: Job, cfg: FaultConfig, out: Outcome, rng: random.Random, now: float) -> None:
+    latest = out.steps[-1]
+    due = out.steps[0].t + (len(out.kills) + 1) * cfg.interval_s
+    recovered = not out.kills or latest.epoch > out.kills[-1]["epoch"]
+    if now < due or not recovered:
+        return
+    victims = job.victims()
+    if not victims:
+        return
+    rank = rng.choice(sorted(victims))
+    pid = victims[rank]
+    if not job.tree or not job.tree.owns(pid):
+        return
+    os.kill(pid, signal.SIGKILL)
+    out.kills.append({"t": time.time(), "rank": rank, "pid": pid, "step": latest.step,
+                      "epoch": latest.epoch, "world_size": len(victims)})

@@ -1,0 +1,168 @@
+"""`phoenixft bench goodput`: effective throughput under a fixed failure schedule.
+
+Same model, steps and microbatches per step in every mode, each mode its own process tree,
+run one after another in one invocation:
+
+- clean:   phoenixft, N workers, no faults (the reference)
+- spares:  phoenixft, N workers + F warm spares (hot swap)
+- shrink:  phoenixft, N workers, no spare, `--min-nproc 1` (ReCoVer: the job shrinks and
+           keeps every step's microbatches)
+- restart: torchrun --max-restarts F, DDP over gloo, torch.save every K steps, resume from
+           the last checkpoint (what users run today)
+- restart-clean (optional): the torchrun job without faults, to separate the frameworks'
+           failure-free speed from what failures cost
+
+Faults are SIGKILLs of one training worker every `--interval` seconds after the first
+step (see `faults.py`). Effective throughput = failure-free-equivalent optimizer steps per
+second of wall time, from the first completed step to the last (start-up is paid once per
+job, failures are paid at a rate; launch-to-end figures are in the JSON as well). Goals:
+ReCoVer >= 2.23x checkpoint-and-restart, and >= 0.9x the failure-free throughput scaled by
+the time-weighted mean number of surviving workers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from phoenixft.bench.faults import FaultConfig, Outcome, drive
+from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob, Workload
+from phoenixft.bench.goodput_report import plot_progress, print_table
+from phoenixft.bench.torchrun_baseline import microbatch_tokens
+
+MODES = ("clean", "spares", "shrink", "restart", "restart-clean")
+LABELS = {"clean": "phoenixft, failure-free", "spares": "phoenixft + warm spares",
+          "shrink": "phoenixft ReCoVer (no spare)", "restart": "torchrun ckpt + restart",
+          "restart-clean": "torchrun, failure-free"}
+QUICK = {"preset": "tiny", "steps": 150, "failures": 2, "interval": 5.0, "timeout": 150.0}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("goodput", help="effective throughput under SIGKILLs: spares, ReCoVer "
+                                       "shrink, torchrun checkpoint-restart, failure-free")
+    p.add_argument("--modes", default="clean,spares,shrink,restart",
+                   help=f"comma-separated, run in this order; from {', '.join(MODES)}")
+    p.add_argument("--preset", default="small", choices=["tiny", "small", "ref"])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step, all ranks")
+    p.add_argument("--failures", type=int, default=3, help="SIGKILLs per faulted mode; also the "
+                   "spares of `spares` and torchrun's --max-restarts")
+    p.add_argument("--interval", type=float, default=25.0, help="seconds between SIGKILLs")
+    p.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: steps per torch.save")
+    p.add_argument("--timeout", type=float, default=400.0, help="wall-clock limit per mode, seconds")
+    p.add_argument("--seed", type=int, default=0, help="which ranks die (and the data seed)")
+    p.add_argument("--quick", action="store_true",
+                   help="about 2 minutes: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    p.add_argument("--out", default="runs/bench/goodput.json")
+    p.add_argument("--plot", default="runs/bench/goodput.png")
+    p.set_defaults(func=cmd_goodput)
+
+
+def make_job(mode: str, run_dir: Path, work: Workload, args):
+    if mode in ("restart", "restart-clean"):
+        return TorchrunJob(run_dir=run_dir, work=work, max_restarts=args.failures,
+                           ckpt_every=args.ckpt_every)
+    launcher = {"clean": [], "spares": ["--spares", str(args.failures)],
+                "shrink": ["--min-nproc", "1"]}[mode]
+    return PhoenixJob(run_dir=run_dir, work=work, launcher_args=launcher)
+
+
+def processes(mode: str, args) -> str:
+    if mode == "spares":
+        return f"1 agent + {args.nproc} workers + {args.failures} spares"
+    if mode.startswith("restart"):
+        return f"torchrun + {args.nproc} workers (respawned per restart)"
+    return f"1 agent + {args.nproc} workers"
+
+
+def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> dict:
+    """Figures of one mode from its step events (see the module docstring)."""
+    steps = out.steps
+    for k in out.kills:
+        k["t_rel"] = round(k["t"] - out.t_launch, 3)
+    row = {"mode": mode, "label": LABELS[mode], "rc": out.rc, "timed_out": out.timed_out,
+           "failures": len(out.kills), "kills": out.kills,
+           "progress": [[round(s.t - out.t_launch, 3), s.step, s.world_size] for s in steps]}
+    if len(steps) < 2:
+        return {**row, "completed": False, "final_step": steps[-1].step if steps else 0,
+                "eff_steps_s": 0.0, "tokens_s": 0.0}
+    first, last = steps[0], steps[-1]
+    wall = last.t - first.t
+    mean_workers = sum((b.t - a.t) * b.world_size for a, b in zip(steps, steps[1:])) / wall
+    eff = (last.step - first.step) / wall
+    seen = [s.step for s in steps]
+    after = [_kill_to_next_step(k, steps) for k in out.kills]
+    return {**row, "completed": last.step == work.steps, "final_step": last.step,
+            "workers_start": first.world_size, "workers_end": last.world_size,
+            "mean_workers": mean_workers, "wall_s": wall, "launch_to_end_s": last.t - out.t_launch,
+            "first_step_after_launch_s": first.t - out.t_launch,
+            "eff_steps_s": eff, "tokens_s": eff * tokens_per_step,
+            "steps_recomputed": len(seen) - len(set(seen)),
+            "kill_to_next_step_s": [a for a in after if a is not None]}
+
+
+def _kill_to_next_step(kill: dict, steps) -> float | None:
+    nxt = next((s for s in steps if s.t > kill["t"] and s.epoch > kill["epoch"]), None)
+    return None if nxt is None else nxt.t - kill["t"]
+
+
+def compare(rows: dict[str, dict], nproc: int) -> None:
+    """Ratios against the checkpoint-restart run and the scaled failure-free run, in place."""
+    base = rows.get("restart", {}).get("eff_steps_s")
+    ref = rows.get("clean", {}).get("eff_steps_s")
+    for r in rows.values():
+        if base:
+            r["vs_restart"] = r["eff_steps_s"] / base
+        if ref and r.get("mean_workers"):
+            r["vs_clean_scaled"] = r["eff_steps_s"] / (ref * r["mean_workers"] / nproc)
+
+
+def cmd_goodput(args) -> int:
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or args.failures >= args.nproc and "shrink" in modes:
+        raise SystemExit(f"phoenixft bench goodput: unknown modes {bad} or --failures "
+                         f"{args.failures} >= --nproc {args.nproc} (shrink needs a survivor)")
+    work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches,
+                    nproc=args.nproc, seed=args.seed)
+    tokens_per_step = args.microbatches * microbatch_tokens(args.preset)
+    root = Path(args.out).parent / "goodput-runs"
+    rows: dict[str, dict] = {}
+    extra: dict[str, dict] = {}
+    t0 = time.time()
+    for mode in modes:
+        cfg = FaultConfig(failures=0 if mode.endswith("clean") else args.failures,
+                          interval_s=args.interval, timeout_s=args.timeout, seed=args.seed)
+        job = make_job(mode, root / mode, work, args)
+        print(f"[goodput] {mode}: {' '.join(job.argv())}", flush=True)
+        out = drive(job, cfg)
+        rows[mode] = measure(mode, out, work, tokens_per_step)
+        rows[mode]["processes"] = processes(mode, args)
+        rows[mode]["run_dir"] = str(root / mode)
+        if isinstance(job, TorchrunJob):
+            extra[mode] = rows[mode]["restarts"] = job.restart_report()
+        else:
+            s = job.summary()
+            rows[mode]["recoveries"] = s.get("recoveries", [])
+        r = rows[mode]
+        print(f"[goodput] {mode}: rc {r['rc']}, step {r['final_step']}/{args.steps}, "
+              f"{len(r['kills'])} kills, {r.get('wall_s', float('nan')):.1f} s", flush=True)
+    compare(rows, args.nproc)
+    result = {"benchmark": "goodput", "preset": args.preset, "steps": args.steps,
+              "nproc": args.nproc, "microbatches": args.microbatches,
+              "tokens_per_step": tokens_per_step, "threads_per_worker": 1,
+              "failures": args.failures, "interval_s": args.interval,
+              "ckpt_every": args.ckpt_every, "seed": args.seed,
+              "goals": {"shrink_vs_restart": 2.23, "shrink_vs_clean_scaled": 0.9},
+              "modes": rows, "bench_wall_s": time.time() - t0}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print_table(result)
+    plot_progress(result, Path(args.plot))
+    print(f"wrote {args.out} and {args.plot}")
+    return 0 if all(r.get("completed") for r in rows.values()) else 1

@@ -1,0 +1,95 @@
+"""Table and plot for `phoenixft bench goodput` (reads only the result dict it wrote)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+COLORS = {"clean": "tab:gray", "spares": "tab:blue", "shrink": "tab:green",
+          "restart": "tab:red", "restart-clean": "tab:orange"}
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def print_table(result: dict) -> None:
+    console = Console(width=max(Console().width, 160))
+    table = Table(title=(
+        f"goodput: {result['preset']} preset, {result['steps']} steps x {result['microbatches']} "
+        f"microbatches ({result['tokens_per_step']} tokens/step), {result['nproc']} workers x 1 "
+        f"torch thread on this machine's cores; SIGKILL every {result['interval_s']:g} s, "
+        f"{result['failures']} failures; torchrun saves every {result['ckpt_every']} steps"))
+    for col in ("mode", "processes", "workers start->end (mean)", "failures", "wall s", "steps",
+                "eff steps/s", "tokens/s", "vs ckpt-restart", "vs failure-free x workers",
+                "kill->next step s (median)", "recomputed steps"):
+        table.add_column(col, overflow="fold")
+    for r in result["modes"].values():
+        gaps = r.get("kill_to_next_step_s") or []
+        status = "" if r.get("completed") else (" TIMED OUT" if r["timed_out"] else f" rc {r['rc']}")
+        table.add_row(
+            r["label"], r["processes"],
+            f"{r.get('workers_start', '-')}->{r.get('workers_end', '-')} "
+            f"({_f(r.get('mean_workers'), '.2f')})",
+            str(r["failures"]), _f(r.get("wall_s"), ".1f"),
+            f"{r['final_step']}/{result['steps']}{status}",
+            _f(r["eff_steps_s"], ".3f"), _f(r["tokens_s"], ",.0f"),
+            _f(r.get("vs_restart"), ".2f") + "x" if r.get("vs_restart") else "-",
+            _f(r.get("vs_clean_scaled"), ".2f") + "x" if r.get("vs_clean_scaled") else "-",
+            _f(statistics.median(gaps), ".1f") if gaps else "-",
+            str(r.get("steps_recomputed", "-")))
+    console.print(table)
+    shrink = result["modes"].get("shrink", {})
+    goals = result["goals"]
+    if "vs_restart" in shrink:
+        console.print(f"ReCoVer vs checkpoint-restart: {shrink['vs_restart']:.2f}x "
+                      f"(goal >= {goals['shrink_vs_restart']}x)")
+    if "vs_clean_scaled" in shrink:
+        console.print(f"ReCoVer vs failure-free x mean surviving workers / {result['nproc']}: "
+                      f"{shrink['vs_clean_scaled']:.2f}x (goal >= {goals['shrink_vs_clean_scaled']}x)")
+    for mode, r in result["modes"].items():
+        if "restarts" in r:
+            rs = r["restarts"]
+            console.print(f"{mode}: restart attempts {rs['attempts']}, without a completed step "
+                          f"{rs['attempts_without_a_step']}, resumed from steps {rs['resumed_from']}, "
+                          f"'Connection refused' lines {rs['connection_refused_lines']}, "
+                          f"timeout lines {rs['timeout_lines']}")
+
+
+def plot_progress(result: dict, path: Path) -> None:
+    """Completed step over wall time since launch, one line per mode, its kills as dashed
+    vertical lines of the same colour; below it, the number of training workers."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, aw) = plt.subplots(2, 1, figsize=(10, 7), sharex=True,
+                                 gridspec_kw={"height_ratios": [3, 1]})
+    for mode, r in result["modes"].items():
+        pts = r["progress"]
+        if not pts:
+            continue
+        c = COLORS.get(mode, "black")
+        t, s, w = zip(*pts)
+        rate = f"{r['eff_steps_s']:.3f} steps/s" if r.get("eff_steps_s") else "no progress"
+        ax.plot(t, s, color=c, lw=1.6, label=f"{r['label']} ({rate})")
+        aw.step(t, w, where="post", color=c, lw=1.4)
+        for i, k in enumerate(r["kills"]):
+            ax.axvline(k["t_rel"], color=c, ls="--", lw=1, alpha=0.8,
+                       label=f"SIGKILL ({r['label']})" if i == 0 else None)
+    ax.set_ylabel("completed optimizer step")
+    ax.set_title(f"goodput under SIGKILLs: {result['preset']} preset, {result['nproc']} workers, "
+                 f"{result['microbatches']} microbatches/step, kill every {result['interval_s']:g} s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    aw.set_ylabel("training workers")
+    aw.set_xlabel("wall time since launch (s)")
+    aw.set_ylim(0, result["nproc"] + 0.5)
+    aw.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
