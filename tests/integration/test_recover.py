@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from safetensors.torch import load_file
-
 from jobs import run
+from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.integration]
 STEPS, M = 12, 8
