@@ -11,6 +11,8 @@ run one after another in one invocation:
            the last checkpoint (what users run today)
 - restart-clean (optional): the torchrun job without faults, to separate the frameworks'
            failure-free speed from what failures cost
+- restart-env (optional): `restart` with a plain `init_process_group("gloo")`, which on
+           torch 2.13 fails its restarts on stale gloo addresses (torchrun_baseline.py)
 
 Faults are SIGKILLs of one training worker every `--interval` seconds after the first
 step (see `faults.py`). Effective throughput = failure-free-equivalent optimizer steps per
@@ -31,10 +33,11 @@ from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob, Workload
 from phoenixft.bench.goodput_report import plot_progress, print_table
 from phoenixft.bench.torchrun_baseline import microbatch_tokens
 
-MODES = ("clean", "spares", "shrink", "restart", "restart-clean")
+MODES = ("clean", "spares", "shrink", "restart", "restart-clean", "restart-env")
 LABELS = {"clean": "phoenixft, failure-free", "spares": "phoenixft + warm spares",
           "shrink": "phoenixft ReCoVer (no spare)", "restart": "torchrun ckpt + restart",
-          "restart-clean": "torchrun, failure-free"}
+          "restart-clean": "torchrun, failure-free",
+          "restart-env": "torchrun ckpt + restart, stock init"}
 QUICK = {"preset": "tiny", "steps": 150, "failures": 2, "interval": 5.0, "timeout": 150.0}
 
 
@@ -61,9 +64,10 @@ def register(sub) -> None:
 
 
 def make_job(mode: str, run_dir: Path, work: Workload, args):
-    if mode in ("restart", "restart-clean"):
+    if mode.startswith("restart"):
         return TorchrunJob(run_dir=run_dir, work=work, max_restarts=args.failures,
-                           ckpt_every=args.ckpt_every)
+                           ckpt_every=args.ckpt_every,
+                           init="env" if mode == "restart-env" else "per-attempt")
     launcher = {"clean": [], "spares": ["--spares", str(args.failures)],
                 "shrink": ["--min-nproc", "1"]}[mode]
     return PhoenixJob(run_dir=run_dir, work=work, launcher_args=launcher)
@@ -84,17 +88,21 @@ def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> di
         k["t_rel"] = round(k["t"] - out.t_launch, 3)
     row = {"mode": mode, "label": LABELS[mode], "rc": out.rc, "timed_out": out.timed_out,
            "failures": len(out.kills), "kills": out.kills,
-           "progress": [[round(s.t - out.t_launch, 3), s.step, s.world_size] for s in steps]}
+           "progress": [[round(s.t - out.t_launch, 3), s.step, s.world_size, s.epoch] for s in steps]}
     if len(steps) < 2:
         return {**row, "completed": False, "final_step": steps[-1].step if steps else 0,
                 "eff_steps_s": 0.0, "tokens_s": 0.0}
     first, last = steps[0], steps[-1]
-    wall = last.t - first.t
-    mean_workers = sum((b.t - a.t) * b.world_size for a, b in zip(steps, steps[1:])) / wall
+    completed = last.step == work.steps
+    # A job that never finished is charged for all the time it had, not just until its
+    # last step (a hung restart makes no progress but still holds the machines).
+    wall = (last.t if completed else out.t_exit) - first.t
+    mean_workers = (sum((b.t - a.t) * b.world_size for a, b in zip(steps, steps[1:]))
+                    + (wall - (last.t - first.t)) * last.world_size) / wall
     eff = (last.step - first.step) / wall
     seen = [s.step for s in steps]
     after = [_kill_to_next_step(k, steps) for k in out.kills]
-    return {**row, "completed": last.step == work.steps, "final_step": last.step,
+    return {**row, "completed": completed, "final_step": last.step,
             "workers_start": first.world_size, "workers_end": last.world_size,
             "mean_workers": mean_workers, "wall_s": wall, "launch_to_end_s": last.t - out.t_launch,
             "first_step_after_launch_s": first.t - out.t_launch,
@@ -136,7 +144,7 @@ def cmd_goodput(args) -> int:
     extra: dict[str, dict] = {}
     t0 = time.time()
     for mode in modes:
-        cfg = FaultConfig(failures=0 if mode.endswith("clean") else args.failures,
+        cfg = FaultConfig(failures=0 if mode in ("clean", "restart-clean") else args.failures,
                           interval_s=args.interval, timeout_s=args.timeout, seed=args.seed)
         job = make_job(mode, root / mode, work, args)
         print(f"[goodput] {mode}: {' '.join(job.argv())}", flush=True)

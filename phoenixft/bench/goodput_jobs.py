@@ -106,18 +106,20 @@ class TorchrunJob:
     work: Workload
     max_restarts: int
     ckpt_every: int
+    init: str = "per-attempt"  # see torchrun_baseline.init_process_group
     pg_timeout_s: float = 60.0
+    port: int = field(default_factory=_free_port)
     tree: ProcessTree | None = None
     events: list[dict] = field(default_factory=list)
 
     def argv(self) -> list[str]:
-        # --standalone's c10d rendezvous, but bound to loopback on a port chosen here.
+        # torchrun's default (static) rendezvous, its store on loopback at a free port.
         return [sys.executable, "-m", "torch.distributed.run",
                 "--nproc-per-node", str(self.work.nproc), "--max-restarts", str(self.max_restarts),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                "--master-addr", "127.0.0.1", "--master-port", str(self.port),
                 str(BASELINE), *self.work.script_args(), "--ckpt-every", str(self.ckpt_every),
                 "--ckpt", str(self.run_dir / "ckpt.pt"), "--events", str(self.run_dir / "events.jsonl"),
-                "--pg-timeout", str(self.pg_timeout_s)]
+                "--init", self.init, "--pg-timeout", str(self.pg_timeout_s)]
 
     def start(self) -> ProcessTree:
         _fresh(self.run_dir)

@@ -59,6 +59,16 @@ def print_table(result: dict) -> None:
                           f"timeout lines {rs['timeout_lines']}")
 
 
+def _segments(pts: list[list]) -> list[list[list]]:
+    """Split [t, step, workers, epoch] points where the epoch changes."""
+    out: list[list[list]] = []
+    for p in pts:
+        if not out or out[-1][-1][3] != p[3]:
+            out.append([])
+        out[-1].append(p)
+    return out
+
+
 def plot_progress(result: dict, path: Path) -> None:
     """Completed step over wall time since launch, one line per mode, its kills as dashed
     vertical lines of the same colour; below it, the number of training workers."""
@@ -73,10 +83,12 @@ def plot_progress(result: dict, path: Path) -> None:
         if not pts:
             continue
         c = COLORS.get(mode, "black")
-        t, s, w = zip(*pts)
         rate = f"{r['eff_steps_s']:.3f} steps/s" if r.get("eff_steps_s") else "no progress"
-        ax.plot(t, s, color=c, lw=1.6, label=f"{r['label']} ({rate})")
-        aw.step(t, w, where="post", color=c, lw=1.4)
+        # One segment per generation / restart attempt, so a restart shows as a gap.
+        for i, seg in enumerate(_segments(pts)):
+            t, s, w = [p[0] for p in seg], [p[1] for p in seg], [p[2] for p in seg]
+            ax.plot(t, s, color=c, lw=1.6, label=f"{r['label']} ({rate})" if i == 0 else None)
+            aw.step(t, w, where="post", color=c, lw=1.4)
         for i, k in enumerate(r["kills"]):
             ax.axvline(k["t_rel"], color=c, ls="--", lw=1, alpha=0.8,
                        label=f"SIGKILL ({r['label']})" if i == 0 else None)

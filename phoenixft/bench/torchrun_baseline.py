@@ -66,6 +66,22 @@ def save_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
     os.replace(tmp, path)
 
 
+def init_process_group(how: str, rank: int, world: int, attempt: int, timeout: timedelta) -> None:
+    """`env`: `init_process_group("gloo")` as users write it. On torch 2.13 a restarted
+    group then reads the previous attempt's gloo addresses, left under the same keys in
+    torchrun's store, and fails with "Connection refused" (each failed attempt uses up a
+    restart). `per-attempt`: the same store under a prefix per restart attempt, the fix a
+    user finds after hitting that, so that the baseline measures checkpoint-and-restart
+    rather than that bug."""
+    if how == "env":
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt/{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100)
@@ -77,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--init", default="env", choices=["env", "per-attempt"],
+                    help="how the process group finds its peers (see init_process_group)")
     ap.add_argument("--pg-timeout", type=float, default=60.0,
                     help="process-group timeout in seconds (gloo's default of 30 min turns a "
                          "hung restart into a hung job)")
@@ -90,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log = EventLog(args.events, rank=rank, attempt=attempt)
     t_launch = log.emit("start", pid=os.getpid(), world_size=world)["t"]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    init_process_group(args.init, rank, world, attempt, timedelta(seconds=args.pg_timeout))
 
     cfg = preset(args.preset)
     torch.manual_seed(args.seed)
