@@ -98,7 +98,8 @@ class Agent:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.events = EventLog(self.run_dir / "events.jsonl", node=cfg.node_rank)
+        self.events = EventLog(self.run_dir / "events.jsonl" if cfg.node_rank == 0 else None,
+                               node=cfg.node_rank)
         self.procs: dict[str, _Proc] = {}
         self.leader: Leader | None = None
         self._server = None
@@ -184,6 +185,8 @@ class Agent:
         if cfg.node_rank == 0:
             self._set_aside_previous_run()
         store = self._open_store()
+        if cfg.node_rank != 0:  # only once node 0 has set the last run aside
+            self.events = EventLog(self.run_dir / "events.jsonl", node=cfg.node_rank)
         job = store.get("job_id").decode()
         self.shm_dir = Path("/dev/shm") / f"phoenixft-{job}" / f"n{cfg.node_rank}"
         self.shm_dir.mkdir(parents=True, exist_ok=True)
@@ -238,7 +241,7 @@ class Agent:
         """A reused run dir: move the last run's files into previous/ rather than mixing
         two runs in one events.jsonl (nothing is deleted)."""
         old = [self.run_dir / n for n in ("events.jsonl", "status.json", "summary.json", "model")]
-        if not any(p.exists() for p in old):
+        if not any(p.exists() and (p.is_dir() or p.stat().st_size) for p in old):
             return
         dest = self.run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
         dest.mkdir(parents=True, exist_ok=True)
