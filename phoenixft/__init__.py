@@ -10,7 +10,7 @@ import importlib
 __version__ = "0.1.0"
 _EXPORTS = {
     "Session": "phoenixft.train.session",
-    "Step": "phoenixft.train.session",
+    "Step": "phoenixft.train.step",
     "JobAborted": "phoenixft.train.session",
     "SessionConfig": "phoenixft.train.config",
     "state_digest": "phoenixft.train.digest",

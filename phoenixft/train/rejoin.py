@@ -29,9 +29,10 @@ from phoenixft.checkpoint.restore import gather_resharded, restore_snapshot
 from phoenixft.checkpoint.snapshot import commit_key
 from phoenixft.comm.collectives import wait_work
 from phoenixft.train import quota
+from phoenixft.train.step import Step
 
 if TYPE_CHECKING:
-    from phoenixft.train.session import Session, Step
+    from phoenixft.train.session import Session
 
 
 def _allreduce(sess: Session, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -112,8 +113,6 @@ def _resharded(sess: Session, t: int, old_gen: int, old_world: int) -> str:
 
 def _resume_step(sess: Session, index: int, in_flight: Step | None, old_world: int) -> Step:
     """Hand the interrupted step's unfinished microbatch ids to the new members."""
-    from phoenixft.train.session import Step
-
     m_step = sess._m_for(old_world)
     done = torch.zeros(m_step)
     if in_flight is not None:
