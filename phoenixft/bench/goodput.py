@@ -25,6 +25,7 @@ the time-weighted mean number of surviving workers.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -47,12 +48,12 @@ def register(sub) -> None:
     p.add_argument("--modes", default="clean,spares,shrink,restart",
                    help=f"comma-separated, run in this order; from {', '.join(MODES)}")
     p.add_argument("--preset", default="small", choices=["tiny", "small", "ref"])
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=70)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step, all ranks")
     p.add_argument("--failures", type=int, default=3, help="SIGKILLs per faulted mode; also the "
                    "spares of `spares` and torchrun's --max-restarts")
-    p.add_argument("--interval", type=float, default=25.0, help="seconds between SIGKILLs")
+    p.add_argument("--interval", type=float, default=20.0, help="seconds between SIGKILLs")
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: steps per torch.save")
     p.add_argument("--timeout", type=float, default=400.0, help="wall-clock limit per mode, seconds")
     p.add_argument("--seed", type=int, default=0, help="which ranks die (and the data seed)")
@@ -97,18 +98,28 @@ def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> di
     # A job that never finished is charged for all the time it had, not just until its
     # last step (a hung restart makes no progress but still holds the machines).
     wall = (last.t if completed else out.t_exit) - first.t
-    mean_workers = (sum((b.t - a.t) * b.world_size for a, b in zip(steps, steps[1:]))
-                    + (wall - (last.t - first.t)) * last.world_size) / wall
+    mean_workers = _time_mean(steps, wall, lambda w: w)
+    # Workers beyond the core count share cores: the compute a job can use is min(W, cores).
+    cores = os.cpu_count() or 1
+    mean_cores = _time_mean(steps, wall, lambda w: min(w, cores))
     eff = (last.step - first.step) / wall
     seen = [s.step for s in steps]
     after = [_kill_to_next_step(k, steps) for k in out.kills]
     return {**row, "completed": completed, "final_step": last.step,
             "workers_start": first.world_size, "workers_end": last.world_size,
-            "mean_workers": mean_workers, "wall_s": wall, "launch_to_end_s": last.t - out.t_launch,
+            "mean_workers": mean_workers, "mean_cores_in_use": mean_cores,
+            "wall_s": wall, "launch_to_end_s": last.t - out.t_launch,
             "first_step_after_launch_s": first.t - out.t_launch,
             "eff_steps_s": eff, "tokens_s": eff * tokens_per_step,
             "steps_recomputed": len(seen) - len(set(seen)),
             "kill_to_next_step_s": [a for a in after if a is not None]}
+
+
+def _time_mean(steps, wall: float, f) -> float:
+    """Time-weighted mean of f(world size) from the first step over `wall` seconds (the last
+    world size holds until the end of `wall`)."""
+    total = sum((b.t - a.t) * f(b.world_size) for a, b in zip(steps, steps[1:]))
+    return (total + (wall - (steps[-1].t - steps[0].t)) * f(steps[-1].world_size)) / wall
 
 
 def _kill_to_next_step(kill: dict, steps) -> float | None:
@@ -125,6 +136,8 @@ def compare(rows: dict[str, dict], nproc: int) -> None:
             r["vs_restart"] = r["eff_steps_s"] / base
         if ref and r.get("mean_workers"):
             r["vs_clean_scaled"] = r["eff_steps_s"] / (ref * r["mean_workers"] / nproc)
+            full = rows["clean"]["mean_cores_in_use"]
+            r["vs_clean_scaled_by_cores"] = r["eff_steps_s"] / (ref * r["mean_cores_in_use"] / full)
 
 
 def cmd_goodput(args) -> int:
@@ -142,7 +155,7 @@ def cmd_goodput(args) -> int:
     root = Path(args.out).parent / "goodput-runs"
     rows: dict[str, dict] = {}
     extra: dict[str, dict] = {}
-    t0 = time.time()
+    t0, load_before = time.time(), os.getloadavg()
     for mode in modes:
         cfg = FaultConfig(failures=0 if mode in ("clean", "restart-clean") else args.failures,
                           interval_s=args.interval, timeout_s=args.timeout, seed=args.seed)
@@ -164,6 +177,8 @@ def cmd_goodput(args) -> int:
     result = {"benchmark": "goodput", "preset": args.preset, "steps": args.steps,
               "nproc": args.nproc, "microbatches": args.microbatches,
               "tokens_per_step": tokens_per_step, "threads_per_worker": 1,
+              "cpu_count": os.cpu_count(), "loadavg_before": load_before,
+              "loadavg_after": os.getloadavg(),
               "failures": args.failures, "interval_s": args.interval,
               "ckpt_every": args.ckpt_every, "seed": args.seed,
               "goals": {"shrink_vs_restart": 2.23, "shrink_vs_clean_scaled": 0.9},

@@ -21,7 +21,7 @@ def print_table(result: dict) -> None:
     table = Table(title=(
         f"goodput: {result['preset']} preset, {result['steps']} steps x {result['microbatches']} "
         f"microbatches ({result['tokens_per_step']} tokens/step), {result['nproc']} workers x 1 "
-        f"torch thread on this machine's cores; SIGKILL every {result['interval_s']:g} s, "
+        f"torch thread on {result['cpu_count']} cores; SIGKILL every {result['interval_s']:g} s, "
         f"{result['failures']} failures; torchrun saves every {result['ckpt_every']} steps"))
     for col in ("mode", "processes", "workers start->end (mean)", "failures", "wall s", "steps",
                 "eff steps/s", "tokens/s", "vs ckpt-restart", "vs failure-free x workers",
@@ -42,6 +42,10 @@ def print_table(result: dict) -> None:
             _f(statistics.median(gaps), ".1f") if gaps else "-",
             str(r.get("steps_recomputed", "-")))
     console.print(table)
+    console.print("wall s and eff steps/s: from the first completed step to the last (start-up "
+                  "excluded, paid once per job); load average before/after "
+                  f"{result['loadavg_before'][0]:.2f}/{result['loadavg_after'][0]:.2f} "
+                  "(other processes on the machine skew the figures)")
     shrink = result["modes"].get("shrink", {})
     goals = result["goals"]
     if "vs_restart" in shrink:
@@ -49,7 +53,9 @@ def print_table(result: dict) -> None:
                       f"(goal >= {goals['shrink_vs_restart']}x)")
     if "vs_clean_scaled" in shrink:
         console.print(f"ReCoVer vs failure-free x mean surviving workers / {result['nproc']}: "
-                      f"{shrink['vs_clean_scaled']:.2f}x (goal >= {goals['shrink_vs_clean_scaled']}x)")
+                      f"{shrink['vs_clean_scaled']:.2f}x (goal >= {goals['shrink_vs_clean_scaled']}x); "
+                      f"scaled by the cores its workers could use, min(workers, "
+                      f"{result['cpu_count']}): {shrink['vs_clean_scaled_by_cores']:.2f}x")
     for mode, r in result["modes"].items():
         if "restarts" in r:
             rs = r["restarts"]
@@ -78,17 +84,24 @@ def plot_progress(result: dict, path: Path) -> None:
 
     fig, (ax, aw) = plt.subplots(2, 1, figsize=(10, 7), sharex=True,
                                  gridspec_kw={"height_ratios": [3, 1]})
-    for mode, r in result["modes"].items():
+    modes = list(result["modes"].items())
+    for n, (mode, r) in enumerate(modes):
         pts = r["progress"]
         if not pts:
             continue
         c = COLORS.get(mode, "black")
+        lift = (n - (len(modes) - 1) / 2) * 0.07  # keeps equal worker counts apart
         rate = f"{r['eff_steps_s']:.3f} steps/s" if r.get("eff_steps_s") else "no progress"
         # One segment per generation / restart attempt, so a restart shows as a gap.
         for i, seg in enumerate(_segments(pts)):
             t, s, w = [p[0] for p in seg], [p[1] for p in seg], [p[2] for p in seg]
             ax.plot(t, s, color=c, lw=1.6, label=f"{r['label']} ({rate})" if i == 0 else None)
-            aw.step(t, w, where="post", color=c, lw=1.4)
+            aw.step(t, [x + lift for x in w], where="post", color=c, lw=1.4)
+        if not r.get("completed"):
+            why = "timed out" if r["timed_out"] else f"exit {r['rc']}"
+            ax.plot(pts[-1][0], pts[-1][1], "x", color=c, ms=10, mew=2)
+            ax.annotate(f"job failed ({why})", (pts[-1][0], pts[-1][1]), color=c, fontsize=8,
+                        xytext=(6, -12), textcoords="offset points")
         for i, k in enumerate(r["kills"]):
             ax.axvline(k["t_rel"], color=c, ls="--", lw=1, alpha=0.8,
                        label=f"SIGKILL ({r['label']})" if i == 0 else None)
