@@ -15,17 +15,21 @@ run one after another in one invocation:
            torch 2.13 fails its restarts on stale gloo addresses (torchrun_baseline.py)
 
 Faults are SIGKILLs of one training worker every `--interval` seconds after the first
-step (see `faults.py`). Effective throughput = failure-free-equivalent optimizer steps per
-second of wall time, from the first completed step to the last (start-up is paid once per
-job, failures are paid at a rate; launch-to-end figures are in the JSON as well). Goals:
+step (see `faults.py`); by default the interval is the failure-free run's duration divided
+by failures + 1, so the faults fall at even fractions of the job on any machine.
+Effective throughput = failure-free-equivalent optimizer steps per second of wall time,
+from the first completed step to the last (start-up is paid once per job, failures are
+paid at a rate; launch-to-end figures are in the JSON as well). Goals:
 ReCoVer >= 2.23x checkpoint-and-restart, and >= 0.9x the failure-free throughput scaled by
 the time-weighted mean number of surviving workers.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -35,25 +39,28 @@ from phoenixft.bench.goodput_report import plot_progress, print_table
 from phoenixft.bench.torchrun_baseline import microbatch_tokens
 
 MODES = ("clean", "spares", "shrink", "restart", "restart-clean", "restart-env")
-LABELS = {"clean": "phoenixft, failure-free", "spares": "phoenixft + warm spares",
-          "shrink": "phoenixft ReCoVer (no spare)", "restart": "torchrun ckpt + restart",
-          "restart-clean": "torchrun, failure-free",
-          "restart-env": "torchrun ckpt + restart, stock init"}
-QUICK = {"preset": "tiny", "steps": 150, "failures": 2, "interval": 5.0, "timeout": 150.0}
+LABELS = {"clean": "(d) phoenixft failure-free", "spares": "(a) phoenixft warm spares",
+          "shrink": "(b) phoenixft ReCoVer", "restart": "(c) torchrun ckpt+restart",
+          "restart-clean": "torchrun failure-free",
+          "restart-env": "torchrun ckpt+restart, stock init"}
+QUICK = {"preset": "tiny", "steps": 150, "failures": 2, "timeout": 150.0}
 
 
 def register(sub) -> None:
     p = sub.add_parser("goodput", help="effective throughput under SIGKILLs: spares, ReCoVer "
-                                       "shrink, torchrun checkpoint-restart, failure-free")
+                                       "shrink, torchrun checkpoint-restart, failure-free",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="clean,spares,shrink,restart",
                    help=f"comma-separated, run in this order; from {', '.join(MODES)}")
     p.add_argument("--preset", default="small", choices=["tiny", "small", "ref"])
-    p.add_argument("--steps", type=int, default=70)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step, all ranks")
     p.add_argument("--failures", type=int, default=3, help="SIGKILLs per faulted mode; also the "
                    "spares of `spares` and torchrun's --max-restarts")
-    p.add_argument("--interval", type=float, default=20.0, help="seconds between SIGKILLs")
+    p.add_argument("--interval", type=float, default=None,
+                   help="seconds between SIGKILLs (default: the failure-free run's duration / "
+                        "(failures + 1), so the faults fall at even fractions of it)")
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: steps per torch.save")
     p.add_argument("--timeout", type=float, default=400.0, help="wall-clock limit per mode, seconds")
     p.add_argument("--seed", type=int, default=0, help="which ranks die (and the data seed)")
@@ -75,11 +82,12 @@ def make_job(mode: str, run_dir: Path, work: Workload, args):
 
 
 def processes(mode: str, args) -> str:
+    """Worker processes besides the launcher (phoenixft's agent or torchrun's)."""
     if mode == "spares":
-        return f"1 agent + {args.nproc} workers + {args.failures} spares"
+        return f"{args.nproc} + {args.failures} spares"
     if mode.startswith("restart"):
-        return f"torchrun + {args.nproc} workers (respawned per restart)"
-    return f"1 agent + {args.nproc} workers"
+        return f"{args.nproc}, new ones per restart"
+    return str(args.nproc)
 
 
 def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> dict:
@@ -104,6 +112,7 @@ def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> di
     mean_cores = _time_mean(steps, wall, lambda w: min(w, cores))
     eff = (last.step - first.step) / wall
     seen = [s.step for s in steps]
+    gaps = [b.t - a.t for a, b in zip(steps, steps[1:]) if b.epoch == a.epoch and b.step == a.step + 1]
     after = [_kill_to_next_step(k, steps) for k in out.kills]
     return {**row, "completed": completed, "final_step": last.step,
             "workers_start": first.world_size, "workers_end": last.world_size,
@@ -112,6 +121,7 @@ def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> di
             "first_step_after_launch_s": first.t - out.t_launch,
             "eff_steps_s": eff, "tokens_s": eff * tokens_per_step,
             "steps_recomputed": len(seen) - len(set(seen)),
+            "median_step_s": statistics.median(gaps) if gaps else None,
             "kill_to_next_step_s": [a for a in after if a is not None]}
 
 
@@ -140,46 +150,69 @@ def compare(rows: dict[str, dict], nproc: int) -> None:
             r["vs_clean_scaled_by_cores"] = r["eff_steps_s"] / (ref * r["mean_cores_in_use"] / full)
 
 
+def _modes(args) -> list[str]:
+    """The modes to run, `clean` first when it sets the fault interval."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"phoenixft bench goodput: unknown modes {bad}; choose from {MODES}")
+    if args.failures >= args.nproc and "shrink" in modes:
+        raise SystemExit(f"phoenixft bench goodput: --failures {args.failures} needs more than "
+                         f"--nproc {args.nproc} workers (shrink keeps one survivor)")
+    if args.interval is None:
+        if "clean" not in modes:
+            raise SystemExit("phoenixft bench goodput: give --interval, or run the `clean` mode "
+                             "that sets it")
+        modes = ["clean"] + [m for m in modes if m != "clean"]
+    return modes
+
+
+def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
+             tokens_per_step: int) -> dict:
+    """Run one mode in its own process tree and measure it."""
+    cfg = FaultConfig(failures=0 if mode in ("clean", "restart-clean") else args.failures,
+                      interval_s=interval_s, timeout_s=args.timeout, seed=args.seed)
+    job = make_job(mode, root / mode, work, args)
+    print(f"[goodput] {mode}: {' '.join(job.argv())}", flush=True)
+    out = drive(job, cfg)
+    r = measure(mode, out, work, tokens_per_step)
+    r.update(processes=processes(mode, args), run_dir=str(root / mode), loadavg_1m=os.getloadavg()[0])
+    if isinstance(job, TorchrunJob):
+        r["restarts"] = job.restart_report()
+    else:
+        r["recoveries"] = job.summary().get("recoveries", [])
+    print(f"[goodput] {mode}: rc {r['rc']}, step {r['final_step']}/{args.steps}, "
+          f"{len(r['kills'])} kills, {r.get('wall_s', float('nan')):.1f} s", flush=True)
+    return r
+
+
 def cmd_goodput(args) -> int:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or args.failures >= args.nproc and "shrink" in modes:
-        raise SystemExit(f"phoenixft bench goodput: unknown modes {bad} or --failures "
-                         f"{args.failures} >= --nproc {args.nproc} (shrink needs a survivor)")
+    modes = _modes(args)
     work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches,
                     nproc=args.nproc, seed=args.seed)
     tokens_per_step = args.microbatches * microbatch_tokens(args.preset)
     root = Path(args.out).parent / "goodput-runs"
     rows: dict[str, dict] = {}
-    extra: dict[str, dict] = {}
+    interval = args.interval
     t0, load_before = time.time(), os.getloadavg()
     for mode in modes:
-        cfg = FaultConfig(failures=0 if mode in ("clean", "restart-clean") else args.failures,
-                          interval_s=args.interval, timeout_s=args.timeout, seed=args.seed)
-        job = make_job(mode, root / mode, work, args)
-        print(f"[goodput] {mode}: {' '.join(job.argv())}", flush=True)
-        out = drive(job, cfg)
-        rows[mode] = measure(mode, out, work, tokens_per_step)
-        rows[mode]["processes"] = processes(mode, args)
-        rows[mode]["run_dir"] = str(root / mode)
-        if isinstance(job, TorchrunJob):
-            extra[mode] = rows[mode]["restarts"] = job.restart_report()
-        else:
-            s = job.summary()
-            rows[mode]["recoveries"] = s.get("recoveries", [])
-        r = rows[mode]
-        print(f"[goodput] {mode}: rc {r['rc']}, step {r['final_step']}/{args.steps}, "
-              f"{len(r['kills'])} kills, {r.get('wall_s', float('nan')):.1f} s", flush=True)
+        rows[mode] = run_mode(mode, work, args, interval or 1.0, root, tokens_per_step)
+        if interval is None:  # faults at 1/(F+1), 2/(F+1), ... of the failure-free run
+            interval = rows["clean"].get("wall_s", 0.0) / (args.failures + 1)
+            if interval <= 0:
+                raise SystemExit("phoenixft bench goodput: the clean run failed; see "
+                                 f"{rows['clean']['run_dir']}")
+            print(f"[goodput] SIGKILL interval: {interval:.1f} s", flush=True)
     compare(rows, args.nproc)
     result = {"benchmark": "goodput", "preset": args.preset, "steps": args.steps,
               "nproc": args.nproc, "microbatches": args.microbatches,
               "tokens_per_step": tokens_per_step, "threads_per_worker": 1,
               "cpu_count": os.cpu_count(), "loadavg_before": load_before,
-              "loadavg_after": os.getloadavg(),
-              "failures": args.failures, "interval_s": args.interval,
+              "loadavg_after": os.getloadavg(), "failures": args.failures,
+              "interval_s": interval, "interval_auto": args.interval is None,
               "ckpt_every": args.ckpt_every, "seed": args.seed,
               "goals": {"shrink_vs_restart": 2.23, "shrink_vs_clean_scaled": 0.9},
               "modes": rows, "bench_wall_s": time.time() - t0}

@@ -17,16 +17,18 @@ def _f(x: float | None, fmt: str) -> str:
 
 
 def print_table(result: dict) -> None:
-    console = Console(width=max(Console().width, 160))
+    console = Console(width=max(Console().width, 170))
     table = Table(title=(
         f"goodput: {result['preset']} preset, {result['steps']} steps x {result['microbatches']} "
-        f"microbatches ({result['tokens_per_step']} tokens/step), {result['nproc']} workers x 1 "
-        f"torch thread on {result['cpu_count']} cores; SIGKILL every {result['interval_s']:g} s, "
+        f"microbatches ({result['tokens_per_step']} tokens/step); each mode: 1 launcher process "
+        f"+ worker processes x 1 torch thread, on {result['cpu_count']} cores; "
+        f"SIGKILL every {result['interval_s']:.1f} s"
+        f"{' (auto)' if result.get('interval_auto') else ''}, "
         f"{result['failures']} failures; torchrun saves every {result['ckpt_every']} steps"))
-    for col in ("mode", "processes", "workers start->end (mean)", "failures", "wall s", "steps",
-                "eff steps/s", "tokens/s", "vs ckpt-restart", "vs failure-free x workers",
-                "kill->next step s (median)", "recomputed steps"):
-        table.add_column(col, overflow="fold")
+    for col in ("mode", "worker processes", "workers start->end (mean)", "failures", "wall s",
+                "steps", "eff steps/s", "tokens/s", "vs ckpt+restart", "vs failure-free x workers",
+                "kill->next step s (median)", "steps redone", "load 1m"):
+        table.add_column(col, overflow="fold", no_wrap=col == "mode")
     for r in result["modes"].values():
         gaps = r.get("kill_to_next_step_s") or []
         status = "" if r.get("completed") else (" TIMED OUT" if r["timed_out"] else f" rc {r['rc']}")
@@ -40,7 +42,7 @@ def print_table(result: dict) -> None:
             _f(r.get("vs_restart"), ".2f") + "x" if r.get("vs_restart") else "-",
             _f(r.get("vs_clean_scaled"), ".2f") + "x" if r.get("vs_clean_scaled") else "-",
             _f(statistics.median(gaps), ".1f") if gaps else "-",
-            str(r.get("steps_recomputed", "-")))
+            str(r.get("steps_recomputed", "-")), _f(r.get("loadavg_1m"), ".1f"))
     console.print(table)
     console.print("wall s and eff steps/s: from the first completed step to the last (start-up "
                   "excluded, paid once per job); load average before/after "
@@ -59,7 +61,10 @@ def print_table(result: dict) -> None:
     for mode, r in result["modes"].items():
         if "restarts" in r:
             rs = r["restarts"]
-            console.print(f"{mode}: restart attempts {rs['attempts']}, without a completed step "
+            every = (f"{result['ckpt_every'] * r['median_step_s']:.1f} s"
+                     if r.get("median_step_s") else "-")
+            console.print(f"{mode}: checkpoint every {result['ckpt_every']} steps = {every} of "
+                          f"training; restart attempts {rs['attempts']}, without a completed step "
                           f"{rs['attempts_without_a_step']}, resumed from steps {rs['resumed_from']}, "
                           f"'Connection refused' lines {rs['connection_refused_lines']}, "
                           f"timeout lines {rs['timeout_lines']}")
@@ -107,7 +112,7 @@ def plot_progress(result: dict, path: Path) -> None:
                        label=f"SIGKILL ({r['label']})" if i == 0 else None)
     ax.set_ylabel("completed optimizer step")
     ax.set_title(f"goodput under SIGKILLs: {result['preset']} preset, {result['nproc']} workers, "
-                 f"{result['microbatches']} microbatches/step, kill every {result['interval_s']:g} s")
+                 f"{result['microbatches']} microbatches/step, kill every {result['interval_s']:.1f} s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     aw.set_ylabel("training workers")

@@ -16,7 +16,7 @@ def test_goodput_smoke(tmp_path):
     goodput.register(parser.add_subparsers())
     out, plot = tmp_path / "goodput.json", tmp_path / "goodput.png"
     args = parser.parse_args([
-        "goodput", "--modes", "shrink,restart", "--preset", "tiny", "--steps", "40",
+        "goodput", "--modes", "shrink,restart", "--preset", "tiny", "--steps", "30",
         "--failures", "1", "--interval", "1", "--ckpt-every", "10", "--timeout", "90",
         "--out", str(out), "--plot", str(plot)])
 
@@ -25,7 +25,7 @@ def test_goodput_smoke(tmp_path):
     result = json.loads(out.read_text())
     shrink, restart = result["modes"]["shrink"], result["modes"]["restart"]
     for r in (shrink, restart):
-        assert r["completed"] and r["final_step"] == 40
+        assert r["completed"] and r["final_step"] == 30
         assert r["failures"] == 1 and len(r["kill_to_next_step_s"]) == 1
         assert r["eff_steps_s"] > 0 and r["tokens_s"] == pytest.approx(
             r["eff_steps_s"] * result["tokens_per_step"])
