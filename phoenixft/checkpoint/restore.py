@@ -50,7 +50,7 @@ def restore_snapshot(pg: dist.ProcessGroup, *, rank: int, world_size: int, step:
                      generation: int | None = None) -> tuple[SlotFile, dict, str]:
     """Collective. Returns (slot, verified header, source) for this member's rank,
     where source is "local_snapshot", "local_replica" or "peer_memory" (sent by a peer)."""
-    copies, table = _copy_table(pg, shm_dir, world_size, world_size, step, generation,
+    copies, table = copy_table(pg, shm_dir, world_size, world_size, step, generation,
                                 interrupt, timeout_s)
     senders: dict[int, int] = {}
     for r in range(world_size):
@@ -88,7 +88,7 @@ def restore_snapshot(pg: dist.ProcessGroup, *, rank: int, world_size: int, step:
 
 
 
-def _copy_table(pg, shm_dir, world_size: int, old_world: int, step: int, generation,
+def copy_table(pg, shm_dir, world_size: int, old_world: int, step: int, generation,
                 interrupt: Interrupt, timeout_s: float):
     """Which member's node holds a verified copy of which old rank's snapshot."""
     copies = {r: local_copy(shm_dir, r, step, generation) for r in range(old_world)}
@@ -106,7 +106,7 @@ def gather_resharded(pg: dist.ProcessGroup, *, rank: int, world_size: int, old_w
     step t (all `old_world` shards concatenated, per entry name) so it can cut its new
     shard. Each old shard comes from the lowest member holding a verified copy, broadcast
     to all. Returns (full tensors by entry name, header of old rank 0)."""
-    copies, table = _copy_table(pg, shm_dir, world_size, old_world, step, generation,
+    copies, table = copy_table(pg, shm_dir, world_size, old_world, step, generation,
                                 interrupt, timeout_s)
     parts: dict[str, list[torch.Tensor]] = {}
     header0: dict = {}

@@ -24,9 +24,12 @@ import random
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from phoenixft.checkpoint.restore import gather_resharded, restore_snapshot
+from phoenixft.checkpoint.restore import copy_table, gather_resharded, restore_snapshot
 from phoenixft.checkpoint.snapshot import commit_key
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.store import Keys
 from phoenixft.comm.collectives import wait_work
 from phoenixft.train import quota
 from phoenixft.train.step import Step
@@ -40,10 +43,41 @@ def _allreduce(sess: Session, t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
-def restore(sess: Session, t: int, in_flight: Step | None, new_member: bool) -> tuple[str, Step | None]:
+def restore_point(sess: Session, new_member: bool) -> tuple[int, int, int]:
+    """Collective: the step every member restores, with the world size and generation
+    that wrote its snapshots. -1 = nothing committed yet (a fresh start).
+
+    Normally the newest committed step. But when every survivor stands at the same step s
+    past it (a rank died just after step s, before snapshot s was committed), s is used if
+    a verified copy of every rank's snapshot s exists somewhere: the survivors hold s in
+    memory anyway, and in-step recovery then keeps the step in flight."""
+    committed = kv.get_int(sess.store, Keys.COMMITTED, -1)
+    gen, world = sess._snap_from
+    mine = -1 if new_member else sess.step
+    vec = torch.tensor([committed, mine, -mine if not new_member else -(1 << 40), gen, world],
+                       dtype=torch.int64)
+    wait_work(sess._pg.allreduce([vec], op=dist.ReduceOp.MAX), sess.interrupt,
+              sess.cfg.collective_timeout_s, "agreeing on the restore step")
+    committed, s_max, s_min, gen, world = (int(x) for x in vec)
+    s_min = -s_min
+    if s_max == s_min and s_max > committed and gen >= 0:
+        _, table = copy_table(sess._pg, sess.cfg.shm_dir, sess.world_size, world, s_max, gen,
+                              sess.interrupt, sess.cfg.collective_timeout_s)
+        if bool(table.any(dim=0).all()):
+            if sess.rank == 0:  # every rank's s is verified somewhere: commit it for good
+                kv.raise_to(sess.store, Keys.COMMITTED, s_max)
+                sess.store.set(commit_key(s_max), json.dumps(
+                    {"generation": gen, "world_size": world, "adopted_by": sess.generation}))
+            return s_max, world, gen
+    if committed < 0:
+        return -1, -1, -1
+    info = json.loads(sess.store.get(commit_key(committed)))
+    return committed, info["world_size"], info["generation"]
+
+
+def restore(sess: Session, t: int, in_flight: Step | None, new_member: bool, *,
+            old_world: int, old_gen: int) -> tuple[str, Step | None]:
     """Collective. Returns (restore source, the step to resume inside, or None)."""
-    info = json.loads(sess.store.get(commit_key(t)))
-    old_world, old_gen = info["world_size"], info["generation"]
     keep = (not new_member and in_flight is not None and in_flight.index == t + 1
             and in_flight.phase != "update")
     flags = _allreduce(sess, torch.tensor([float(keep), float(not new_member)]),

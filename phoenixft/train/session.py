@@ -85,6 +85,7 @@ class Session:
         self._dead_groups: list = []
         self._pending: Step | None = None
         self._grow_requested = False
+        self._snap_from = (-1, -1)
         self.m = 0  # microbatches per step (set in setup)
         self.initial_world = 0
         self._snap: Snapshotter | None = None
@@ -251,6 +252,7 @@ class Session:
             copies = 1 + len(replica_holders(self.plan.nodes, 1)[0]) if self.world_size > 1 else 1
             self.events.emit("snapshot_size", bytes_per_slot=nbytes, slots=2, copies=copies,
                              host_bytes_per_rank=2 * copies * nbytes)
+        self._snap_from = (self.generation, self.world_size)  # who wrote snapshot self.step
         self._snap.begin(self.step, tensors, header)
 
     def _finish(self, total: int) -> None:
@@ -352,10 +354,7 @@ class Session:
         self._grad = torch.zeros(self._flat.buf.numel() + max(self.m, self._m_for(self.world_size)) + 3,
                                  dtype=self._flat.dtype, device=dev)
         phases["rep_group"] = time.time() - t0
-        committed = torch.tensor([kv.get_int(self.store, Keys.COMMITTED, -1)], dtype=torch.int64)
-        wait_work(self._pg.broadcast(committed, 0), self.interrupt,
-                  self.cfg.collective_timeout_s, "agreeing on the restore step")
-        restore_step = int(committed)
+        restore_step, old_world, old_gen = rejoin.restore_point(self, new_member=first)
         source = "init"
         self._pending = None
         if restore_step < 0:  # fresh start: everyone takes rank 0's initial parameters
@@ -365,7 +364,8 @@ class Session:
             self._opt.reload_shard_from_params()
             self.step = 0
         else:
-            source, self._pending = rejoin.restore(self, restore_step, in_flight, new_member=first)
+            source, self._pending = rejoin.restore(self, restore_step, in_flight, new_member=first,
+                                                   old_world=old_world, old_gen=old_gen)
         phases["restore"] = time.time() - t0
         holders = replica_holders(plan.nodes, min(self.cfg.replicas, self.world_size - 1))
         self._snap = Snapshotter(
