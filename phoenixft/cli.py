@@ -20,6 +20,7 @@ _COMMANDS = [
 _BENCHES = [
     "phoenixft.bench.overhead",
     "phoenixft.bench.recovery",
+    "phoenixft.bench.goodput",
     "phoenixft.bench.serve",
 ]
 
