@@ -109,7 +109,7 @@ def plot_progress(result: dict, path: Path) -> None:
                         xytext=(6, -12), textcoords="offset points")
         for i, k in enumerate(r["kills"]):
             ax.axvline(k["t_rel"], color=c, ls="--", lw=1, alpha=0.8,
-                       label=f"SIGKILL ({r['label']})" if i == 0 else None)
+                       label=f"SIGKILL, {r['label']}" if i == 0 else None)
     ax.set_ylabel("completed optimizer step")
     ax.set_title(f"goodput under SIGKILLs: {result['preset']} preset, {result['nproc']} workers, "
                  f"{result['microbatches']} microbatches/step, kill every {result['interval_s']:.1f} s")
