@@ -8,7 +8,9 @@ says how to read its progress and find its workers (`Job`); `drive` does the res
 Schedule: fault k (k = 1..n) is due `k * interval_s` after the job's first completed step,
 and is sent only once the job has completed a step since the previous fault's recovery
 (a step of a newer generation or restart attempt). Every job gets n faults *while
-training*, none while it is still restarting, so the modes are compared on equal terms.
+training*, none while it is still restarting. A fault that fell due during a recovery is
+therefore sent right after the first step back: a job whose recovery outlasts the interval
+(torchrun's restarts, at short intervals) loses each restart's work again.
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ def plot_progress(result: dict, path: Path) -> None:
         # One segment per generation / restart attempt, so a restart shows as a gap.
         for i, seg in enumerate(_segments(pts)):
             t, s, w = [p[0] for p in seg], [p[1] for p in seg], [p[2] for p in seg]
-            ax.plot(t, s, color=c, lw=1.6, label=f"{r['label']} ({rate})" if i == 0 else None)
+            ax.plot(t, s, color=c, lw=1.6, marker="o" if len(seg) == 1 else None, ms=4,
+                    label=f"{r['label']} ({rate})" if i == 0 else None)
             aw.step(t, [x + lift for x in w], where="post", color=c, lw=1.4)
         if not r.get("completed"):
             why = "timed out" if r["timed_out"] else f"exit {r['rc']}"
