@@ -32,11 +32,11 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from phoenixft.bench.faults import FaultConfig, Outcome, drive
-from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob, Workload
-from phoenixft.bench.goodput_report import plot_progress, print_table
-from phoenixft.bench.torchrun_baseline import microbatch_tokens
+if TYPE_CHECKING:  # imported where used: `phoenixft --help` must not pay for torch or psutil
+    from phoenixft.bench.faults import Outcome
+    from phoenixft.bench.goodput_jobs import Workload
 
 MODES = ("clean", "spares", "shrink", "restart", "restart-clean", "restart-env")
 LABELS = {"clean": "(d) phoenixft failure-free", "spares": "(a) phoenixft warm spares",
@@ -72,6 +72,8 @@ def register(sub) -> None:
 
 
 def make_job(mode: str, run_dir: Path, work: Workload, args):
+    from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob
+
     if mode.startswith("restart"):
         return TorchrunJob(run_dir=run_dir, work=work, max_restarts=args.failures,
                            ckpt_every=args.ckpt_every,
@@ -170,6 +172,9 @@ def _modes(args) -> list[str]:
 def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
              tokens_per_step: int) -> dict:
     """Run one mode in its own process tree and measure it."""
+    from phoenixft.bench.faults import FaultConfig, drive
+    from phoenixft.bench.goodput_jobs import TorchrunJob
+
     cfg = FaultConfig(failures=0 if mode in ("clean", "restart-clean") else args.failures,
                       interval_s=interval_s, timeout_s=args.timeout, seed=args.seed)
     job = make_job(mode, root / mode, work, args)
@@ -187,6 +192,10 @@ def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
 
 
 def cmd_goodput(args) -> int:
+    from phoenixft.bench.goodput_jobs import Workload
+    from phoenixft.bench.goodput_report import plot_progress, print_table
+    from phoenixft.bench.torchrun_baseline import microbatch_tokens
+
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
