@@ -45,9 +45,11 @@ class HeartbeatSender:
 class HeartbeatMonitor:
     """Tracks when each watched counter last changed; reports the stale ones."""
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: dist.Store, stall_s: float = 1.0) -> None:
         self._store = store
         self._last: dict[str, tuple[int, float]] = {}
+        self._stall_s = stall_s
+        self._last_poll = 0.0
 
     def watch(self, wid: str) -> None:
         self._last.setdefault(wid, (-1, time.monotonic()))
@@ -56,10 +58,17 @@ class HeartbeatMonitor:
         self._last.pop(wid, None)
 
     def poll(self) -> None:
+        """Read the counters. Time the monitor itself did not run (its process starved of
+        CPU, or the store behind it stalled) is not counted as silence: on an overloaded
+        machine that would declare healthy workers hung all at once."""
+        now = time.monotonic()
+        gap = now - self._last_poll if self._last_poll else 0.0
+        self._last_poll = now
+        if gap > self._stall_s:
+            self._last = {w: (n, t + gap) for w, (n, t) in self._last.items()}
         if not self._last:
             return
         wids = list(self._last)
-        now = time.monotonic()
         keys = [Keys.heartbeat(w) for w in wids]
         present = [w for w, k in zip(wids, keys) if self._store.check([k])]
         if not present:
