@@ -200,8 +200,6 @@ class Session:
 
     def _complete(self, st: Step) -> None:
         flat, n, size = self._flat, self._flat.numel, self._flat.buf.numel()
-        if self.cfg.snapshots:  # in-step recovery restores the optimizer from step t
-            self._snap.wait_committed(self.step, self.store)
         g = self._grad[:size + st.m + 3]
         flat.gather_grads(g)
         g[n:].zero_()
