@@ -96,10 +96,6 @@ class SlotFile:
         if total_nbytes > self.capacity:
             self._map(total_nbytes)
 
-    @property
-    def total(self) -> int:
-        return self.capacity
-
     # -- writing -------------------------------------------------------------------
     def begin_write(self, step: int) -> None:
         self.np[0:8] = np.frombuffer(MAGIC, dtype=np.uint8)

@@ -79,7 +79,6 @@ class Leader:
         self._reports_seen = 0
         self._started = time.monotonic()
         self._status_t = 0.0
-        self.finished = False
         self.target_world = 0
 
     # -- start ----------------------------------------------------------------------
@@ -156,7 +155,6 @@ class Leader:
                 self._abort("every rank exited before training finished; see the worker logs "
                             f"in {self.run_dir / 'logs'}")
                 return
-            self.finished = True
             self._publish(Plan(generation=self.plan.generation + 1, kind="done",
                                reason="all ranks finished"))
             return

@@ -122,10 +122,6 @@ def set_json(store: dist.Store, key: str, value: Any) -> None:
     store.set(key, json.dumps(value))
 
 
-def exists(store: dist.Store, key: str) -> bool:
-    return store.check([key])
-
-
 def get_int(store: dist.Store, key: str, default: int) -> int:
     if not store.check([key]):
         return default
