@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from phoenixft.observe.events import read_events
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 PHOENIXFT = [sys.executable, "-m", "phoenixft.cli"]
@@ -63,9 +65,7 @@ def load(run_dir: Path, rc: int, out: str) -> Job:
     job = Job(rc, out, run_dir)
     if (run_dir / "summary.json").exists():
         job.summary = json.loads((run_dir / "summary.json").read_text())
-    if (run_dir / "events.jsonl").exists():
-        job.events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
-                      if line.strip()]
+    job.events = list(read_events(run_dir / "events.jsonl"))
     return job
 
 
