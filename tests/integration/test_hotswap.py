@@ -15,18 +15,18 @@ pytestmark = [pytest.mark.integration]
 STEPS = 16
 
 
-_REFERENCES: dict[int, dict] = {}
+_REFERENCES: dict[tuple[int, int], dict] = {}
 
 
-def failure_free(tmp_path_factory, nproc: int) -> dict:
-    """The same job without failures (run once per world size)."""
-    if nproc not in _REFERENCES:
-        job = run(tmp_path_factory.mktemp(f"ref{nproc}"), "--nproc", str(nproc), steps=STEPS)
+def failure_free(tmp_path_factory, nproc: int, steps: int = STEPS) -> dict:
+    """The same job without failures (run once per world size and length)."""
+    if (nproc, steps) not in _REFERENCES:
+        job = run(tmp_path_factory.mktemp(f"ref{nproc}"), "--nproc", str(nproc), steps=steps)
         assert job.rc == 0, job.out
-        assert job.summary["final_step"] == STEPS
-        assert len(job.summary["losses"]) == STEPS
-        _REFERENCES[nproc] = job.summary
-    return _REFERENCES[nproc]
+        assert job.summary["final_step"] == steps
+        assert len(job.summary["losses"]) == steps
+        _REFERENCES[nproc, steps] = job.summary
+    return _REFERENCES[nproc, steps]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def survivors_kept_pids(job) -> None:
 def same_as_reference(job, reference, failures: int) -> None:
     assert job.rc == 0, job.out[-3000:]
     s = job.summary
-    assert s["final_step"] == STEPS
+    assert s["final_step"] == len(reference["losses"])
     assert s["final_state_digest"] == reference["final_state_digest"]
     assert s["losses"] == reference["losses"]
     assert len(s["failures"]) == failures
@@ -126,16 +126,16 @@ def test_no_spare_left_stops_cleanly(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_two_nodes_worker_killed_then_node_lost(tmp_path, reference):
+def test_two_nodes_worker_killed_then_node_lost(tmp_path, tmp_path_factory, reference):
     from phoenixft.cluster.store import free_port
 
-    def two_nodes(run_dir: Path, node1_args: tuple):
+    def two_nodes(run_dir: Path, node1_args: tuple, steps: int = STEPS):
         addr = f"127.0.0.1:{free_port()}"
         common = ("--nnodes", "2", "--store", addr, "--heartbeat-timeout", "2")
         a0 = start(run_dir, *common, "--node-rank", "0", "--nproc", "1", "--spares", "1",
-                   steps=STEPS)
+                   steps=steps)
         a1 = start(run_dir, *common, "--node-rank", "1", "--nproc", "1", *node1_args,
-                   steps=STEPS)
+                   steps=steps)
         return a0, a1
 
     # 1. a worker on node 1 is killed: the spare on node 0 restores it from the replica
@@ -150,9 +150,12 @@ def test_two_nodes_worker_killed_then_node_lost(tmp_path, reference):
     same_as_reference(job, reference, failures=1)
     assert job.summary["recoveries"][0]["source"] == "local_replica"
 
-    # 2. node 1 lost whole: its agent and worker SIGKILLed, its shared memory deleted
+    # 2. node 1 lost whole: its agent and worker SIGKILLed, its shared memory deleted.
+    # A longer job, so that node 1 is lost while training is under way (with 16 tiny
+    # steps the job could finish between the step-10 line and the kill).
+    long_ref = failure_free(tmp_path_factory, 2, steps=60)
     run_dir = tmp_path / "node"
-    a0, a1 = two_nodes(run_dir, ())
+    a0, a1 = two_nodes(run_dir, (), steps=60)
     try:
         for line in a0.stdout:  # node 0 prints a progress line every 10 steps
             if line.startswith("step") and int(line.split()[1]) >= 10:
@@ -165,7 +168,7 @@ def test_two_nodes_worker_killed_then_node_lost(tmp_path, reference):
     finally:
         kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
     job = load(run_dir, a0.returncode, out0)
-    same_as_reference(job, reference, failures=1)
+    same_as_reference(job, long_ref, failures=1)
     assert shm, "node 1 never reported its shared-memory directory"
     rec = job.summary["recoveries"][0]
     assert rec["rank"] == 1 and rec["kind"] == "hang" and rec["source"] == "local_replica"
