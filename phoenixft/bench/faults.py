@@ -5,12 +5,18 @@ same failures. The faults are real: the benchmark process sends SIGKILL to a tra
 worker's PID, chosen among the workers that are training at that moment. Each job kind
 says how to read its progress and find its workers (`Job`); `drive` does the rest.
 
-Schedule: fault k (k = 1..n) is due `k * interval_s` after the job's first completed step,
-and is sent only once the job has completed a step since the previous fault's recovery
-(a step of a newer generation or restart attempt). Every job gets n faults *while
-training*, none while it is still restarting. A fault that fell due during a recovery is
-therefore sent right after the first step back: a job whose recovery outlasts the interval
-(torchrun's restarts, at short intervals) loses each restart's work again.
+Two schedules:
+- by wall clock (the benchmark's default): fault k (k = 1..n) is due `k * interval_s` after
+  the job's first completed step, and is sent only once the job has completed a step since
+  the previous fault's recovery (a step of a newer generation or restart attempt). Every
+  job gets n faults *while training*, none while it is still restarting. A fault that fell
+  due during a recovery is therefore sent right after the first step back: a job whose
+  recovery outlasts the interval (torchrun's restarts, at short intervals) loses each
+  restart's work again.
+- by step (`at_steps`): fault k fires when the job starts step `at_steps[k]`. The job is
+  told its schedule at launch and the worker SIGKILLs itself at that point, so a fault can
+  never miss the step it was meant for, however fast the job or slow the benchmark
+  process: what tests use, since they must not race the clock.
 """
 
 from __future__ import annotations
@@ -117,26 +123,41 @@ class StepEvent:
     world_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class StepFault:
+    """SIGKILL the worker holding `rank` when it starts `step`, once per job (a restarted
+    job that replays the step does not die again); `index` is its place in the schedule."""
+
+    index: int
+    rank: int
+    step: int
+
+
 class Job(Protocol):
-    """One launched job. `start()` launches it; `new_steps()` returns steps completed since
-    the last call (in order); `victims()` maps rank -> PID of the workers training now
-    (PIDs of this job's own tree only); `events` holds every record read so far."""
+    """One launched job. `start(step_faults)` launches it, telling it the faults it must
+    inject itself; `new_steps()` returns steps completed since the last call (in order);
+    `victims()` maps rank -> PID of the workers training now (PIDs of this job's own tree
+    only); `injected()` lists the self-injected faults that fired, as `Outcome.kills`
+    entries; `events` holds every record read so far."""
 
     tree: ProcessTree | None
     events: list[dict]
 
-    def start(self) -> ProcessTree: ...
+    def start(self, step_faults: list[StepFault]) -> ProcessTree: ...
     def new_steps(self) -> list[StepEvent]: ...
     def victims(self) -> dict[int, int]: ...
+    def injected(self) -> list[dict]: ...
 
 
 @dataclass(kw_only=True, slots=True)
 class FaultConfig:
-    """When to kill. `failures` faults, `interval_s` apart from the first step; the job is
-    killed outright after `timeout_s` of wall time."""
+    """When to kill. `failures` faults, `interval_s` apart from the first step, or at the
+    steps `at_steps` (then `failures` must equal their count); the job is killed outright
+    after `timeout_s` of wall time."""
 
     failures: int = 3
     interval_s: float = 30.0
+    at_steps: tuple[int, ...] = ()
     timeout_s: float = 600.0
     seed: int = 0  # which rank dies at each fault (a seeded choice among the live ones)
     poll_s: float = 0.05
@@ -145,8 +166,23 @@ class FaultConfig:
         if self.failures < 0:
             raise ValueError(f"FaultConfig.failures must be >= 0, got {self.failures}")
         for name in ("interval_s", "timeout_s", "poll_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"FaultConfig.{name} must be > 0, got {getattr(self, name)}")
+            if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
+                raise ValueError(f"FaultConfig.{name} must be a finite number > 0, "
+                                 f"got {getattr(self, name)}")
+        if self.at_steps:
+            if len(self.at_steps) != self.failures:
+                raise ValueError(f"FaultConfig.at_steps has {len(self.at_steps)} steps for "
+                                 f"{self.failures} failures")
+            if any(s < 1 for s in self.at_steps) or list(self.at_steps) != sorted(set(self.at_steps)):
+                raise ValueError(f"FaultConfig.at_steps must be increasing steps >= 1, "
+                                 f"got {list(self.at_steps)}")
+
+    def step_faults(self, nproc: int, shrinking: bool) -> list[StepFault]:
+        """The seeded rank of each step fault: among the ranks that will exist then (a job
+        that shrinks has one rank fewer after each fault)."""
+        rng = random.Random(self.seed)
+        return [StepFault(k, rng.randrange(nproc - k if shrinking else nproc), s)
+                for k, s in enumerate(self.at_steps)]
 
 
 @dataclass(kw_only=True)
@@ -161,12 +197,13 @@ class Outcome:
     t_exit: float = 0.0
 
 
-def drive(job: Job, cfg: FaultConfig) -> Outcome:
-    """Launch `job`, kill its workers on `cfg`'s schedule, wait for its end (or timeout),
-    and always kill whatever is left of its process tree."""
+def drive(job: Job, cfg: FaultConfig, step_faults: list[StepFault] | None = None) -> Outcome:
+    """Launch `job`, kill its workers on `cfg`'s schedule (or let it inject `step_faults`
+    itself), wait for its end (or timeout), and always kill whatever is left of its
+    process tree."""
     rng = random.Random(cfg.seed)
     out = Outcome(t_launch=time.time())
-    tree = job.start()
+    tree = job.start(step_faults or [])
     try:
         while True:
             out.steps += job.new_steps()
@@ -178,13 +215,15 @@ def drive(job: Job, cfg: FaultConfig) -> Outcome:
             if now - out.t_launch > cfg.timeout_s:
                 out.timed_out = True
                 break
-            if out.steps and len(out.kills) < cfg.failures:
+            if not step_faults and out.steps and len(out.kills) < cfg.failures:
                 _maybe_kill(job, cfg, out, rng, now)
             time.sleep(cfg.poll_s)  # polling a log file with a bounded deadline
     finally:
         out.t_exit = time.time()
         tree.kill()
         out.steps += job.new_steps()
+    if step_faults:
+        out.kills = job.injected()
     return out
 
 

@@ -16,7 +16,9 @@ run one after another in one invocation:
 
 Faults are SIGKILLs of one training worker every `--interval` seconds after the first
 step (see `faults.py`); by default the interval is the failure-free run's duration divided
-by failures + 1, so the faults fall at even fractions of the job on any machine.
+by failures + 1, so the faults fall at even fractions of the job on any machine. With
+`--fault-steps S1,S2,..` the faults fire instead when the job starts those steps (the
+worker kills itself there: a schedule that cannot race a short job's end).
 Effective throughput = failure-free-equivalent optimizer steps per second of wall time,
 from the first completed step to the last (start-up is paid once per job, failures are
 paid at a rate; launch-to-end figures are in the JSON as well). Goals:
@@ -61,6 +63,9 @@ def register(sub) -> None:
     p.add_argument("--interval", type=float, default=None,
                    help="seconds between SIGKILLs (default: the failure-free run's duration / "
                         "(failures + 1), so the faults fall at even fractions of it)")
+    p.add_argument("--fault-steps", default=None, metavar="S1,S2,..",
+                   help="kill when the job starts these steps instead of on a wall-clock "
+                        "schedule (one step per failure)")
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: steps per torch.save")
     p.add_argument("--timeout", type=float, default=400.0, help="wall-clock limit per mode, seconds")
     p.add_argument("--seed", type=int, default=0, help="which ranks die (and the data seed)")
@@ -161,6 +166,21 @@ def _modes(args) -> list[str]:
     if args.failures >= args.nproc and "shrink" in modes:
         raise SystemExit(f"phoenixft bench goodput: --failures {args.failures} needs more than "
                          f"--nproc {args.nproc} workers (shrink keeps one survivor)")
+    if args.fault_steps is not None:
+        try:
+            args.fault_steps = [int(x) for x in args.fault_steps.split(",")]
+        except ValueError:
+            raise SystemExit(f"phoenixft bench goodput: --fault-steps must be comma-separated "
+                             f"integers, got {args.fault_steps!r}") from None
+        if len(args.fault_steps) != args.failures:
+            raise SystemExit(f"phoenixft bench goodput: --fault-steps names "
+                             f"{len(args.fault_steps)} steps for --failures {args.failures}")
+        if args.interval is not None:
+            raise SystemExit("phoenixft bench goodput: give --interval or --fault-steps, not both")
+        if not all(1 < s <= args.steps for s in args.fault_steps):
+            raise SystemExit(f"phoenixft bench goodput: --fault-steps must lie in (1, --steps "
+                             f"{args.steps}], got {args.fault_steps}")
+        return modes
     if args.interval is None:
         if "clean" not in modes:
             raise SystemExit("phoenixft bench goodput: give --interval, or run the `clean` mode "
@@ -175,11 +195,14 @@ def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
     from phoenixft.bench.faults import FaultConfig, drive
     from phoenixft.bench.goodput_jobs import TorchrunJob
 
-    cfg = FaultConfig(failures=0 if mode in ("clean", "restart-clean") else args.failures,
-                      interval_s=interval_s, timeout_s=args.timeout, seed=args.seed)
+    faulted = mode not in ("clean", "restart-clean")
+    cfg = FaultConfig(failures=args.failures if faulted else 0, interval_s=interval_s,
+                      at_steps=tuple(args.fault_steps) if faulted else (),
+                      timeout_s=args.timeout, seed=args.seed)
+    step_faults = cfg.step_faults(args.nproc, shrinking=mode == "shrink")
     job = make_job(mode, root / mode, work, args)
     print(f"[goodput] {mode}: {' '.join(job.argv())}", flush=True)
-    out = drive(job, cfg)
+    out = drive(job, cfg, step_faults)
     r = measure(mode, out, work, tokens_per_step)
     r.update(processes=processes(mode, args), run_dir=str(root / mode), loadavg_1m=os.getloadavg()[0])
     if isinstance(job, TorchrunJob):
@@ -209,7 +232,8 @@ def cmd_goodput(args) -> int:
     t0, load_before = time.time(), os.getloadavg()
     for mode in modes:
         rows[mode] = run_mode(mode, work, args, interval or 1.0, root, tokens_per_step)
-        if interval is None:  # faults at 1/(F+1), 2/(F+1), ... of the failure-free run
+        if interval is None and args.fault_steps is None:
+            # faults at 1/(F+1), 2/(F+1), ... of the failure-free run
             interval = rows["clean"].get("wall_s", 0.0) / (args.failures + 1)
             if interval <= 0:
                 raise SystemExit("phoenixft bench goodput: the clean run failed; see "
@@ -222,6 +246,7 @@ def cmd_goodput(args) -> int:
               "cpu_count": os.cpu_count(), "loadavg_before": load_before,
               "loadavg_after": os.getloadavg(), "failures": args.failures,
               "interval_s": interval, "interval_auto": args.interval is None,
+              "fault_steps": args.fault_steps,
               "ckpt_every": args.ckpt_every, "seed": args.seed,
               "goals": {"shrink_vs_restart": 2.23, "shrink_vs_clean_scaled": 0.9},
               "modes": rows, "bench_wall_s": time.time() - t0}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from phoenixft.bench.faults import JsonlTail, ProcessTree, StepEvent
+from phoenixft.bench.faults import JsonlTail, ProcessTree, StepEvent, StepFault
 from phoenixft.bench.harness import EXAMPLE
 
 BASELINE = Path(__file__).with_name("torchrun_baseline.py")
@@ -64,17 +64,26 @@ class PhoenixJob:
     launcher_args: list[str]
     tree: ProcessTree | None = None
     events: list[dict] = field(default_factory=list)
+    step_faults: list[StepFault] = field(default_factory=list)
 
     def argv(self) -> list[str]:
+        inject = [a for f in self.step_faults for a in ("--inject", f"kill:rank={f.rank}:step={f.step}")]
         return [sys.executable, "-m", "phoenixft.cli", "run", "--nproc", str(self.work.nproc),
-                *self.launcher_args, "--quiet", "--run-dir", str(self.run_dir), str(EXAMPLE),
-                *self.work.script_args(), "--data", "ids"]
+                *self.launcher_args, *inject, "--quiet", "--run-dir", str(self.run_dir),
+                str(EXAMPLE), *self.work.script_args(), "--data", "ids"]
 
-    def start(self) -> ProcessTree:
+    def start(self, step_faults: list[StepFault]) -> ProcessTree:
         _fresh(self.run_dir)
+        self.step_faults = list(step_faults)
         self._tail = JsonlTail(self.run_dir / "events.jsonl")
         self.tree = ProcessTree(self.argv(), log=self.run_dir / "launcher.log", env=ENV)
         return self.tree
+
+    def injected(self) -> list[dict]:
+        """The `--inject` faults that fired, from the workers' `inject` events."""
+        return [{"t": e["t"], "rank": e["rank"], "pid": e["pid"], "step": e["step"] - 1,
+                 "epoch": e.get("gen", 0), "world_size": e.get("world_size")}
+                for e in self.events if e.get("event") == "inject"]
 
     def new_steps(self) -> list[StepEvent]:
         new = self._tail.read_new()
@@ -111,21 +120,30 @@ class TorchrunJob:
     port: int = field(default_factory=_free_port)
     tree: ProcessTree | None = None
     events: list[dict] = field(default_factory=list)
+    step_faults: list[StepFault] = field(default_factory=list)
 
     def argv(self) -> list[str]:
         # torchrun's default (static) rendezvous, its store on loopback at a free port.
+        kills = [a for f in self.step_faults for a in ("--kill-at", f"{f.rank}:{f.step}")]
         return [sys.executable, "-m", "torch.distributed.run",
                 "--nproc-per-node", str(self.work.nproc), "--max-restarts", str(self.max_restarts),
                 "--master-addr", "127.0.0.1", "--master-port", str(self.port),
                 str(BASELINE), *self.work.script_args(), "--ckpt-every", str(self.ckpt_every),
                 "--ckpt", str(self.run_dir / "ckpt.pt"), "--events", str(self.run_dir / "events.jsonl"),
-                "--init", self.init, "--pg-timeout", str(self.pg_timeout_s)]
+                "--init", self.init, "--pg-timeout", str(self.pg_timeout_s), *kills]
 
-    def start(self) -> ProcessTree:
+    def start(self, step_faults: list[StepFault]) -> ProcessTree:
         _fresh(self.run_dir)
+        self.step_faults = list(step_faults)
         self._tail = JsonlTail(self.run_dir / "events.jsonl")
         self.tree = ProcessTree(self.argv(), log=self.run_dir / "torchrun.log", env=ENV)
         return self.tree
+
+    def injected(self) -> list[dict]:
+        """The `--kill-at` faults that fired, from the baseline's `inject` events."""
+        return [{"t": e["t"], "rank": e["rank"], "pid": e["pid"], "step": e["step"] - 1,
+                 "epoch": e["attempt"], "world_size": e["world_size"]}
+                for e in self.events if e.get("event") == "inject"]
 
     def new_steps(self) -> list[StepEvent]:
         new = self._tail.read_new()

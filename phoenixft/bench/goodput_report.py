@@ -16,14 +16,20 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _schedule(result: dict) -> str:
+    if result.get("fault_steps"):
+        return f"SIGKILL at steps {', '.join(map(str, result['fault_steps']))}"
+    return (f"SIGKILL every {result['interval_s']:.1f} s"
+            f"{' (auto)' if result.get('interval_auto') else ''}")
+
+
 def print_table(result: dict) -> None:
     console = Console(width=max(Console().width, 170))
     table = Table(title=(
         f"goodput: {result['preset']} preset, {result['steps']} steps x {result['microbatches']} "
         f"microbatches ({result['tokens_per_step']} tokens/step); each mode: 1 launcher process "
         f"+ worker processes x 1 torch thread, on {result['cpu_count']} cores; "
-        f"SIGKILL every {result['interval_s']:.1f} s"
-        f"{' (auto)' if result.get('interval_auto') else ''}, "
+        f"{_schedule(result)}, "
         f"{result['failures']} failures; torchrun saves every {result['ckpt_every']} steps"))
     for col in ("mode", "worker processes", "workers start->end (mean)", "failures", "wall s",
                 "steps", "eff steps/s", "tokens/s", "vs ckpt+restart", "vs failure-free x workers",
@@ -113,7 +119,7 @@ def plot_progress(result: dict, path: Path) -> None:
                        label=f"SIGKILL, {r['label']}" if i == 0 else None)
     ax.set_ylabel("completed optimizer step")
     ax.set_title(f"goodput under SIGKILLs: {result['preset']} preset, {result['nproc']} workers, "
-                 f"{result['microbatches']} microbatches/step, kill every {result['interval_s']:.1f} s")
+                 f"{result['microbatches']} microbatches/step, {_schedule(result)}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     aw.set_ylabel("training workers")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -95,14 +96,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--init", default="env", choices=["env", "per-attempt"],
                     help="how the process group finds its peers (see init_process_group)")
+    ap.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP",
+                    help="SIGKILL this worker when rank RANK starts step STEP, once per job "
+                         "(claimed with a file beside --events; a restart replaying the step "
+                         "lives on)")
     ap.add_argument("--pg-timeout", type=float, default=60.0,
                     help="process-group timeout in seconds (gloo's default of 30 min turns a "
                          "hung restart into a hung job)")
     return ap.parse_args(argv)
 
 
+def parse_kills(specs: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for spec in specs:
+        rank, _, step = spec.partition(":")
+        if not (rank.isdigit() and step.isdigit()) or int(step) < 1:
+            raise SystemExit(f"--kill-at must be RANK:STEP with STEP >= 1, got {spec!r}")
+        out.append((int(rank), int(step)))
+    return out
+
+
+def maybe_self_kill(kills: list[tuple[int, int]], rank: int, step: int, claims: Path,
+                    log: EventLog, world: int) -> None:
+    """A real SIGKILL of this worker at the start of `step`, once per job: the fault is
+    claimed by creating a file (O_EXCL), so a restarted attempt replaying the step goes on."""
+    for i, (r, s) in enumerate(kills):
+        if (r, s) != (rank, step):
+            continue
+        try:
+            os.close(os.open(claims / f"kill-{i}.claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        log.emit("inject", step=step, pid=os.getpid(), world_size=world)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    kills = parse_kills(args.kill_at)
     torch.set_num_threads(args.threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -124,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     mine = list(range(rank, args.microbatches, world))
     log.emit("resumed", step=start, init_s=round(time.time() - t_launch, 3))
 
+    claims = Path(args.events or args.ckpt).parent
     for step in range(start + 1, args.steps + 1):
+        maybe_self_kill(kills, rank, step, claims, log, world)
         loss_sum = 0.0
         for i, j in enumerate(mine):
             x, y = windows.get(step, j)

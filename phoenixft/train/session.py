@@ -445,7 +445,8 @@ class Session:
 
     def _on_injection(self, spec, t: float, point: dict) -> None:
         self.store.set(f"failing/{self.wid}", repr(t))
-        fields = {"rank": self.rank, "gen": self.generation, "pid": os.getpid(), **point}
+        fields = {"rank": self.rank, "gen": self.generation, "pid": os.getpid(),
+                  "world_size": self.world_size, **point}
         self.events.emit("inject", spec=str(spec), **fields)
 
     def _install_exit_hooks(self) -> None:
