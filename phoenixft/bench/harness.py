@@ -52,8 +52,8 @@ def median(xs: list[float]) -> float:
 
 
 def _main() -> int:
+    from phoenixft.faults.inject import parse_spec
     from phoenixft.launch.agent import Agent, AgentConfig
-    from phoenixft.launch.inject import parse_spec
 
     data = json.loads(sys.argv[1])
     cfg = AgentConfig(**data["cfg"], inject=[parse_spec(s) for s in data["inject"]])

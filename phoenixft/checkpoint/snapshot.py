@@ -32,16 +32,9 @@ import torch.distributed as dist
 
 from phoenixft.checkpoint.replicate import exchange_slots
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
-from phoenixft.cluster.store import Keys, raise_to
+from phoenixft.cluster.keys import Keys
+from phoenixft.cluster.store import raise_to
 from phoenixft.comm.collectives import CommFailure, Interrupt
-
-
-def commit_key(step: int) -> str:
-    return f"commit/{step}"
-
-
-def _copied_key(generation: int, rank: int, step: int) -> str:
-    return f"copied/{generation}/{rank}/{step}"
 
 
 class Snapshotter:
@@ -144,7 +137,7 @@ class Snapshotter:
 
     def _wait_committed(self, store: dist.Store, step: int) -> None:
         if step >= 0:
-            self._wait_key(store, commit_key(step))
+            self._wait_key(store, Keys.commit(step))
 
     def _wait_key(self, store: dist.Store, key: str) -> None:
         """Wait for a store key, giving up on a newer generation, a stop or the deadline."""
@@ -183,7 +176,7 @@ class Snapshotter:
             self._copied_step = step
             self._cond.notify_all()
         if self._announce:
-            store.set(_copied_key(self.generation, self.rank, step), "1")
+            store.set(Keys.copied(self.generation, self.rank, step), "1")
         self._ack(store, step)
         if self._rep_pg is not None and (self._remote_holders or self._remote_sources):
             recv = {src: self._slot("rep", src, step) for src in self._remote_sources}
@@ -195,7 +188,7 @@ class Snapshotter:
                 rslot.verify(step)  # a corrupt transfer raises here and is never acknowledged
                 self._ack(store, step)
         for src in self._local_sources:
-            self._wait_key(store, _copied_key(self.generation, src, step))
+            self._wait_key(store, Keys.copied(self.generation, src, step))
             source = SlotFile(slot_path(self.shm_dir, "snap", src, step))
             n = source.used_nbytes()
             rslot = self._slot("rep", src, step)
@@ -210,7 +203,7 @@ class Snapshotter:
         n = store.add(Keys.ack(self.generation, step), 1)
         if n == self._target:
             raise_to(store, Keys.COMMITTED, step)  # before the marker its waiters read
-            store.set(commit_key(step), json.dumps({"t": time.time(), "generation": self.generation,
+            store.set(Keys.commit(step), json.dumps({"t": time.time(), "generation": self.generation,
                                                    "world_size": self._world_size}))
             if self._on_commit is not None:
                 self._on_commit(step, time.time())

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from phoenixft.cluster.store import Keys
+from phoenixft.cluster.keys import Keys
 
 
 class HeartbeatSender:

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatMonitor
+from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
-from phoenixft.cluster.store import Keys
 from phoenixft.observe.events import EventLog, write_json_atomic
 
 
@@ -171,7 +171,7 @@ class Leader:
         self._write_status()
 
     def _fail_time(self, wid: str, fallback: float) -> float:
-        key = f"failing/{wid}"
+        key = Keys.failing(wid)
         return float(self.store.get(key).decode()) if self.store.check([key]) else fallback
 
     def _new_reports(self) -> list[dict]:
@@ -213,7 +213,7 @@ class Leader:
             spare.state = "running"
         t_fail = min(f.t_fail for f in failures)
         t_detect = min(f.t_detect for f in failures)
-        if plan.generation > 0 and not self.store.check([f"recovered/{plan.generation}"]):
+        if plan.generation > 0 and not self.store.check([Keys.recovered(plan.generation)]):
             # the previous recovery never completed: this generation finishes it too
             replaced = {**plan.replaced, **replaced}
             t_fail = min(t_fail, plan.t_fail or t_fail)
@@ -322,14 +322,14 @@ class Leader:
         out = []
         kinds = {f.wid: f for f in self.failures}
         for gen in range(1, (self.plan.generation if self.plan else 0) + 1):
-            key = f"recovered/{gen}"
+            key = Keys.recovered(gen)
             if not self.store.check([key]):
                 continue
             rec = json.loads(self.store.get(key))
             plan = Plan.from_json(self.store.get(Keys.plan(gen)))
             for rank, dead in sorted(plan.replaced.items()):
                 f = kinds.get(dead)
-                src_key = f"source/{gen}/{rank if rank < plan.world_size else 0}"
+                src_key = Keys.source(gen, rank if rank < plan.world_size else 0)
                 out.append({"gen": gen, "rank": rank, "failed_worker": dead,
                             "replacement": plan.members.get(rank),
                             "kind": f.kind if f else "unknown",

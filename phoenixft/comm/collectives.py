@@ -14,6 +14,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
+import torch.distributed as dist
+
 T = TypeVar("T")
 
 
@@ -102,3 +105,42 @@ def call_with_deadline(fn: Callable[[], T], interrupt: Interrupt, timeout_s: flo
     if "error" in box:
         raise CommFailure(f"{what} failed: {box['error']}") from box["error"]
     return box["value"]
+
+
+class GroupOps:
+    """A generation's process group whose every operation has a deadline and gives up
+    when a newer generation is announced (raising `CommFailure` / `GenerationChanged`).
+
+    The one way training and recovery code talks over a group, so no call can forget
+    the deadline (a bare `work.wait()` on gloo waits 30 minutes for a hung peer)."""
+
+    def __init__(self, pg: dist.ProcessGroup, interrupt: Interrupt, timeout_s: float) -> None:
+        self.pg = pg
+        self.interrupt = interrupt
+        self.timeout_s = timeout_s
+
+    def wait(self, work, what: str) -> None:
+        wait_work(work, self.interrupt, self.timeout_s, what)
+
+    def allreduce(self, t, what: str, op=None):
+        self.wait(self.pg.allreduce([t], op=op or dist.ReduceOp.SUM), what)
+        return t
+
+    def all_gather_into(self, out, t, what: str):
+        """`out` = the concatenation of every member's `t` (in rank order)."""
+        self.wait(self.pg._allgather_base(out, t.contiguous()), what)
+        return out
+
+    def broadcast(self, t, src: int, what: str):
+        self.wait(self.pg.broadcast(t, src), what)
+        return t
+
+    def send(self, t, dst: int, tag: int, what: str) -> None:
+        self.wait(self.pg.send([t], dst, tag), what)
+
+    def recv(self, t, src: int, tag: int, what: str):
+        self.wait(self.pg.recv([t], src, tag), what)
+        return t
+
+    def barrier(self, what: str) -> None:
+        self.allreduce(torch.zeros(1), what)

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.membership import Plan
-from phoenixft.cluster.store import Keys
-from phoenixft.launch.inject import InjectSpec, format_env
+from phoenixft.faults.inject import InjectSpec, format_env
 from phoenixft.observe.events import EventLog, write_json_atomic
 
 
@@ -116,7 +116,7 @@ class Agent:
             port = port or kv.free_port(host)
             self._server = kv.host_store(host, port)
             self.store_addr = f"{host}:{port}"
-            self._server.set("job_id", uuid.uuid4().hex[:12])
+            self._server.set(Keys.JOB_ID, uuid.uuid4().hex[:12])
             return self._server
         deadline = time.monotonic() + cfg.startup_timeout_s
         while True:
@@ -174,8 +174,8 @@ class Agent:
         self._respawns_left -= 1
         p = self._start_worker(len(self.procs))
         sel.register(p.pidfd, selectors.EVENT_READ, p)
-        i = store.add("spawns", 1)
-        kv.set_json(store, f"spawn/{i}", {"wid": p.wid, "node": self.cfg.node_rank})
+        i = store.add(Keys.SPAWNS, 1)
+        kv.set_json(store, Keys.spawn(i), {"wid": p.wid, "node": self.cfg.node_rank})
         self.events.emit("respawn", wid=p.wid, pid=p.popen.pid)
 
     # -- main loop ------------------------------------------------------------------
@@ -187,7 +187,7 @@ class Agent:
         store = self._open_store()
         if cfg.node_rank != 0:  # only once node 0 has set the last run aside
             self.events = EventLog(self.run_dir / "events.jsonl", node=cfg.node_rank)
-        job = store.get("job_id").decode()
+        job = store.get(Keys.JOB_ID).decode()
         self.shm_dir = Path("/dev/shm") / f"phoenixft-{job}" / f"n{cfg.node_rank}"
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         self.events.emit("agent_start", job=job, shm_dir=str(self.shm_dir), pid=os.getpid())
@@ -251,9 +251,9 @@ class Agent:
         self.events = EventLog(self.run_dir / "events.jsonl", node=self.cfg.node_rank)
 
     def _adopt_spawns(self, store) -> None:
-        n = kv.get_int(store, "spawns", 0)
+        n = kv.get_int(store, Keys.SPAWNS, 0)
         while self._spawns_seen < n:
-            info = kv.get_json(store, f"spawn/{self._spawns_seen + 1}")
+            info = kv.get_json(store, Keys.spawn(self._spawns_seen + 1))
             if not self.leader.adopt(info["wid"], info["node"]):
                 return  # not registered yet; try again next tick
             self._spawns_seen += 1
@@ -335,7 +335,7 @@ class Agent:
             self._wait_agents_gone(store)
         else:
             try:
-                store.add("agents_done", 1)
+                store.add(Keys.AGENTS_DONE, 1)
             except Exception:
                 pass
         if self.shm_dir is not None:
@@ -347,10 +347,10 @@ class Agent:
         if self.cfg.nnodes == 1:
             return
         deadline = time.monotonic() + 5.0
-        n = store.add("agents_done", 0)
+        n = store.add(Keys.AGENTS_DONE, 0)
         while n < self.cfg.nnodes - 1 and time.monotonic() < deadline:
             time.sleep(0.05)  # bounded wait for the other agents' goodbye
-            n = store.add("agents_done", 0)
+            n = store.add(Keys.AGENTS_DONE, 0)
 
     def _echo_progress(self, store, last: int) -> int:
         step = kv.get_int(store, Keys.PROGRESS, 0)

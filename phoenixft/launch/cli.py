@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from phoenixft.launch.inject import InjectSpecError, parse_spec
+from phoenixft.faults.inject import InjectSpecError, parse_spec
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -4,15 +4,19 @@ recovery)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import enum
+from collections.abc import Callable, Iterator
 
 import torch
 
-from phoenixft.cluster.store import Keys
 
-if TYPE_CHECKING:
-    from phoenixft.train.session import Session
+class StepPhase(enum.Enum):
+    """Where a step stands. A recovery may keep a step's finished microbatches only while
+    no optimizer update has started (COMPUTE or REDUCE)."""
+
+    COMPUTE = "compute"  # the user's forward/backward passes
+    REDUCE = "reduce"  # in the gradient all-reduce
+    UPDATE = "update"  # optimizer step and parameter all-gather
 
 
 class Step:
@@ -23,15 +27,17 @@ class Step:
     the microbatches this rank still has to compute; gradients of the ones it finished
     are kept."""
 
-    def __init__(self, session: Session, index: int, ids: list[int], m: int) -> None:
-        self.session = session
+    def __init__(self, index: int, ids: list[int], m: int,
+                 on_backward: Callable[[Step], None] | None = None) -> None:
         self.index = index
         self.ids = ids
         self.m = m  # microbatches in this step, over all ranks
         self.loss_sum = 0.0
         self.done: list[int] = []
-        self.phase = "compute"  # -> "reduce" -> "update"
+        self.phase = StepPhase.COMPUTE
         self.retry = False
+        self._on_backward = on_backward
+        self._current: int | None = None
 
     def microbatches(self) -> Iterator[int]:
         """The microbatch ids j (0 <= j < M) this rank computes in this step; the data of
@@ -44,10 +50,9 @@ class Step:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         self.loss_sum += float(loss.detach())
-        j = getattr(self, "_current", None)
+        j = self._current
         if j is None or j in self.done:
             j = next(k for k in self.ids if k not in self.done)
         self.done.append(j)
-        s = self.session
-        s.store.add(Keys.MB_COUNT, 1)
-        s._injector.at_microbatch(s.rank, self.index, len(self.done) - 1)
+        if self._on_backward is not None:
+            self._on_backward(self)

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
-from phoenixft.checkpoint.restore import restore_snapshot
+from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.slots import slot_path
-from phoenixft.checkpoint.snapshot import Snapshotter, commit_key
+from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import replica_holders
-from phoenixft.cluster.store import Keys
-from phoenixft.comm.collectives import Interrupt
+from phoenixft.comm.collectives import GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
 
 
@@ -71,7 +71,7 @@ def snapshot_steps(addr, shm, steps, gen=0, nodes=None):
             snap.begin(s, state(r, s), {"rank": r, "world_size": 2})
             snap.wait_copied()
         store = kv.connect(addr)
-        store.wait([commit_key(steps[-1])], timedelta(seconds=30))
+        store.wait([Keys.commit(steps[-1])], timedelta(seconds=30))
         snap.stop()
         return int(store.get(Keys.COMMITTED))
 
@@ -83,8 +83,8 @@ def restore(addr, shm, step, prefix):
         it = Interrupt()
         it.enter(9)
         pg = new_group(kv.connect(addr), prefix, r, 2, device=torch.device("cpu"))
-        slot, hdr, source = restore_snapshot(pg, rank=r, world_size=2, step=step, shm_dir=shm[r],
-                                             interrupt=it, timeout_s=30)
+        slot, hdr, source = RestorePlanner.for_node(shm[r]).restore(
+            GroupOps(pg, it, 30), rank=r, world_size=2, step=step)
         t = slot.tensors(hdr)
         assert torch.equal(t["param_shard"], state(r, step)["param_shard"])
         return source

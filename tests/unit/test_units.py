@@ -12,7 +12,7 @@ from phoenixft import state_digest
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
 from phoenixft.cluster.membership import Plan, replica_holders
-from phoenixft.launch.inject import Injector, InjectSpecError, parse_env, parse_spec
+from phoenixft.faults.inject import Injector, InjectSpecError, parse_env, parse_spec
 from phoenixft.observe.events import EventLog, read_events
 from phoenixft.train.tracked import Tracked
 from phoenixft.train.zero import FlatParams, ShardedOptimizer
@@ -220,7 +220,7 @@ def test_heartbeat_monitor_does_not_count_its_own_stall(monkeypatch):
     import time as _time
 
     from phoenixft.cluster.heartbeat import HeartbeatMonitor
-    from phoenixft.cluster.store import Keys
+    from phoenixft.cluster.keys import Keys
 
     store = torch.distributed.HashStore()
     clock = [100.0]

@@ -1,5 +1,9 @@
 """Fault injection: real SIGKILL / SIGSTOP of a worker at a chosen point of training.
 
+A protocol shared by the launcher (which parses and checks `--inject` and hands the specs
+to its workers through the environment) and the worker (which fires them), so it lives
+apart from both.
+
 Spec grammar (``--inject``, repeatable)::
 
     kill:rank=R:step=T             SIGKILL the worker holding rank R when it starts step T

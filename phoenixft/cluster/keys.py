@@ -1,0 +1,135 @@
+"""Every key of the job store, built by one function each, with the one role that writes it.
+
+The store is the contract between agents, the leader and workers: a retyped literal
+elsewhere would silently read a key nobody writes (a dropped recovery record, a fence
+that never fires). So no other module spells a key; `tests/unit/test_keys.py` checks
+that no store call in `phoenixft/` is given a string literal.
+
+Writers, by role:
+- leader (the node-0 agent): plans, fences, grow requests;
+- agent (one per node): node registration, exit reports, spawns, goodbyes, the job id
+  (node 0);
+- worker (any training process): registration, heartbeats, clean-exit marks, errors,
+  fault-injection claims and their timestamps;
+- snapshot thread (in each worker): copy marks, acks, commits;
+- rank 0 (the worker holding rank 0 of a generation): progress, losses, audits,
+  results, recovery records;
+- each member: its restore source after a recovery.
+
+Add-counters (`store.add`) may have many writers: that is what they are for.
+"""
+
+from __future__ import annotations
+
+
+class Keys:
+    """Key names of the job store. Each method or constant names its writer."""
+
+    # -- job and membership ------------------------------------------------------------
+    JOB_ID = "job_id"  # agent of node 0, once: names the job's shared-memory directory
+    REGISTERED = "registered"  # add-counter: worker registrations
+    REPORTS = "reports"  # add-counter of failure reports (agents and workers)
+    SPAWNS = "spawns"  # add-counter: workers respawned by agents (`spawn/{i}` each)
+    AGENTS_DONE = "agents_done"  # add-counter: agents other than node 0 that are leaving
+
+    @staticmethod
+    def node(k: int) -> str:  # agent k: {"nproc", "spares", "pid"}
+        return f"node/{k}"
+
+    @staticmethod
+    def worker(wid: str) -> str:  # the worker: {"pid", "node"}
+        return f"worker/{wid}"
+
+    @staticmethod
+    def spawn(i: int) -> str:  # the agent that respawned worker i: {"wid", "node"}
+        return f"spawn/{i}"
+
+    @staticmethod
+    def report(i: int) -> str:  # agents and workers: failure report i (see REPORTS)
+        return f"report/{i}"
+
+    @staticmethod
+    def heartbeat(wid: str) -> str:  # the worker's heartbeat thread (add-counter)
+        return f"hb/{wid}"
+
+    @staticmethod
+    def failing(wid: str) -> str:  # the worker, just before an injected fault: wall time
+        return f"failing/{wid}"
+
+    @staticmethod
+    def exit(wid: str) -> str:  # the worker, at a clean exit
+        return f"exit/{wid}"
+
+    @staticmethod
+    def error(wid: str) -> str:  # the worker: a Python exception in the user's script
+        return f"error/{wid}"
+
+    @staticmethod
+    def inject(spec: str) -> str:  # workers: add-counter that lets a fault fire once per job
+        return f"inject/{spec}"
+
+    # -- generations -------------------------------------------------------------------
+    @staticmethod
+    def plan(g: int) -> str:  # the leader: generation g's plan, written once
+        return f"gen/{g}/plan"
+
+    @staticmethod
+    def group(g: int, name: str) -> str:
+        """Prefix of generation g's process group `name` ("train", "replicate"); the
+        members' c10d rendezvous writes under it. Never reused across generations."""
+        return f"gen/{g}/{name}/"
+
+    @staticmethod
+    def fence(wid: str) -> str:  # the leader: this worker must be killed by its agent
+        return f"fence/{wid}"
+
+    @staticmethod
+    def grow(g: int) -> str:  # the leader: generation g should admit waiting spares
+        return f"grow/{g}"
+
+    @staticmethod
+    def grow_ready(g: int) -> str:  # rank 0: generation g stopped at a committed step
+        return f"grow_ready/{g}"
+
+    @staticmethod
+    def recovered(g: int) -> str:  # rank 0 of generation g: its recovery record (JSON)
+        return f"recovered/{g}"
+
+    @staticmethod
+    def source(g: int, rank: int) -> str:  # each member of g: where its state came from
+        return f"source/{g}/{rank}"
+
+    # -- snapshots ---------------------------------------------------------------------
+    COMMITTED = "committed"  # snapshot threads, rank 0 on adoption: newest committed step
+
+    @staticmethod
+    def copied(g: int, rank: int, step: int) -> str:
+        """rank's snapshot thread: its slot for `step` is complete (same-node holders
+        copy it from shared memory once this is set)."""
+        return f"copied/{g}/{rank}/{step}"
+
+    @staticmethod
+    def ack(g: int, step: int) -> str:  # snapshot threads: local copies + replicas done
+        return f"ack/{g}/{step}"
+
+    @staticmethod
+    def commit(step: int) -> str:
+        """The snapshot thread whose ack completed `step` (or rank 0 adopting it at a
+        recovery): {"generation", "world_size", ...}. Set after COMMITTED is raised."""
+        return f"commit/{step}"
+
+    # -- progress and results (rank 0) ---------------------------------------------------
+    MB_COUNT = "mb_count"  # add-counter: microbatch forward+backward passes, all ranks
+    PROGRESS = "progress"  # rank 0: last completed step
+
+    @staticmethod
+    def loss(step: int) -> str:  # rank 0: global mean loss of a step
+        return f"loss/{step}"
+
+    @staticmethod
+    def audit(step: int) -> str:  # rank 0: microbatch ids that contributed to a step
+        return f"audit/{step}"
+
+    @staticmethod
+    def result(name: str) -> str:  # rank 0 at the end: "digest", "final_step"
+        return f"result/{name}"

@@ -1,0 +1,329 @@
+"""A worker's place in the job's generations: the generation protocol, worker side.
+
+The leader writes each generation's plan once (`gen/{g}/plan`); a `Member` waits for the
+plans that include it (a warm spare waits here until activated), joins each one and
+recovers into the next when a collective fails or a newer plan is announced. Joining
+generation g, in named phases:
+
+1. enter: take the plan's rank, start watching for plan g+1 (it interrupts every wait);
+2. build groups: the training group and a separate replication group, each on its own
+   store prefix and its own store connection, each with a deadline;
+3. prepare: lay the flat parameters out for the world size, (re)build the sharded
+   optimizer, a fresh gradient buffer;
+4. restore: agree on the restore point and restore (`recovery.py`), or, at the very
+   start, take rank 0's initial parameters;
+5. snapshots: a new snapshot thread for this generation's ranks and replica holders;
+6. barrier, then record the recovery (rank 0) and the member's restore source.
+
+Failure rules: any failure while joining abandons that generation and waits for the next
+plan; a broken group is never destroyed (see `recover`); the plan kinds "done" and
+"abort" end the process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from phoenixft.checkpoint.restore import RestorePlanner
+from phoenixft.checkpoint.snapshot import Snapshotter
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
+from phoenixft.cluster.membership import Plan, replica_holders
+from phoenixft.comm.collectives import (
+    CommFailure,
+    GenerationChanged,
+    GroupOps,
+    Interrupt,
+    call_with_deadline,
+)
+from phoenixft.comm.groups import abort_group, new_group
+from phoenixft.faults.inject import Injector, parse_env
+from phoenixft.observe.events import EventLog
+from phoenixft.train import recovery
+from phoenixft.train.config import SessionConfig
+from phoenixft.train.lifecycle import ExitGuard, JobAborted
+from phoenixft.train.rank_state import RankState
+from phoenixft.train.recovery import JoinContext, RestorePoint
+from phoenixft.train.reduce_layout import ReduceLayout
+from phoenixft.train.step import Step
+from phoenixft.train.zero import ShardedOptimizer
+
+
+class Member:
+    """The generation protocol for one worker. `rank`, `world_size`, `generation` and
+    `ops` (the training group) describe the generation it is in."""
+
+    def __init__(self, cfg: SessionConfig, *, store: dist.Store, events: EventLog,
+                 guard: ExitGuard, make_step) -> None:
+        self.cfg = cfg
+        self.wid = cfg.worker_id
+        self.store = store
+        self.events = events
+        self.guard = guard
+        self.make_step = make_step  # (index, ids, m) -> Step
+        self.interrupt = Interrupt()
+        self.injector = Injector(parse_env(cfg.inject), self._claim_injection,
+                                 self._on_injection)
+        self.planner = RestorePlanner.for_node(cfg.shm_dir)
+        self.plan: Plan | None = None
+        self.generation = -1
+        self.rank = -1
+        self.world_size = 0
+        self.ops: GroupOps | None = None
+        self.snap: Snapshotter | None = None
+        self._rep_pg = None
+        self._dead_groups: list = []
+
+    def connect(self) -> dist.Store:
+        """A new store connection (one per blocking thread or group build)."""
+        return kv.connect(self.cfg.store)
+
+    # -- plans ------------------------------------------------------------------------
+    def await_plan(self, g: int, timeout_s: float) -> Plan:
+        """The newest plan at generation >= g, waiting up to timeout_s for the first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                self.store.wait([Keys.plan(g)], timedelta(seconds=left))
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    self.guard.fail()
+                    raise JobAborted(f"phoenixft: no generation {g} plan within {timeout_s:.0f}s; "
+                                     "is the agent alive?") from None
+        while self.store.check([Keys.plan(g + 1)]):
+            g += 1
+        return Plan.from_json(self.store.get(Keys.plan(g)))
+
+    def start(self, state: RankState) -> Step | None:
+        """Wait (as a spare, for as long as it takes) for a plan that includes this
+        worker, and join it. Fixes M and the starting world size from generation 0."""
+        plan = self.await_plan(0, self.cfg.spare_wait_s)
+        first = Plan.from_json(self.store.get(Keys.plan(0)))
+        state.initial_world = first.world_size or 1
+        state.m = state.m or state.initial_world
+        return self.enter(plan, state)
+
+    def enter(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
+        """Join the first plan, from `plan` on, that includes this worker (retrying newer
+        ones when a join fails). Returns the step to resume inside, if any."""
+        while True:
+            if plan.kind in ("done", "abort"):
+                self._leave(plan)
+            if plan.rank_of(self.wid) is None:
+                plan = self.await_plan(plan.generation + 1, self.cfg.spare_wait_s)
+                continue
+            try:
+                return self.join(plan, state, in_flight)
+            except CommFailure as exc:
+                self.events.emit("join_failed", gen=plan.generation, error=str(exc))
+                self._bury_groups()
+                plan = self.await_plan(plan.generation + 1, self.cfg.join_timeout_s)
+
+    def _leave(self, plan: Plan) -> None:
+        self.shutdown()
+        if plan.kind == "abort":
+            self.guard.fail()
+            raise JobAborted(f"phoenixft: job stopped by the leader: {plan.reason}")
+        raise SystemExit(0)
+
+    def _watch(self, g_next: int) -> None:
+        store = self.connect()
+        while self.generation < g_next:
+            try:
+                store.wait([Keys.plan(g_next)], timedelta(hours=24))
+                self.interrupt.announce(g_next)
+                return
+            except Exception:
+                continue
+
+    # -- joining a generation ----------------------------------------------------------
+    def join(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
+        t0 = time.time()
+        first = state.opt is None
+        self._enter_generation(plan)
+        phases = self._build_groups(plan, state, t0)
+        self._prepare(state, first)
+        phases["rep_group"] = time.time() - t0
+        ctx = JoinContext(generation=self.generation, rank=self.rank,
+                          world_size=self.world_size, ops=self.ops, store=self.store,
+                          planner=self.planner, events=self.events, make_step=self.make_step)
+        point = recovery.restore_point(ctx, state, new_member=first)
+        source, pending = self._restore(ctx, state, point, in_flight, first)
+        phases["restore"] = time.time() - t0
+        self._start_snapshots(plan, state, fresh=point.step < 0)
+        self.ops.barrier("generation barrier")
+        self._record(plan, state, point, source, pending, t0)
+        phases["barrier"] = time.time() - t0
+        self.events.emit("joined", gen=self.generation, rank=self.rank,
+                         world_size=self.world_size, step=state.step, source=source,
+                         pid=os.getpid(), phases={k: round(v, 4) for k, v in phases.items()})
+        return pending
+
+    def _enter_generation(self, plan: Plan) -> None:
+        g = plan.generation
+        self.plan, self.generation = plan, g
+        self.interrupt.enter(g)
+        threading.Thread(target=self._watch, args=(g + 1,), daemon=True,
+                         name=f"phoenixft-watch-{g + 1}").start()
+        self.rank, self.world_size = plan.rank_of(self.wid), plan.world_size
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
+        if g > 0:
+            self.injector.at_recovery(self.rank, g)
+
+    def _build_groups(self, plan: Plan, state: RankState, t0: float) -> dict[str, float]:
+        """Each build gets its own store connection: an abandoned build (a member died
+        mid-join) keeps blocking in a store wait, and a shared client would queue every
+        later call behind it."""
+        g, timeout = plan.generation, self.cfg.collective_timeout_s
+        host = kv.parse_addr(self.cfg.store)[0]
+
+        def build(name: str, device: torch.device):
+            return call_with_deadline(
+                lambda: new_group(self.connect(), Keys.group(g, name), self.rank,
+                                  self.world_size, device=device, bind_host=host,
+                                  timeout_s=timeout),
+                self.interrupt, self.cfg.join_timeout_s, f"building generation {g}'s {name} group")
+
+        self.ops = GroupOps(build("train", state.flat.device), self.interrupt, timeout)
+        phases = {"group": time.time() - t0}
+        self._rep_pg = build("replicate", torch.device("cpu"))
+        return phases
+
+    def _prepare(self, state: RankState, first: bool) -> None:
+        state.flat.layout(self.world_size)
+        opt = state.opt
+        if first or opt.rank != self.rank or opt.world_size != self.world_size:
+            state.opt = ShardedOptimizer(state.flat, state.factory, self.rank)
+            state.opt.inner.register_step_pre_hook(lambda *_: self.snap.wait_copied())
+        # A fresh gradient buffer per generation: an abandoned all-reduce of the old
+        # generation may still complete into the old one.
+        max_m = max(state.m, state.m_for(self.world_size))
+        state.grad = torch.zeros(ReduceLayout.capacity(state.flat.buf.numel(), max_m),
+                                 dtype=state.flat.dtype, device=state.flat.device)
+
+    def _restore(self, ctx: JoinContext, state: RankState, point: RestorePoint,
+                 in_flight: Step | None, first: bool) -> tuple[str, Step | None]:
+        if point.step >= 0:
+            return recovery.restore(ctx, state, point, in_flight, new_member=first)
+        # fresh start: everyone takes rank 0's initial parameters
+        state.zero_grad()
+        self.ops.broadcast(state.flat.buf, 0, "initial parameter broadcast")
+        state.opt.reload_shard_from_params()
+        state.step = 0
+        return "init", None
+
+    def _start_snapshots(self, plan: Plan, state: RankState, fresh: bool) -> None:
+        holders = replica_holders(plan.nodes, min(self.cfg.replicas, self.world_size - 1))
+        self.snap = Snapshotter(
+            shm_dir=self.cfg.shm_dir, rank=self.rank, generation=self.generation,
+            connect=self.connect, rep_pg=self._rep_pg, holders=holders[self.rank],
+            sources=[r for r, hs in holders.items() if self.rank in hs],
+            world_size=self.world_size, nodes=plan.nodes, interrupt=self.interrupt,
+            timeout_s=self.cfg.collective_timeout_s, on_commit=self._on_commit)
+        if fresh:
+            self.snapshot(state)
+
+    def _record(self, plan: Plan, state: RankState, point: RestorePoint, source: str,
+                pending: Step | None, t0: float) -> None:
+        g = self.generation
+        if g == 0:
+            return
+        now = time.time()
+        self.store.set(Keys.source(g, self.rank), source)
+        if self.rank != 0:
+            return
+        rec = dict(gen=g, step=state.step, restore_step=point.step, replaced=plan.replaced,
+                   join_s=round(now - t0, 4),
+                   lost_steps=max(0, plan.progress - max(point.step, 0)),
+                   in_step=pending is not None, world_size=self.world_size,
+                   detect_s=_delta(plan.t_fail, plan.t_detect), recover_s=_delta(plan.t_detect, now))
+        kv.set_json(self.store, Keys.recovered(g), rec)
+        self.events.emit("recovered", **rec)
+
+    # -- leaving a generation ----------------------------------------------------------
+    def recover(self, exc: CommFailure, state: RankState, in_flight: Step | None) -> Step | None:
+        """The generation failed (or the leader moved on): drop it and join the next."""
+        if not isinstance(exc, GenerationChanged):
+            self.report("collective", str(exc))
+        self.events.emit("failure_seen", gen=self.generation, rank=self.rank, step=state.step,
+                         error=str(exc)[:300])
+        if self.snap is not None:
+            self.snap.stop()
+        self._bury_groups()
+        # ...and never let the old groups' late-finishing ops write into live buffers.
+        state.flat.relocate()
+        return self.enter(self.await_plan(self.generation + 1, self.cfg.join_timeout_s),
+                          state, in_flight)
+
+    def _bury_groups(self) -> None:
+        """A broken gloo group's destructor joins its worker threads, which sit in the
+        abandoned collective until gloo's own timeout: dropping the last reference would
+        stall recovery for that long. Keep dead groups referenced instead."""
+        for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg):
+            if pg is not None:
+                abort_group(pg)
+                self._dead_groups.append(pg)
+        self.ops = self._rep_pg = None
+
+    def hand_over_for_growth(self, state: RankState) -> Step | None:
+        """The leader asked to admit new members: finish here, at a committed step
+        boundary, and join the grown generation (nothing is recomputed)."""
+        if self.cfg.snapshots:
+            self.snap.wait_committed(state.step, self.store)
+        if self.rank == 0:
+            self.store.set(Keys.grow_ready(self.generation), str(state.step))
+        return self.recover(GenerationChanged("admitting new members"), state, None)
+
+    # -- per step ----------------------------------------------------------------------
+    def snapshot(self, state: RankState) -> None:
+        """Start snapshot `state.step` in the background (returns at once)."""
+        if not self.cfg.snapshots:
+            return
+        tensors, header = state.snapshot_payload(rank=self.rank, world_size=self.world_size)
+        if state.step == 1 and self.rank == 0:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            copies = 1 + len(replica_holders(self.plan.nodes, 1)[0]) if self.world_size > 1 else 1
+            self.events.emit("snapshot_size", bytes_per_slot=nbytes, slots=2, copies=copies,
+                             host_bytes_per_rank=2 * copies * nbytes)
+        state.snap_from = (self.generation, self.world_size)  # who wrote snapshot state.step
+        self.snap.begin(state.step, tensors, header)
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _on_commit(self, step: int, t: float) -> None:
+        if step % 10 == 0:
+            self.events.emit("snapshot_committed", step=step, gen=self.generation)
+
+    def report(self, kind: str, detail: str) -> None:
+        """A failure report for the leader (best effort: the store may be gone)."""
+        try:
+            i = self.store.add(Keys.REPORTS, 1)
+            kv.set_json(self.store, Keys.report(i), {"kind": kind, "wid": self.wid,
+                                                      "gen": self.generation, "t": time.time(),
+                                                      "detail": detail[:500]})
+        except Exception:
+            pass
+
+    def _claim_injection(self, spec: str) -> bool:
+        return self.store.add(Keys.inject(spec), 1) == 1
+
+    def _on_injection(self, spec, t: float, point: dict) -> None:
+        self.store.set(Keys.failing(self.wid), repr(t))
+        fields = {"rank": self.rank, "gen": self.generation, "pid": os.getpid(),
+                  "world_size": self.world_size, **point}  # point may name the gen itself
+        self.events.emit("inject", spec=str(spec), **fields)
+
+    def shutdown(self) -> None:
+        if self.snap is not None:
+            self.snap.stop(join_timeout_s=2.0)
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(b - a, 4)

@@ -1,0 +1,68 @@
+"""What one rank holds that a snapshot protects and a recovery restores.
+
+`RankState` is the explicit object the generation protocol works on (instead of reaching
+into the user-facing `Session`): the model's flat parameters, the sharded optimizer,
+the tracked objects, the step, and who wrote the newest snapshot. It knows how to turn
+itself into a snapshot payload and how to take the per-rank part of one back.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from phoenixft.train import quota
+from phoenixft.train.tracked import Tracked
+from phoenixft.train.zero import FlatParams, ShardedOptimizer
+
+
+@dataclass(kw_only=True)
+class RankState:
+    model: nn.Module
+    flat: FlatParams
+    factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    tracked: Tracked
+    policy: str = "constant"
+    opt: ShardedOptimizer | None = None  # built when a generation is joined
+    step: int = 0  # optimizer steps completed
+    m: int = 0  # microbatches per step (M), fixed at the first generation
+    initial_world: int = 0
+    # (generation, world size) that wrote snapshot `step`: where a recovery looks for it
+    snap_from: tuple[int, int] = (-1, -1)
+    grad: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # see Member._prepare
+
+    def m_for(self, world_size: int) -> int:
+        """Microbatches per step at this world size (the policy's rule)."""
+        return quota.effective_m(self.m, self.initial_world, world_size, self.policy)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def snapshot_payload(self, *, rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors and header of this rank's snapshot: only what this rank alone holds
+        (its shard of master weights and optimizer state, RNG states, tracked objects).
+        The tensors are references: the snapshot thread copies them before the next
+        optimizer step may change them."""
+        tensors = self.opt.state_tensors()
+        tensors["rng.torch"] = torch.get_rng_state()
+        if torch.cuda.is_available() and self.flat.device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.flat.device)
+        tensors.update(self.tracked.tensors())
+        header = {"rank": rank, "world_size": world_size, "numel": self.flat.numel,
+                  "opt": self.opt.state_meta(), "tracked": self.tracked.meta(),
+                  "python_random": random.getstate()}
+        return tensors, header
+
+    def load_rank_local(self, tensors: dict[str, torch.Tensor], header: dict) -> None:
+        """Take over the per-rank state of a snapshot: RNGs and tracked objects (the
+        optimizer shard is loaded separately, since it also reshards)."""
+        torch.set_rng_state(tensors["rng.torch"].clone())
+        if "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), self.flat.device)
+        self.tracked.load(tensors, header["tracked"])
+        v, state, gauss = header["python_random"]
+        random.setstate((v, tuple(state), gauss))

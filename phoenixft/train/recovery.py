@@ -1,0 +1,175 @@
+"""Recovery: what a member of a new generation restores, and whether the interrupted step
+survives. Works on an explicit `RankState` and the generation being joined
+(`JoinContext`), never on the user-facing session.
+
+Called collectively by every member after the generation's groups are built.
+
+The restore step t is normally the newest committed snapshot. In-step recovery
+(ReCoVer): if every surviving member was interrupted in step t+1 before its optimizer
+update (computing, or in the gradient all-reduce), the step is not thrown away. Survivors
+keep the gradients of the microbatches they finished; the ids nobody finished (the dead
+ranks' ones) are handed out again; only new members (spares) load per-rank state from
+the snapshot. Otherwise every member rolls back to t.
+
+When the world size changed (shrink without a spare, or grow), the optimizer state is
+resharded: every member assembles the full committed state from all old shards and cuts
+its new shard. Per-rank tracked objects (samplers, generators) cannot follow a rank that
+no longer exists, so they are kept as they are: jobs that shrink or grow should draw
+their data as a pure function of the microbatch id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from phoenixft.checkpoint.restore import RestorePlanner
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
+from phoenixft.comm.collectives import GroupOps
+from phoenixft.observe.events import EventLog
+from phoenixft.train import quota
+from phoenixft.train.rank_state import RankState
+from phoenixft.train.step import Step, StepPhase
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinContext:
+    """The generation being joined, as recovery sees it."""
+
+    generation: int
+    rank: int
+    world_size: int
+    ops: GroupOps  # the generation's training group
+    store: dist.Store
+    planner: RestorePlanner
+    events: EventLog
+    make_step: Callable[[int, list[int], int], Step]  # (index, ids, m) -> a Step
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePoint:
+    """The step every member restores, and the generation and world size that wrote its
+    snapshots. step -1: nothing committed yet (a fresh start)."""
+
+    step: int
+    world_size: int
+    generation: int
+
+
+def restore_point(ctx: JoinContext, state: RankState, new_member: bool) -> RestorePoint:
+    """Collective: agree on the restore point.
+
+    Normally the newest committed step. But when every survivor stands at the same step s
+    past it (a rank died just after step s, before snapshot s was committed), s is used if
+    a verified copy of every rank's snapshot s exists somewhere: the survivors hold s in
+    memory anyway, and in-step recovery then keeps the step in flight."""
+    committed = kv.get_int(ctx.store, Keys.COMMITTED, -1)
+    gen, world = state.snap_from
+    mine = -1 if new_member else state.step
+    vec = torch.tensor([committed, mine, -mine if not new_member else -(1 << 40), gen, world],
+                       dtype=torch.int64)
+    ctx.ops.allreduce(vec, "agreeing on the restore step", op=dist.ReduceOp.MAX)
+    committed, s_max, s_min, gen, world = (int(x) for x in vec)
+    s_min = -s_min
+    if s_max == s_min and s_max > committed and gen >= 0:
+        _, table = ctx.planner.copy_table(ctx.ops, ctx.world_size, world, s_max, gen)
+        if bool(table.any(dim=0).all()):
+            if ctx.rank == 0:  # every rank's s is verified somewhere: commit it for good
+                kv.raise_to(ctx.store, Keys.COMMITTED, s_max)
+                ctx.store.set(Keys.commit(s_max), json.dumps(
+                    {"generation": gen, "world_size": world, "adopted_by": ctx.generation}))
+            return RestorePoint(s_max, world, gen)
+    if committed < 0:
+        return RestorePoint(-1, -1, -1)
+    info = kv.get_json(ctx.store, Keys.commit(committed))
+    return RestorePoint(committed, info["world_size"], info["generation"])
+
+
+def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: Step | None,
+            new_member: bool) -> tuple[str, Step | None]:
+    """Collective. Returns (restore source, the step to resume inside, or None)."""
+    t = point.step
+    keep = (not new_member and in_flight is not None and in_flight.index == t + 1
+            and in_flight.phase != StepPhase.UPDATE)
+    flags = ctx.ops.allreduce(torch.tensor([float(keep), float(not new_member)]),
+                              "agreeing on in-step recovery")
+    in_step = flags[1] > 0 and flags[0] == flags[1]
+    if point.world_size == ctx.world_size:
+        source = _same_world(ctx, state, point, load_rank_state=new_member or not in_step)
+    else:
+        source = _resharded(ctx, state, point)
+    state.step = t
+    if not in_step:
+        state.zero_grad()
+        return source, None
+    if new_member:
+        state.zero_grad()
+    return source, _resume_step(ctx, state, t + 1, in_flight, point.world_size)
+
+
+def _same_world(ctx: JoinContext, state: RankState, point: RestorePoint,
+                load_rank_state: bool) -> str:
+    t = point.step
+    slot, hdr, source = ctx.planner.restore(ctx.ops, rank=ctx.rank, world_size=ctx.world_size,
+                                            step=t, generation=point.generation)
+    if hdr["numel"] != state.flat.numel:
+        raise RuntimeError(f"snapshot of step {t} holds {hdr['numel']} parameters, the model has "
+                           f"{state.flat.numel}: was the model changed between runs?")
+    tensors = slot.tensors(hdr)
+    state.opt.load_state(tensors, hdr["opt"])
+    if load_rank_state:
+        state.load_rank_local(tensors, hdr)
+    ctx.ops.all_gather_into(state.flat.buf, state.opt.shard.detach(),
+                            "parameter all-gather (restore)")
+    return source
+
+
+def _resharded(ctx: JoinContext, state: RankState, point: RestorePoint) -> str:
+    full, hdr0 = ctx.planner.gather_resharded(
+        ctx.ops, rank=ctx.rank, world_size=ctx.world_size, old_world=point.world_size,
+        step=point.step, generation=point.generation)
+    n, padded = state.flat.numel, state.flat.buf.numel()
+    start, end = state.opt.start, state.opt.end
+
+    def fit(x: torch.Tensor) -> torch.Tensor:  # old padding -> new padding
+        out = torch.zeros(padded, dtype=x.dtype)
+        out[:n] = x[:n]
+        return out
+
+    tensors = {name: x if x.dim() == 0 else fit(x)[start:end] for name, x in full.items()}
+    state.opt.load_state(tensors, hdr0["opt"])
+    with torch.no_grad():
+        state.flat.buf.copy_(fit(full["param_shard"]).to(state.flat.buf.device))
+    if state.tracked.tensors():
+        ctx.events.emit("tracked_not_resharded", step=point.step,
+                        note="per-rank tracked state stays with each process across a "
+                             "world-size change; draw data from microbatch ids")
+    return f"resharded_{point.world_size}_to_{ctx.world_size}"
+
+
+def _resume_step(ctx: JoinContext, state: RankState, index: int, in_flight: Step | None,
+                 old_world: int) -> Step:
+    """Hand the interrupted step's unfinished microbatch ids to the new members."""
+    m_step = state.m_for(old_world)
+    done = torch.zeros(m_step)
+    if in_flight is not None:
+        for j in in_flight.done:
+            done[j] = 1.0
+    ctx.ops.allreduce(done, "collecting finished microbatches")
+    remaining = [j for j in range(m_step) if done[j] == 0]
+    assigned = quota.reassign(remaining, quota.plan(m_step, old_world), ctx.world_size)
+    mine = assigned[ctx.rank]
+    if in_flight is None:
+        st = ctx.make_step(index, mine, m_step)
+    else:
+        st = in_flight
+        st.ids = list(st.done) + mine
+    st.phase, st.retry = StepPhase.COMPUTE, True
+    ctx.events.emit("in_step_recovery", step=index, rank=ctx.rank, kept=sorted(st.done),
+                    recompute=mine, gen=ctx.generation)
+    return st
