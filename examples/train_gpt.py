@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import phoenixft
-from phoenixft.models.llama import LlamaForCausalLM, preset, save_hf
+from phoenixft.models.llama import EOS_ID, LlamaForCausalLM, preset, save_hf
 from phoenixft.train.data import MicrobatchWindows, RandomWindows, stdlib_corpus
 
 BATCH = {"tiny": 4, "small": 8, "ref": 8}
@@ -40,7 +40,7 @@ def main() -> None:
     cfg = preset(args.preset)
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg)
-    corpus = stdlib_corpus(max_bytes=2_000_000 if args.preset == "tiny" else None)
+    corpus = stdlib_corpus(EOS_ID, max_bytes=2_000_000 if args.preset == "tiny" else None)
     # Each rank draws from its own stream, seeded at the first draw once the rank is
     # known; after a failure the replacement gets the generator state from the snapshot.
     ctx, batch = cfg.max_position_embeddings, BATCH[args.preset]

@@ -165,7 +165,7 @@ class TorchrunJob:
 
     def restart_report(self) -> dict:
         """Restart attempts seen, which of them never completed a step, and the gloo errors
-        the workers printed (FACTS.md: restarts often die on the dead worker's old port)."""
+        the workers printed (docs/notes.md: restarts often die on the dead worker's old port)."""
         attempts = sorted({e["attempt"] for e in self.events if e.get("event") == "start"})
         stepped = {e["attempt"] for e in self.events if e.get("event") == "step"}
         log = (self.run_dir / "torchrun.log").read_text(errors="replace") \

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from phoenixft.models.llama import LlamaForCausalLM, preset
+from phoenixft.models.llama import EOS_ID, LlamaForCausalLM, preset
 from phoenixft.observe.events import EventLog
 from phoenixft.train.data import MicrobatchWindows, stdlib_corpus
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     start = load_checkpoint(ckpt, model, opt)
     ddp = DDP(model)
-    corpus = stdlib_corpus(max_bytes=2_000_000 if args.preset == "tiny" else None)
+    corpus = stdlib_corpus(EOS_ID, max_bytes=2_000_000 if args.preset == "tiny" else None)
     windows = MicrobatchWindows(corpus, context=cfg.max_position_embeddings,
                                 batch=BATCH[args.preset], seed=args.seed)
     mine = list(range(rank, args.microbatches, world))

@@ -9,8 +9,11 @@ Failure policy (readable here, in one place):
   maps the dead rank's snapshot from shared memory), else any node (the replica holder
   sends it); the next generation's plan is written and the survivors carry on;
 - a failure while a generation is forming simply produces the next generation;
-- no spare left: the job is stopped with a clear reason (the ReCoVer shrink policy of a
-  later issue plugs in here);
+- no spare left: with `min_world` (`--min-nproc`) the survivors go on without the dead
+  ranks, renumbered, keeping every step's microbatches (ReCoVer); below it, or without
+  it, the job is stopped with a clear reason;
+- a respawned worker (a spare registered while the job runs below its starting size) is
+  admitted at the next committed step boundary (grow);
 - a Python exception in the user's script is not a machine failure: the job stops and the
   traceback is shown, since a spare would only raise it again.
 """

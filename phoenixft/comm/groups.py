@@ -1,7 +1,7 @@
 """One process group per generation, on its own store prefix.
 
 Re-using a prefix makes peers read a dead member's stale address (the torchrun failure
-in FACTS.md), so generation g's groups live under ``gen/{g}/…`` and are never reused.
+in docs/notes.md), so generation g's groups live under ``gen/{g}/…`` and are never reused.
 gloo on CPU (bound to the store's interface, loopback by default), NCCL when the
 model lives on a GPU.
 """

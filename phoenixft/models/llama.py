@@ -3,8 +3,8 @@
 Parameter names match `transformers.LlamaForCausalLM` (``model.layers.0.self_attn.q_proj.weight``
 ...), so a model trained here is saved as a Hugging Face directory (config.json +
 model.safetensors) that transformers and our serving engine both load. The training
-forward uses full causal attention; the serving engine brings its own paged attention and
-reuses the pieces below (RMSNorm, rotary tables, SwiGLU MLP).
+forward uses full causal attention; the serving engine has its own model with paged
+attention (it covers Qwen2/Qwen3 too) and takes only the rotary tables from here.
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ def save_hf(model: LlamaForCausalLM, out_dir: str | Path,
 
 
 def preset(name: str) -> LlamaConfig:
-    """Model sizes for the example: `tiny` for tests, `small` for the demo, `ref` as FACTS.md."""
+    """Model sizes for the example: `tiny` for tests, `small` for the demo, `ref` the
+    reference workload of docs/notes.md (10.8M parameters)."""
     presets = {
         "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),

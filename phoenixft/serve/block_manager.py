@@ -12,7 +12,7 @@ Guarantees:
 - Freed blocks keep their contents and hash until reused (LRU order), so a preempted or
   repeated prompt can find them again.
 - ``dirty`` is the set of blocks written since the last ``take_dirty()``: the seam for the
-  crash-recovery log (DESIGN.md section 5), which copies only those blocks.
+  crash-recovery log (docs/architecture.md, "Serving"), which copies only those blocks.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``LLMEngine`` is single-threaded by design: only the thread that calls ``step()`` may call
 ``add_request``/``abort`` (the HTTP server funnels its calls through one engine thread).
 
-State seam for crash recovery (DESIGN.md section 5): ``state_dict()`` enumerates
+State seam for crash recovery (docs/architecture.md, "Serving"): ``state_dict()`` enumerates
 everything a restarted engine needs (the preallocated KV tensors, the block manager's
 tables, the scheduler's queues with each request's tokens, progress and seed), and
 ``take_dirty_blocks()`` names the KV blocks written since the previous call, so a log

@@ -1,7 +1,7 @@
 """Real text on every machine: the Python standard library's own .py files, as bytes.
 
-`stdlib_corpus()` concatenates them in a fixed order (sorted paths) with an EOS byte
-between files, so every worker of every run sees the same token stream.
+`stdlib_corpus(eos_id)` concatenates them in a fixed order (sorted paths) with the
+tokenizer's end-of-sequence id between files, so every worker of every run sees the same token stream.
 `RandomWindows` samples training windows with its own `torch.Generator`: its position
 and generator state are per-rank state that the session snapshots (`track=`).
 """
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from phoenixft.models.llama import EOS_ID
 
-
-def stdlib_corpus(max_bytes: int | None = None) -> torch.Tensor:
-    """uint8-range token ids (as int64 would be wasteful: kept as int16)."""
+def stdlib_corpus(eos_id: int, max_bytes: int | None = None) -> torch.Tensor:
+    """Byte token ids (0-255) with `eos_id` between files, as int16 (int64 would be
+    wasteful); `eos_id` must fit int16."""
+    if not 0 <= eos_id < 2**15:
+        raise ValueError(f"eos_id must be in [0, 32768), got {eos_id}")
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks: list[bytes] = []
     total = 0
@@ -41,7 +42,7 @@ def stdlib_corpus(max_bytes: int | None = None) -> torch.Tensor:
     pos = 0
     for b in chunks:
         out[pos:pos + len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8).to(torch.int16)
-        out[pos + len(b)] = EOS_ID
+        out[pos + len(b)] = eos_id
         pos += len(b) + 1
     return out[:max_bytes] if max_bytes else out
 

@@ -1,6 +1,6 @@
 """Tiny random Hugging Face models (Llama, Qwen2, Qwen3) saved once per test session.
 
-Parameters are perturbed after init (FACTS.md): init leaves norms at 1 and biases at 0,
+Parameters are perturbed after init (docs/notes.md): init leaves norms at 1 and biases at 0,
 which would hide a missing bias or norm.
 """
 

@@ -1,0 +1,135 @@
+"""The package's shape, checked from its source: no import circle (type-checking imports
+included), no lower layer importing a higher one, and no store key spelled outside
+`phoenixft/cluster/keys.py`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "phoenixft"
+
+# Parts and their layer: a module may import its own part or a part of a lower layer.
+LAYERS = {
+    "observe": 0, "faults": 0, "models": 0,
+    "comm": 1, "cluster": 1,
+    "checkpoint": 2,
+    "train": 3, "launch": 3, "serve": 3,
+    "bench": 4,
+    "cli": 5,
+}
+# Same-or-lower layer imports that are still not allowed (parts that must stay apart).
+FORBIDDEN = {("serve", "train"), ("serve", "launch"), ("serve", "cluster"), ("launch", "train"),
+             ("train", "launch"), ("train", "models")}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """module -> phoenixft modules it imports (anywhere in the file, TYPE_CHECKING too)."""
+    out: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        mod = module_name(path)
+        deps = out.setdefault(mod, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("phoenixft"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("phoenixft"))
+    return {m: {d for d in deps if d in out and d != m} for m, deps in out.items()}
+
+
+def part(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "cli"
+
+
+def test_no_import_circle():
+    graph = imports()
+    # packages' __init__ re-export lazily and import nothing; a package node would
+    # otherwise make every "from package import module" look like a circle
+    graph = {m: {d for d in deps if "__init__" not in d} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_layers():
+    bad = []
+    for mod, deps in imports().items():
+        a = part(mod)
+        for d in deps:
+            b = part(d)
+            if a == b or b == "phoenixft":
+                continue
+            if LAYERS[b] >= LAYERS[a] or (a, b) in FORBIDDEN:
+                bad.append(f"{mod} imports {d} ({a} may not import {b})")
+    assert not bad, "\n".join(sorted(bad))
+
+
+STORE_METHODS = {"set", "get", "check", "add", "wait", "multi_get", "multi_set", "compare_set",
+                 "delete_key"}
+HELPERS = {"set_json", "get_json", "get_int", "raise_to"}
+
+
+def _is_literal(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Constant, ast.JoinedStr)):
+        return isinstance(node, ast.JoinedStr) or isinstance(node.value, str)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return any(_is_literal(e) for e in node.elts)
+    if isinstance(node, ast.BinOp):  # "gen/" + str(g)
+        return _is_literal(node.left) or _is_literal(node.right)
+    return False
+
+
+def key_literals(source: str) -> list[str]:
+    """Store calls whose key argument is spelled in place."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        name = node.func.attr
+        receiver = ast.unparse(node.func.value).lower()
+        if name in STORE_METHODS and ("store" in receiver or "server" in receiver):
+            key = node.args[0] if node.args else None
+        elif name in HELPERS or name == "PrefixStore":
+            key = node.args[1] if len(node.args) > 1 else (node.args[0] if name == "PrefixStore"
+                                                           and node.args else None)
+        else:
+            continue
+        if key is not None and _is_literal(key):
+            out.append(f"line {node.lineno}: {ast.unparse(node)[:100]}")
+    return out
+
+
+def test_store_keys_are_built_only_in_the_key_module():
+    found = []
+    for path in PKG.rglob("*.py"):
+        if path == PKG / "cluster" / "keys.py":
+            continue
+        found += [f"{path.relative_to(PKG.parent)} {hit}" for hit in key_literals(path.read_text())]
+    assert not found, "store keys spelled outside cluster/keys.py:\n" + "\n".join(found)
+
+
+def test_the_key_check_can_fail():
+    src = ('store.set("job_id", x)\nkv.get_int(self.store, f"spawn/{i}", 0)\n'
+           'self._server.check([f"recovered/{g}"])\nstore.add(Keys.REPORTS, 1)\n')
+    assert len(key_literals(src)) == 3

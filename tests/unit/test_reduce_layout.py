@@ -1,0 +1,13 @@
+"""The named layout of the per-step all-reduce buffer."""
+
+from __future__ import annotations
+
+from phoenixft.train.reduce_layout import ReduceLayout
+
+
+def test_fields_are_disjoint_and_fill_the_buffer():
+    lay = ReduceLayout(size=10, m=4)
+    cells = list(range(10))[lay.grads] + list(range(lay.total))[lay.mask]
+    cells += [lay.grow, lay.loss, lay.count]
+    assert sorted(cells) == list(range(lay.total)) == list(range(17))
+    assert ReduceLayout.capacity(10, 6) >= ReduceLayout(10, 6).total > lay.total
