@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from phoenixft.checkpoint.replicate import exchange_slots
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
 from phoenixft.cluster.keys import Keys
-from phoenixft.cluster.store import raise_to
+from phoenixft.cluster.store import StoreGone, raise_to, wait_for
 from phoenixft.comm.collectives import CommFailure, Interrupt
 
 
@@ -146,11 +145,12 @@ class Snapshotter:
             if self._interrupt.is_set():
                 raise CommFailure("generation changed")
             try:
-                store.wait([key], timedelta(seconds=0.05))
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise CommFailure(f"{key} not set within {self._timeout}s") from None
+                if wait_for(store, [key], 0.05):
+                    return
+            except StoreGone as exc:
+                raise CommFailure(str(exc)) from None
+            if time.monotonic() > deadline:
+                raise CommFailure(f"{key} not set within {self._timeout}s")
         raise CommFailure("stopped")
 
     def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict) -> None:

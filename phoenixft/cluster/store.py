@@ -43,6 +43,22 @@ def connect(addr: str, timeout_s: float = 60.0) -> dist.TCPStore:
                          timeout=timedelta(seconds=timeout_s))
 
 
+class StoreGone(RuntimeError):
+    """The job store cannot be reached: its host died, or the job ended."""
+
+
+def wait_for(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
+    """Wait until every key is set: True, or False when `timeout_s` passed. A lost
+    connection raises `StoreGone` at once (retrying a dead store would spin)."""
+    try:
+        store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
+        return True
+    except dist.DistNetworkError as exc:
+        raise StoreGone(f"lost the connection to the job store ({exc})") from None
+    except dist.DistStoreError:  # the wait timed out
+        return False
+
+
 def get_json(store: dist.Store, key: str) -> Any:
     return json.loads(store.get(key).decode())
 

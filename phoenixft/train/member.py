@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,7 @@ from phoenixft.faults.inject import Injector, parse_env
 from phoenixft.observe.events import EventLog
 from phoenixft.train import recovery
 from phoenixft.train.config import SessionConfig
-from phoenixft.train.lifecycle import ExitGuard, JobAborted
+from phoenixft.train.lifecycle import JobAborted
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.recovery import JoinContext, RestorePoint
 from phoenixft.train.reduce_layout import ReduceLayout
@@ -60,12 +59,11 @@ class Member:
     `ops` (the training group) describe the generation it is in."""
 
     def __init__(self, cfg: SessionConfig, *, store: dist.Store, events: EventLog,
-                 guard: ExitGuard, make_step) -> None:
+                 make_step) -> None:
         self.cfg = cfg
         self.wid = cfg.worker_id
         self.store = store
         self.events = events
-        self.guard = guard
         self.make_step = make_step  # (index, ids, m) -> Step
         self.interrupt = Interrupt()
         self.injector = Injector(parse_env(cfg.inject), self._claim_injection,
@@ -79,6 +77,7 @@ class Member:
         self.snap: Snapshotter | None = None
         self._rep_pg = None
         self._dead_groups: list = []
+        self._stopped = False
 
     def connect(self) -> dist.Store:
         """A new store connection (one per blocking thread or group build)."""
@@ -88,16 +87,14 @@ class Member:
     def await_plan(self, g: int, timeout_s: float) -> Plan:
         """The newest plan at generation >= g, waiting up to timeout_s for the first."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                left = max(0.1, deadline - time.monotonic())
-                self.store.wait([Keys.plan(g)], timedelta(seconds=left))
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    self.guard.fail()
+        try:
+            while not kv.wait_for(self.store, [Keys.plan(g)], min(60.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
                     raise JobAborted(f"phoenixft: no generation {g} plan within {timeout_s:.0f}s; "
-                                     "is the agent alive?") from None
+                                     "is the agent alive?")
+        except kv.StoreGone as exc:
+            raise JobAborted(f"phoenixft: worker {self.wid} stops: {exc}; its agent or the store's "
+                             "host is gone") from None
         while self.store.check([Keys.plan(g + 1)]):
             g += 1
         return Plan.from_json(self.store.get(Keys.plan(g)))
@@ -130,19 +127,20 @@ class Member:
     def _leave(self, plan: Plan) -> None:
         self.shutdown()
         if plan.kind == "abort":
-            self.guard.fail()
             raise JobAborted(f"phoenixft: job stopped by the leader: {plan.reason}")
         raise SystemExit(0)
 
     def _watch(self, g_next: int) -> None:
-        store = self.connect()
-        while self.generation < g_next:
-            try:
-                store.wait([Keys.plan(g_next)], timedelta(hours=24))
-                self.interrupt.announce(g_next)
-                return
-            except Exception:
-                continue
+        """Announce plan g_next to every waiter of this process as soon as it appears.
+        Waits in slices so the thread ends with its generation or the process."""
+        try:
+            store = self.connect()
+            while self.generation < g_next and not self._stopped:
+                if kv.wait_for(store, [Keys.plan(g_next)], 1.0):
+                    self.interrupt.announce(g_next)
+                    return
+        except (kv.StoreGone, RuntimeError):
+            return  # the store is gone: the training thread finds out on its next wait
 
     # -- joining a generation ----------------------------------------------------------
     def join(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
@@ -321,6 +319,7 @@ class Member:
         self.events.emit("inject", spec=str(spec), **fields)
 
     def shutdown(self) -> None:
+        self._stopped = True
         if self.snap is not None:
             self.snap.stop(join_timeout_s=2.0)
 

@@ -36,7 +36,7 @@ from phoenixft.observe.events import EventLog
 from phoenixft.train import quota
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
-from phoenixft.train.lifecycle import ExitGuard, JobAborted
+from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.reduce_layout import ReduceLayout
@@ -60,9 +60,9 @@ class Session:
         self._heartbeat: HeartbeatSender | None = None
         self.events = EventLog(Path(self.cfg.run_dir) / "events.jsonl" if self.cfg.run_dir else None,
                                wid=self.wid)
-        self._guard = ExitGuard(self.store, self.wid, self._shutdown)
-        self.member = Member(self.cfg, store=self.store, events=self.events, guard=self._guard,
+        self.member = Member(self.cfg, store=self.store, events=self.events,
                              make_step=self._new_step)
+        stop_at_exit(self._shutdown)
         self.state: RankState | None = None
         self._pending: Step | None = None
         self._grow_requested = False
@@ -241,6 +241,4 @@ class Session:
     def _shutdown(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        member = getattr(self, "member", None)  # absent if construction failed
-        if member is not None:
-            member.shutdown()
+        self.member.shutdown()

@@ -1,0 +1,100 @@
+"""`python -m phoenixft.launch.worker SCRIPT [ARGS...]`: how an agent runs the user's script.
+
+The script runs as ``__main__``, exactly as ``python SCRIPT ARGS`` would run it (its
+directory first on ``sys.path``, ``sys.argv`` as given). Around it this module:
+
+- makes the process die with its agent: the kernel sends SIGKILL when the agent exits
+  (``PR_SET_PDEATHSIG``), so a killed agent leaves no orphan spinning on a dead store;
+- reports the outcome to the job store before the process ends: an uncaught exception's
+  traceback (`Keys.error`: the leader stops the job and shows it, since a spare would only
+  raise it again), and the exit code (`Keys.exit`);
+- ends with that exit code through ``os._exit`` once the script's ``atexit`` handlers
+  have run: phoenixft's daemon threads may sit in C++ waits (a store wait, an abandoned
+  gloo collective), and interpreter teardown under them can abort the process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent exits; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+def exit_code(code: object) -> int:
+    """The process exit status Python gives `sys.exit(code)`."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)  # sys.exit("message"): printed, status 1
+    return 1
+
+
+def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
+    """Run `script` as __main__; returns (exit code, traceback text of an uncaught
+    exception or None)."""
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        return exit_code(exc.code), None
+    except KeyboardInterrupt:
+        return 130, None
+    except BaseException:  # noqa: BLE001 - reported to the leader, then the process ends
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        return 1, text
+    return 0, None
+
+
+def report(wid: str, store_addr: str, code: int, error: str | None) -> None:
+    """Best effort: the store may be gone (then the agent reports the exit alone)."""
+    try:
+        store = kv.connect(store_addr, timeout_s=5)
+        if error is not None:
+            store.set(Keys.error(wid), error[-4000:])
+        store.set(Keys.exit(wid), str(code))
+    except Exception:
+        pass
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        print("usage: python -m phoenixft.launch.worker SCRIPT [ARGS...]", file=sys.stderr)
+        os._exit(2)
+    env = os.environ
+    if "PHOENIXFT_AGENT_PID" in env:
+        die_with_parent(int(env["PHOENIXFT_AGENT_PID"]))
+    code, error = run_script(sys.argv[1], sys.argv[2:])
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - a failing handler must not hide the outcome
+        traceback.print_exc()
+    if "PHOENIXFT_STORE" in env:
+        report(env["PHOENIXFT_WORKER_ID"], env["PHOENIXFT_STORE"], code, error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
