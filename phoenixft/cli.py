@@ -14,6 +14,8 @@ import sys
 # (module, attribute) pairs whose register(subparsers) adds top-level subcommands.
 _COMMANDS = [
     "phoenixft.launch.cli",      # run, demo, status
+    "phoenixft.launch.store_cli",  # store
+    "phoenixft.launch.chaos_cli",  # chaos
     "phoenixft.serve.cli",       # serve, generate
 ]
 # modules whose register(subparsers) adds `phoenixft bench <name>`.

@@ -93,8 +93,13 @@ class SlotFile:
         self.tensor = torch.from_numpy(self.np)
 
     def ensure(self, total_nbytes: int) -> None:
+        """Make room for a write of `total_nbytes`. If the file was deleted under us (shared
+        memory removed by hand mid-run), map a new one at the path: writing into the old
+        mapping would protect nothing, since no reader can open it any more."""
+        if self._mm is None or not self.path.exists():
+            self.capacity = 0
         if total_nbytes > self.capacity:
-            self._map(total_nbytes)
+            self._map(max(total_nbytes, HEADER_BYTES))
 
     # -- writing -------------------------------------------------------------------
     def begin_write(self, step: int) -> None:
@@ -129,6 +134,8 @@ class SlotFile:
         return state == 1, step
 
     def header(self) -> dict:
+        if self._mm is None:
+            raise IntegrityError(f"{self.path}: no snapshot (missing or empty file)")
         (n,) = struct.unpack("<q", bytes(self.np[24:32]))
         if not 0 < n <= HEADER_BYTES - 64:
             raise IntegrityError(f"{self.path}: bad header length {n}")

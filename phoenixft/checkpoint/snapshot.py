@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.replicate import exchange_slots
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
 from phoenixft.cluster.keys import Keys
@@ -41,7 +42,9 @@ class Snapshotter:
                  connect: Callable[[], dist.Store], rep_pg: dist.ProcessGroup | None,
                  holders: list[int], sources: list[int], world_size: int,
                  nodes: dict[int, int], interrupt: Interrupt, timeout_s: float,
-                 on_commit: Callable[[int, float], None] | None = None) -> None:
+                 on_commit: Callable[[int, float], None] | None = None,
+                 fault: Callable[[int, str], None] | None = None,
+                 on_degraded: Callable[[str], None] | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.rank = rank
         self.generation = generation
@@ -60,6 +63,8 @@ class Snapshotter:
         self._interrupt = interrupt
         self._timeout = timeout_s
         self._on_commit = on_commit
+        self._fault = fault or (lambda step, phase: None)  # fault-injection points
+        self._on_degraded = on_degraded or (lambda detail: None)
         self._slots: dict[tuple[str, int, int], SlotFile] = {}
         self._tasks: queue.Queue = queue.Queue()
         self._copied_step = -1
@@ -168,7 +173,9 @@ class Snapshotter:
         slot = self._slot("snap", self.rank, step)
         slot.ensure(HEADER_BYTES + layout.data_nbytes)
         slot.begin_write(step)
-        for e in layout.entries:
+        for i, e in enumerate(layout.entries):
+            if i == len(layout.entries) // 2:
+                self._fault(step, "snapshot")  # half copied
             slot.view(e).copy_(tensors[e.name].detach().reshape(e.shape))
         slot.finish_write(step, layout, dict(header, generation=self.generation))
         t1 = time.perf_counter()
@@ -178,6 +185,7 @@ class Snapshotter:
         if self._announce:
             store.set(Keys.copied(self.generation, self.rank, step), "1")
         self._ack(store, step)
+        self._fault(step, "replicate")
         if self._rep_pg is not None and (self._remote_holders or self._remote_sources):
             recv = {src: self._slot("rep", src, step) for src in self._remote_sources}
             exchange_slots(self._rep_pg, send=slot,
@@ -189,15 +197,27 @@ class Snapshotter:
                 self._ack(store, step)
         for src in self._local_sources:
             self._wait_key(store, Keys.copied(self.generation, src, step))
-            source = SlotFile(slot_path(self.shm_dir, "snap", src, step))
-            n = source.used_nbytes()
-            rslot = self._slot("rep", src, step)
-            rslot.ensure(n)
-            rslot.begin_write(step)
-            rslot.tensor[:n].copy_(source.tensor[:n])  # checksummed with it; verified on restore
+            self._copy_local_replica(src, step)
             self._ack(store, step)
+        self._fault(step, "commit")
         self.stats["copy_s"] += t1 - t0
         self.stats["replicate_s"] += time.perf_counter() - t1
+
+    def _copy_local_replica(self, src: int, step: int) -> None:
+        """Copy a same-node peer's slot out of shared memory (checksummed with it, verified
+        on restore). If its file is gone (the node's shared memory was deleted by hand)
+        this replica cannot exist: the step still commits, with one copy fewer, and says
+        so; every copy is verified at restore time, so nothing is loaded on trust."""
+        try:
+            source = SlotFile(slot_path(self.shm_dir, "snap", src, step))
+            n = source.used_nbytes()
+        except IntegrityError as exc:
+            self._on_degraded(f"no replica of rank {src}'s snapshot {step}: {exc}")
+            return
+        rslot = self._slot("rep", src, step)
+        rslot.ensure(n)
+        rslot.begin_write(step)
+        rslot.tensor[:n].copy_(source.tensor[:n])
 
     def _ack(self, store: dist.Store, step: int) -> None:
         n = store.add(Keys.ack(self.generation, step), 1)

@@ -6,11 +6,12 @@ that never fires). So no other module spells a key; `tests/unit/test_keys.py` ch
 that no store call in `phoenixft/` is given a string literal.
 
 Writers, by role:
-- leader (the node-0 agent): plans, fences, grow requests;
+- leader (the agent holding the lease, node 0's by default): plans, fences, grow
+  requests, its own state for a successor;
 - agent (one per node): node registration, exit reports, spawns, goodbyes, the job id
   (node 0);
-- worker (any training process): registration, heartbeats, clean-exit marks, errors,
-  fault-injection claims and their timestamps;
+- worker (any training process): registration, heartbeats, finished marks, exit codes
+  and errors (its runner), fault-injection claims and their timestamps;
 - snapshot thread (in each worker): copy marks, acks, commits;
 - rank 0 (the worker holding rank 0 of a generation): progress, losses, audits,
   results, recovery records;
@@ -57,16 +58,28 @@ class Keys:
         return f"failing/{wid}"
 
     @staticmethod
-    def exit(wid: str) -> str:  # the worker, at a clean exit
+    def exit(wid: str) -> str:  # the worker's runner, as it ends: its exit code
         return f"exit/{wid}"
 
     @staticmethod
-    def error(wid: str) -> str:  # the worker: a Python exception in the user's script
+    def finished(wid: str) -> str:  # the worker, once its Session.steps() completed
+        return f"finished/{wid}"
+
+    @staticmethod
+    def error(wid: str) -> str:  # the worker's runner: an uncaught exception's traceback
         return f"error/{wid}"
 
     @staticmethod
     def inject(spec: str) -> str:  # workers: add-counter that lets a fault fire once per job
         return f"inject/{spec}"
+
+    # -- leadership ----------------------------------------------------------------------
+    LEADER = "leader"  # the agent that leads (compare_set): {"node", "term", "pid"}
+    LEADER_STATE = "leader_state"  # the leader: what a successor needs (JSON, each change)
+
+    @staticmethod
+    def leader_beat(term: int) -> str:  # the leader of `term`: add-counter, every tick
+        return f"leader_beat/{term}"
 
     # -- generations -------------------------------------------------------------------
     @staticmethod

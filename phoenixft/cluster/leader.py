@@ -1,10 +1,11 @@
-"""The leader: decides generations. It runs in the agent that hosts the store (node 0),
-so it outlives any worker, rank 0 included.
+"""The leader: decides generations. It runs in an agent (node 0's unless another agent took
+the lead, see `lease.py`), so it outlives any worker, rank 0 included.
 
 Failure policy (readable here, in one place):
-- a worker whose process exited without a clean-exit mark, or whose heartbeat has been
-  silent for `heartbeat_timeout_s` (a hang), is dead; a hung one is fenced (its agent
-  SIGKILLs it) before anyone relies on its absence;
+- a worker that exits before it finished training (any exit code, 0 included: a rank
+  that leaves early is a failure of *that* rank), or whose heartbeat has been silent for
+  `heartbeat_timeout_s` (a hang), is dead; a hung one is fenced (its agent SIGKILLs it)
+  before anyone relies on its absence;
 - a dead member's rank goes to a live spare, preferring one on the dead rank's node (it
   maps the dead rank's snapshot from shared memory), else any node (the replica holder
   sends it); the next generation's plan is written and the survivors carry on;
@@ -15,18 +16,26 @@ Failure policy (readable here, in one place):
 - a respawned worker (a spare registered while the job runs below its starting size) is
   admitted at the next committed step boundary (grow);
 - a Python exception in the user's script is not a machine failure: the job stops and the
-  traceback is shown, since a spare would only raise it again.
+  traceback is shown, since a spare would only raise it again;
+- a worker that exits before the job starts (it never created a Session, or crashed on
+  import) stops the job at once, naming it;
+- after training finished, a non-zero exit or a fault injection that never fired makes
+  the job's exit status non-zero (`problems` in summary.json): nothing silent.
+
+The leader's own state is saved in the store after every change (`Keys.LEADER_STATE`),
+so another agent can take over the lead from where it stood.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
+from phoenixft.cluster import report
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatMonitor
 from phoenixft.cluster.keys import Keys
@@ -49,12 +58,15 @@ class LeaderConfig:
     heartbeat_timeout_s: float = 3.0
     startup_timeout_s: float = 120.0
     min_world: int | None = None  # shrink down to this many ranks when no spare is left
+    injects: list[str] = field(default_factory=list)  # fault specs that must fire
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
-        if self.heartbeat_timeout_s <= 0:
-            raise ValueError("heartbeat_timeout_s must be > 0")
+        for name in ("heartbeat_timeout_s", "startup_timeout_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"LeaderConfig.{name} must be a finite number > 0, got {v}")
 
 
 @dataclass
@@ -78,15 +90,27 @@ class Leader:
         self.plan: Plan | None = None
         self.monitor = HeartbeatMonitor(store)
         self.failures: list[Failure] = []
+        self.problems: list[str] = []
         self.fatal: str | None = None
+        self.target_world = 0
         self._reports_seen = 0
         self._started = time.monotonic()
         self._status_t = 0.0
-        self.target_world = 0
+
+    @property
+    def plan_kind(self) -> str:
+        return self.plan.kind if self.plan is not None else "starting"
 
     # -- start ----------------------------------------------------------------------
     def try_start(self) -> bool:
         """Gen 0 once every node's agent and every worker registered. False = not yet."""
+        for rep in self._new_reports():  # nobody may leave before the job starts
+            why = rep["detail"] if rep["kind"] == "error" else (
+                f"{rep['detail']} before it created phoenixft.Session() and joined the job; "
+                f"see {self.run_dir / 'logs' / (rep['wid'] + '.log')}")
+            self._abort(f"worker {rep['wid']} exited during start-up: {why}",
+                        error=rep["kind"] == "error")
+            return False
         nodes = []
         for k in range(self.cfg.nnodes):
             if not self.store.check([Keys.node(k)]):
@@ -107,10 +131,9 @@ class Leader:
             info = kv.get_json(self.store, Keys.worker(w))
             self.workers[w] = WorkerInfo(w, k, info["pid"], "waiting")
             self.monitor.watch(w)
-        plan = Plan(generation=0, members=ranks,
-                    nodes={r: self.workers[w].node for r, w in ranks.items()})
         self.target_world = len(ranks)
-        self._publish(plan)
+        self._publish(Plan(generation=0, members=ranks,
+                           nodes={r: self.workers[w].node for r, w in ranks.items()}))
         return True
 
     def _startup_deadline(self, why: str) -> None:
@@ -119,32 +142,58 @@ class Leader:
 
     # -- every tick -----------------------------------------------------------------
     def tick(self) -> None:
-        if self.plan is None or self.plan.kind != "run":
+        if self.plan_kind != "run":
             return
-        now = time.time()
-        new: list[Failure] = []
+        new = self._read_exits()
+        if self.plan_kind != "run":  # a script error stopped the job
+            return
+        new += self._read_hangs()
+        if self._all_members_finished():
+            self._finish()
+            return
+        for f in new:
+            self.failures.append(f)
+            self.events.emit("failure", wid=f.wid, rank=f.rank, kind=f.kind, detail=f.detail,
+                             gen=self.plan.generation, detect_s=round(f.t_detect - f.t_fail, 4),
+                             role="active" if f.rank is not None else "spare")
+        member_failures = [f for f in new if f.rank is not None]
+        if member_failures:
+            self._replace(member_failures)
+        else:
+            self._grow()
+        if new:
+            self.save_state()
+        self._write_status()
+
+    def _read_exits(self) -> list[Failure]:
+        now, new = time.time(), []
         for rep in self._new_reports():
             w = self.workers.get(rep["wid"])
             if w is None or w.state in ("dead", "exited", "fenced"):
                 continue
+            if self.store.check([Keys.finished(w.wid)]):  # it completed training
+                w.state = "exited"
+                self.monitor.forget(w.wid)
+                if rep.get("rc", 0) != 0:
+                    self.problems.append(f"worker {w.wid} exited after training with "
+                                         f"{rep['detail'].splitlines()[-1]}")
+                continue
             if rep["kind"] == "error":
                 self._abort(f"the training script raised on worker {rep['wid']}:\n{rep['detail']}",
                             error=True)
-                return
-            if rep["kind"] == "exit":
-                if rep.get("clean"):
-                    w.state = "exited"
-                    self.monitor.forget(w.wid)
-                    continue
-                w.state, w.exit_detail = "dead", rep["detail"]
-                self.monitor.forget(w.wid)
-                if self.store.check([Keys.result("digest")]):
-                    w.state = "exited"  # training had finished; nothing to recover
-                    self.events.emit("exit_after_finish", wid=w.wid, detail=rep["detail"])
-                    continue
-                t_fail = self._fail_time(w.wid, rep["t"])
-                new.append(Failure(w.wid, self.plan.rank_of(w.wid), "exit", rep["detail"],
-                                   t_fail, now))
+                return []
+            if rep["kind"] == "fatal":
+                self._abort(f"recovery is impossible: {rep['detail']}")
+                return []
+            detail = rep["detail"] + (" before training finished" if rep.get("rc") == 0 else "")
+            w.state, w.exit_detail = "dead", detail
+            self.monitor.forget(w.wid)
+            new.append(Failure(w.wid, self.plan.rank_of(w.wid), "exit", detail,
+                               self._fail_time(w.wid, rep["t"]), now))
+        return new
+
+    def _read_hangs(self) -> list[Failure]:
+        now, new = time.time(), []
         self.monitor.poll()
         for wid in self.monitor.stale(self.cfg.heartbeat_timeout_s):
             w = self.workers[wid]
@@ -153,43 +202,47 @@ class Leader:
             self.monitor.forget(wid)
             self.store.set(Keys.fence(wid), "1")
             new.append(Failure(wid, self.plan.rank_of(wid), "hang", w.exit_detail, t_fail, now))
-        if self._all_members_exited():
-            if not self.store.check([Keys.result("digest")]):
-                self._abort("every rank exited before training finished; see the worker logs "
-                            f"in {self.run_dir / 'logs'}")
-                return
-            self._publish(Plan(generation=self.plan.generation + 1, kind="done",
-                               reason="all ranks finished"))
-            return
-        member_failures = [f for f in new if f.rank is not None]
-        for f in new:
-            self.failures.append(f)
-            self.events.emit("failure", wid=f.wid, rank=f.rank, kind=f.kind, detail=f.detail,
-                             gen=self.plan.generation, detect_s=round(f.t_detect - f.t_fail, 4),
-                             role="active" if f.rank is not None else "spare")
-        if member_failures:
-            self._replace(member_failures)
-        elif self.plan.kind == "run":
-            self._grow()
-        self._write_status()
+        return new
 
     def _fail_time(self, wid: str, fallback: float) -> float:
         key = Keys.failing(wid)
         return float(self.store.get(key).decode()) if self.store.check([key]) else fallback
 
     def _new_reports(self) -> list[dict]:
+        """Exit reports in order. A report's number is taken (add) before its body is
+        written: stop at the first body not written yet and read it next tick."""
         n = kv.get_int(self.store, Keys.REPORTS, 0)
         out = []
         while self._reports_seen < n:
+            key = Keys.report(self._reports_seen + 1)
+            if not self.store.check([key]):
+                break
             self._reports_seen += 1
-            key = Keys.report(self._reports_seen)
-            if self.store.check([key]):
-                out.append(kv.get_json(self.store, key))
-        return [r for r in out if r.get("kind") in ("exit", "error")]
+            rep = kv.get_json(self.store, key)
+            if rep.get("kind") in ("exit", "error", "fatal"):
+                out.append(rep)
+        return out
 
-    def _all_members_exited(self) -> bool:
+    def _all_members_finished(self) -> bool:
         return all(self.workers[w].state == "exited" for w in self.plan.members.values())
 
+    def _finish(self) -> None:
+        if not self.store.check([Keys.result("digest")]):
+            self._abort("every rank exited before training finished; see the worker logs "
+                        f"in {self.run_dir / 'logs'}")
+            return
+        for spec in self.cfg.injects:
+            if not self.store.check([Keys.inject(spec)]):
+                self.problems.append(
+                    f"--inject {spec} never fired (the run ended at step "
+                    f"{kv.get_int(self.store, Keys.PROGRESS, 0)}): fix the step, rank, "
+                    "generation or microbatch")
+        for p in self.problems:
+            self.events.emit("problem", detail=p)
+        self._publish(Plan(generation=self.plan.generation + 1, kind="done",
+                           reason="all ranks finished"))
+
+    # -- decisions ------------------------------------------------------------------
     def _spares(self) -> list[WorkerInfo]:
         members = set(self.plan.members.values())
         return [w for w in self.workers.values()
@@ -197,22 +250,17 @@ class Leader:
 
     def _replace(self, failures: list[Failure]) -> None:
         plan = self.plan
-        members = dict(plan.members)
-        nodes = dict(plan.nodes)
+        members, nodes = dict(plan.members), dict(plan.nodes)
         replaced: dict[int, str] = {}
         spares = self._spares()
         for f in failures:
-            if f.rank is None:
-                continue
             if not spares:
                 self._shrink(failures)
                 return
             node = plan.nodes[f.rank]
             spares.sort(key=lambda s: (s.node != node, s.wid))
             spare = spares.pop(0)
-            members[f.rank] = spare.wid
-            nodes[f.rank] = spare.node
-            replaced[f.rank] = f.wid
+            members[f.rank], nodes[f.rank], replaced[f.rank] = spare.wid, spare.node, f.wid
             spare.state = "running"
         t_fail = min(f.t_fail for f in failures)
         t_detect = min(f.t_detect for f in failures)
@@ -221,11 +269,11 @@ class Leader:
             replaced = {**plan.replaced, **replaced}
             t_fail = min(t_fail, plan.t_fail or t_fail)
             t_detect = min(t_detect, plan.t_detect or t_detect)
-        new = Plan(generation=plan.generation + 1, members=members, nodes=nodes,
-                   replaced=replaced, reason="; ".join(f"{f.wid}: {f.detail}" for f in failures),
-                   t_fail=t_fail, t_detect=t_detect,
-                   progress=kv.get_int(self.store, Keys.PROGRESS, 0))
-        self._publish(new)
+        self._publish(Plan(generation=plan.generation + 1, members=members, nodes=nodes,
+                           replaced=replaced,
+                           reason="; ".join(f"{f.wid}: {f.detail}" for f in failures),
+                           t_fail=t_fail, t_detect=t_detect,
+                           progress=kv.get_int(self.store, Keys.PROGRESS, 0)))
 
     def _shrink(self, failures: list[Failure]) -> None:
         """No spare left: go on with the survivors (ReCoVer) if allowed, else stop."""
@@ -240,12 +288,11 @@ class Leader:
             self._abort(f"worker {f.wid} (rank {f.rank}) failed ({f.detail}) and no spare is "
                         f"left; {why}")
             return
-        members = {i: w for i, (_, w) in enumerate(alive)}
-        nodes = {i: plan.nodes[r] for i, (r, _) in enumerate(alive)}
-        replaced = {f.rank: f.wid for f in failures if f.rank is not None}
-        self._publish(Plan(generation=plan.generation + 1, members=members, nodes=nodes,
-                           replaced=replaced, reason="shrink: " + "; ".join(
-                               f"{x.wid}: {x.detail}" for x in failures),
+        self._publish(Plan(generation=plan.generation + 1,
+                           members={i: w for i, (_, w) in enumerate(alive)},
+                           nodes={i: plan.nodes[r] for i, (r, _) in enumerate(alive)},
+                           replaced={x.rank: x.wid for x in failures},
+                           reason="shrink: " + "; ".join(f"{x.wid}: {x.detail}" for x in failures),
                            t_fail=min(x.t_fail for x in failures),
                            t_detect=min(x.t_detect for x in failures),
                            progress=kv.get_int(self.store, Keys.PROGRESS, 0)))
@@ -280,7 +327,12 @@ class Leader:
         self.workers[wid] = WorkerInfo(wid, node, info["pid"], "waiting")
         self.monitor.watch(wid)
         self.events.emit("spare_added", wid=wid, node=node, pid=info["pid"])
+        self.save_state()
         return True
+
+    def stop(self, reason: str) -> None:
+        """Stop the job now (an operator's signal): every worker reads the abort plan."""
+        self._abort(reason)
 
     def _abort(self, reason: str, error: bool = False) -> None:
         self.fatal = reason
@@ -293,55 +345,46 @@ class Leader:
         if plan.kind == "run":
             for w in plan.members.values():
                 self.workers[w].state = "running"
-        self.plan = plan if plan.kind == "run" or self.plan is None else self._final(plan)
+        if plan.kind != "run" and self.plan is not None:  # keep the last membership on show
+            plan.members, plan.nodes = self.plan.members, self.plan.nodes
+        self.plan = plan
         self.events.emit("generation", gen=plan.generation, kind=plan.kind,
-                         members={r: w for r, w in plan.members.items()},
-                         replaced=plan.replaced, world_size=plan.world_size)
+                         members=dict(plan.members), replaced=plan.replaced,
+                         world_size=plan.world_size)
+        self.save_state()
         self._write_status(force=True)
 
-    def _final(self, plan: Plan) -> Plan:
-        plan.members, plan.nodes = self.plan.members, self.plan.nodes
-        return plan
+    # -- state for a successor ------------------------------------------------------
+    def save_state(self) -> None:
+        kv.set_json(self.store, Keys.LEADER_STATE, {
+            "workers": [asdict(w) for w in self.workers.values()],
+            "failures": [asdict(f) for f in self.failures], "problems": self.problems,
+            "reports_seen": self._reports_seen, "target_world": self.target_world,
+            "fatal": self.fatal})
+
+    def resume(self) -> bool:
+        """Take over from a previous leader's saved state (False: there is none, the job
+        has not started yet)."""
+        if not self.store.check([Keys.LEADER_STATE]):
+            return False
+        st = kv.get_json(self.store, Keys.LEADER_STATE)
+        self.workers = {w["wid"]: WorkerInfo(**w) for w in st["workers"]}
+        self.failures = [Failure(**f) for f in st["failures"]]
+        self.problems, self.fatal = st["problems"], st["fatal"]
+        self._reports_seen, self.target_world = st["reports_seen"], st["target_world"]
+        g = 0
+        while self.store.check([Keys.plan(g + 1)]):
+            g += 1
+        self.plan = Plan.from_json(self.store.get(Keys.plan(g))) if self.store.check(
+            [Keys.plan(g)]) else None
+        for w in self.workers.values():
+            if w.state in ("waiting", "running"):
+                self.monitor.watch(w.wid)
+        return self.plan is not None
 
     # -- reporting ------------------------------------------------------------------
     def status(self) -> dict:
-        plan = self.plan
-        members = []
-        rank_of = {w: r for r, w in plan.members.items()} if plan else {}
-        for w in sorted(self.workers.values(), key=lambda w: (rank_of.get(w.wid, 1 << 30), w.wid)):
-            role = ("active" if w.wid in rank_of else
-                    "failed" if w.state in ("dead", "fenced") else "spare")
-            members.append({"rank": rank_of.get(w.wid), "role": role,
-                            "pid": w.pid, "state": w.state, "wid": w.wid, "node": w.node})
-        return {"generation": plan.generation if plan else -1,
-                "kind": plan.kind if plan else "starting",
-                "world_size": plan.world_size if plan else 0,
-                "step": kv.get_int(self.store, Keys.PROGRESS, 0),
-                "committed_step": kv.get_int(self.store, Keys.COMMITTED, -1),
-                "members": members, "failures": len(self.failures), "updated": time.time()}
-
-    def recoveries(self) -> list[dict]:
-        """One entry per replaced rank of every generation that finished recovering."""
-        out = []
-        kinds = {f.wid: f for f in self.failures}
-        for gen in range(1, (self.plan.generation if self.plan else 0) + 1):
-            key = Keys.recovered(gen)
-            if not self.store.check([key]):
-                continue
-            rec = json.loads(self.store.get(key))
-            plan = Plan.from_json(self.store.get(Keys.plan(gen)))
-            for rank, dead in sorted(plan.replaced.items()):
-                f = kinds.get(dead)
-                src_key = Keys.source(gen, rank if rank < plan.world_size else 0)
-                out.append({"gen": gen, "rank": rank, "failed_worker": dead,
-                            "replacement": plan.members.get(rank),
-                            "kind": f.kind if f else "unknown",
-                            "detect_s": round(f.t_detect - f.t_fail, 4) if f else None,
-                            "recover_s": rec["recover_s"], "lost_steps": rec["lost_steps"],
-                            "restore_step": rec["restore_step"],
-                            "source": (self.store.get(src_key).decode()
-                                       if self.store.check([src_key]) else None)})
-        return out
+        return report.status(self.store, self.plan, self.workers, len(self.failures))
 
     def _write_status(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._status_t < 0.5:
@@ -350,32 +393,5 @@ class Leader:
         write_json_atomic(self.run_dir / "status.json", self.status())
 
     def summary(self, wall_s: float) -> dict:
-        final_step = kv.get_int(self.store, Keys.result("final_step"), -1)
-        digest = (self.store.get(Keys.result("digest")).decode()
-                  if self.store.check([Keys.result("digest")]) else None)
-        losses = []
-        if final_step > 0:
-            losses = [float(v) for v in self.store.multi_get(
-                [Keys.loss(s) for s in range(1, final_step + 1)])]
-        recoveries = self.recoveries()
-        if final_step > 0:
-            audit = self.store.multi_get([Keys.audit(s) for s in range(1, final_step + 1)])
-            with (self.run_dir / "audit.jsonl").open("w") as f:
-                for s, ids in enumerate(audit, start=1):
-                    f.write(json.dumps({"step": s, "microbatches": json.loads(ids)}) + "\n")
-        g = self.plan.generation if self.plan else 0
-        return {"final_step": final_step, "final_state_digest": digest, "losses": losses,
-                "final_loss": losses[-1] if losses else None,
-                "failures": [f.__dict__ for f in self.failures], "recoveries": recoveries,
-                "generations": g, "wall_s": round(wall_s, 3), "aborted": self.fatal,
-                "microbatch_passes": kv.get_int(self.store, Keys.MB_COUNT, 0),
-                "world_sizes": self._world_sizes()}
-
-    def _world_sizes(self) -> list[int]:
-        out = []
-        for gen in range((self.plan.generation if self.plan else -1) + 1):
-            p = Plan.from_json(self.store.get(Keys.plan(gen)))
-            if p.kind == "run":
-                out.append(p.world_size)
-        return out
-
+        return report.summary(self.store, self.run_dir, self.plan.generation if self.plan else 0,
+                              self.failures, wall_s, self.fatal, self.problems)

@@ -18,9 +18,12 @@ import torch.distributed as dist
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
+    """HOST:PORT or [IPV6]:PORT -> (host without brackets, port)."""
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"store address must be HOST:PORT, got {addr!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     return host, int(port)
 
 
@@ -30,10 +33,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def host_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
-    """Start the job's store server in this process (the node-0 agent)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s), use_libuv=True)
+def host_store(host: str, port: int = 0, timeout_s: float = 60.0) -> tuple[dist.TCPStore, int]:
+    """Start a store server in this process, listening on exactly (host, port) (port 0:
+    a free one); returns it and its port. c10d's own listener would bind every interface
+    whatever `host` says, so it is handed a socket bound here. Raises OSError when the
+    address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    # detach: the descriptor now belongs to the server (a collected socket object would
+    # close it under the server)
+    server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout_s), use_libuv=True,
+                           master_listen_fd=sock.detach())
+    return server, port
 
 
 def connect(addr: str, timeout_s: float = 60.0) -> dist.TCPStore:
@@ -45,6 +65,10 @@ def connect(addr: str, timeout_s: float = 60.0) -> dist.TCPStore:
 
 class StoreGone(RuntimeError):
     """The job store cannot be reached: its host died, or the job ended."""
+
+
+# what a call on a store whose server is gone raises
+STORE_LOST = (StoreGone, dist.DistNetworkError)
 
 
 def wait_for(store: dist.Store, keys: list[str], timeout_s: float) -> bool:

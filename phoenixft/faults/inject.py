@@ -1,20 +1,37 @@
-"""Fault injection: real SIGKILL / SIGSTOP of a worker at a chosen point of training.
+"""Fault injection: real faults at chosen points of a training job.
 
 A protocol shared by the launcher (which parses and checks `--inject` and hands the specs
 to its workers through the environment) and the worker (which fires them), so it lives
 apart from both.
 
-Spec grammar (``--inject``, repeatable)::
+Spec grammar (``--inject``, repeatable): ``KIND:rank=R:WHEN``
 
-    kill:rank=R:step=T             SIGKILL the worker holding rank R when it starts step T
-    stop:rank=R:step=T             SIGSTOP it instead (a hang: only deadlines catch it)
-    kill:rank=R:gen=G              SIGKILL it while it recovers into generation G
-    kill:rank=R:step=T:microbatch=J  SIGKILL it right after its J-th microbatch of step T
+KIND, what the worker holding rank R does when WHEN comes:
+    kill      SIGKILL itself (a crash, an OOM kill)
+    stop      SIGSTOP itself (a hang: only deadlines catch it)
+    node      SIGKILL its agent: the whole node is lost (its workers die with their agent,
+              its shared memory is removed)
+    corrupt   flip a byte in each of its own snapshot slots, then SIGKILL itself (a spare
+              must not load the damaged copy)
+    shm       delete its node's shared memory, then SIGKILL itself
+    raise     raise an exception, as a bug in the training script would
 
-The worker signals itself, so the fault lands exactly at that point; each spec fires
-once per job (claimed through the store under its own text, so agents on different
-nodes may pass different lists), so the spare that takes rank R over does not
-die again when it replays step T.
+WHEN:
+    step=T                  as it starts step T
+    step=T:microbatch=J     right after its J-th microbatch (from 0) of step T, once its
+                            snapshot of step T-1 is in host memory (so the fault tests the
+                            step, not the race with that copy; phase=snapshot tests it)
+    step=T:phase=P          at phase P of step T: reduce (before the gradient all-reduce),
+                            update (after it, before the optimizer step), snapshot (in the
+                            middle of copying snapshot T), replicate (snapshot T copied,
+                            its replicas not sent), commit (all its copies acknowledged)
+    gen=G                   while it recovers into generation G, once that generation's
+                            groups formed (every member is inside the recovery then); the
+                            rank of a replaced worker is held by the spare activated for it
+
+Each spec fires once per job (claimed through the store under its own text, so agents on
+different nodes may pass different lists): the spare that takes rank R over does not die
+again when it replays step T.
 """
 
 from __future__ import annotations
@@ -25,12 +42,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise")
+PHASES = ("start", "reduce", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch")
 
 
 class InjectSpecError(ValueError):
     pass
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a `raise:` spec: stands for a bug in the training script."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +62,11 @@ class InjectSpec:
     step: int | None = None
     gen: int | None = None
     microbatch: int | None = None
+    phase: str | None = None  # None: "start" (or the microbatch, or the recovery)
 
     def __str__(self) -> str:
         parts = [self.kind, f"rank={self.rank}"]
-        for k in ("step", "gen", "microbatch"):
+        for k in ("step", "gen", "microbatch", "phase"):
             v = getattr(self, k)
             if v is not None:
                 parts.append(f"{k}={v}")
@@ -53,27 +76,38 @@ class InjectSpec:
 def parse_spec(text: str) -> InjectSpec:
     fields = text.strip().split(":")
     kind = fields[0]
-    usage = ("expected kill|stop:rank=R:step=T (or :gen=G, or :step=T:microbatch=J), "
-             f"got {text!r}")
+    usage = (f"expected KIND:rank=R:step=T (or :gen=G, :step=T:microbatch=J, "
+             f":step=T:phase=P) with KIND one of {', '.join(KINDS)}, got {text!r}")
     if kind not in KINDS:
         raise InjectSpecError(f"unknown fault kind {kind!r} in --inject; {usage}")
-    values: dict[str, int] = {}
+    values: dict[str, int | str] = {}
     for f in fields[1:]:
         key, eq, val = f.partition("=")
-        if not eq or key not in _INT_KEYS:
+        if not eq or key not in (*_INT_KEYS, "phase") or key in values:
             raise InjectSpecError(f"bad field {f!r} in --inject; {usage}")
+        if key == "phase":
+            if val not in PHASES:
+                raise InjectSpecError(f"phase must be one of {', '.join(PHASES)} in --inject, "
+                                      f"got {val!r}")
+            values[key] = val
+            continue
         try:
             values[key] = int(val)
         except ValueError:
             raise InjectSpecError(f"{key} must be an integer in --inject, got {val!r}") from None
-        if values[key] < 0:
-            raise InjectSpecError(f"{key} must be >= 0 in --inject, got {val!r}")
+        lowest = 1 if key in ("step", "gen") else 0  # steps count from 1; gen 0 has no recovery
+        if values[key] < lowest:
+            raise InjectSpecError(f"{key} must be >= {lowest} in --inject, got {val!r}")
     if "rank" not in values:
         raise InjectSpecError(f"--inject needs rank=R; {usage}")
     if ("step" in values) == ("gen" in values):
         raise InjectSpecError(f"--inject needs exactly one of step=T or gen=G; {usage}")
-    if "microbatch" in values and "step" not in values:
-        raise InjectSpecError(f"microbatch=J needs step=T in --inject; {usage}")
+    if ("microbatch" in values or "phase" in values) and "step" not in values:
+        raise InjectSpecError(f"microbatch=J and phase=P need step=T in --inject; {usage}")
+    if "microbatch" in values and "phase" in values:
+        raise InjectSpecError(f"give microbatch=J or phase=P, not both, in --inject; {usage}")
+    if values.get("phase") == "start":
+        del values["phase"]
     return InjectSpec(kind=kind, **values)
 
 
@@ -85,33 +119,72 @@ def format_env(specs: list[InjectSpec]) -> str:
     return ";".join(str(s) for s in specs)
 
 
+@dataclass(kw_only=True)
+class WorkerHooks:
+    """What the worker lends the injector. `claim(spec)` must return True only once per
+    spec across the job (the store's add counter gives that); `on_fire` records the fault
+    before it lands; `settle` runs before a microbatch fault (see the grammar); `damage`
+    does the shared-memory part of `corrupt` and `shm`; `agent_pid` is the node's agent."""
+
+    claim: Callable[[str], bool]
+    on_fire: Callable[[InjectSpec, float, dict], None] | None = None
+    settle: Callable[[], None] | None = None
+    damage: Callable[[str], None] | None = None
+    agent_pid: int | None = None
+
+
 class Injector:
-    """Fires matching specs in the worker. `claim(i)` must return True only once per
-    spec across the job (the store's add counter gives that)."""
+    """Fires matching specs in the worker."""
 
-    def __init__(self, specs: list[InjectSpec], claim: Callable[[str], bool],
-                 on_fire: Callable | None = None) -> None:
+    def __init__(self, specs: list[InjectSpec], hooks: WorkerHooks) -> None:
         self.specs = specs
-        self._claim = claim
-        self._on_fire = on_fire
+        self.hooks = hooks
 
-    def _fire(self, point: dict, **match) -> None:
+    def check_plan(self, per_rank: list[int]) -> None:
+        """Refuse a microbatch spec that can never fire: rank R computes `per_rank[R]`
+        microbatches per step, so its J-th (from 0) exists only when J < per_rank[R]."""
         for s in self.specs:
-            if all(getattr(s, k) == v for k, v in match.items()) and all(
-                    getattr(s, k) is None for k in ("step", "gen", "microbatch") if k not in match):
-                if self._claim(str(s)):
-                    if self._on_fire is not None:
-                        self._on_fire(s, time.time(), point)
-                    os.kill(os.getpid(), KINDS[s.kind])
+            if s.microbatch is not None and s.rank < len(per_rank) and s.microbatch >= per_rank[s.rank]:
+                raise InjectSpecError(
+                    f"--inject {s} can never fire: rank {s.rank} computes {per_rank[s.rank]} "
+                    f"microbatch(es) per step (microbatch counts from 0)")
+        if self.hooks.agent_pid is None and any(s.kind == "node" for s in self.specs):
+            raise InjectSpecError("--inject node:... needs an agent: run under `phoenixft run`")
 
-    def at_step(self, rank: int, step: int) -> None:
+    def _fire(self, point: dict) -> None:
+        for s in self.specs:
+            if any(getattr(s, k) != point.get(k) for k in ("rank", "step", "gen", "microbatch",
+                                                           "phase")):
+                continue
+            if s.microbatch is not None and self.hooks.settle is not None:
+                self.hooks.settle()
+            if self.hooks.claim(str(s)):
+                if self.hooks.on_fire is not None:
+                    self.hooks.on_fire(s, time.time(), {k: v for k, v in point.items()
+                                                       if k != "rank" and v is not None})
+                self._land(s)
+
+    def _land(self, s: InjectSpec) -> None:
+        me = os.getpid()
+        if s.kind == "raise":
+            raise InjectedFault(f"injected fault {s}")
+        if s.kind == "stop":
+            os.kill(me, signal.SIGSTOP)
+            return
+        if s.kind in ("corrupt", "shm") and self.hooks.damage is not None:
+            self.hooks.damage(s.kind)
+        if s.kind == "node" and self.hooks.agent_pid is not None:
+            os.kill(self.hooks.agent_pid, signal.SIGKILL)
+        os.kill(me, signal.SIGKILL)
+
+    def at_step(self, rank: int, step: int, phase: str | None = None) -> None:
         if self.specs:
-            self._fire({"step": step}, rank=rank, step=step)
+            self._fire({"rank": rank, "step": step, "phase": phase})
 
     def at_recovery(self, rank: int, gen: int) -> None:
         if self.specs:
-            self._fire({"gen": gen}, rank=rank, gen=gen)
+            self._fire({"rank": rank, "gen": gen})
 
     def at_microbatch(self, rank: int, step: int, j: int) -> None:
         if self.specs:
-            self._fire({"step": step, "microbatch": j}, rank=rank, step=step, microbatch=j)
+            self._fire({"rank": rank, "step": step, "microbatch": j})

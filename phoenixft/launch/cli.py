@@ -13,11 +13,38 @@ from phoenixft.faults.inject import InjectSpecError, parse_spec
 def register(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="launch a training script with warm spares (like torchrun)",
                          description="Start N workers and S warm spares of SCRIPT on this node.")
+    add_run_arguments(run)
+    run.set_defaults(func=cmd_run)
+
+    demo = sub.add_parser("demo", help="4 workers + 1 spare, one killed mid-run, live view")
+    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("--run-dir", default="runs/demo")
+    demo.set_defaults(func=_lazy("phoenixft.launch.demo", "cmd_demo"))
+
+    st = sub.add_parser("status", help="print a run directory's status.json")
+    st.add_argument("run_dir", nargs="?", default="runs/latest")
+    st.set_defaults(func=cmd_status)
+
+
+def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None = 0) -> None:
+    """The options of `phoenixft run` (shared with `phoenixft chaos`)."""
     run.add_argument("--nproc", type=int, default=1, help="active workers on this node")
-    run.add_argument("--spares", type=int, default=0, help="warm spare workers on this node")
+    run.add_argument("--spares", type=int, default=spares_default,
+                     help="warm spare workers on this node")
     run.add_argument("--nnodes", type=int, default=1)
     run.add_argument("--node-rank", type=int, default=0)
-    run.add_argument("--store", default=None, help="HOST:PORT of the job store (node 0 hosts it)")
+    run.add_argument("--store", default=None,
+                     help="HOST:PORT or [IPv6]:PORT of the job store (node 0 hosts it; default "
+                          "127.0.0.1 and a free port)")
+    run.add_argument("--external-store", action="store_true",
+                     help="the store at --store runs on its own (`phoenixft store`): no agent "
+                          "hosts it, and another agent takes the lead if the leader's node dies")
+    run.add_argument("--auth-token", default=None,
+                     help="shared secret every agent proves to a store other hosts can reach "
+                          "(or set PHOENIXFT_AUTH_TOKEN)")
+    run.add_argument("--local-addr", default=None,
+                     help="this host's address for the workers' process groups (default: the "
+                          "address that routes to the store, or GLOO_SOCKET_IFNAME's)")
     run.add_argument("--run-dir", default="runs/latest")
     run.add_argument("--inject", action="append", default=[], metavar="SPEC",
                      help="fault to inject, e.g. kill:rank=1:step=20 or stop:rank=0:step=5")
@@ -32,19 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "a failure-free run) or shrink-batch (fewer: the batch shrinks)")
     run.add_argument("--respawn", type=int, default=0,
                      help="replacement workers this agent may start; they grow the job back")
-    run.add_argument("--quiet", action="store_true")
+    run.add_argument("--quiet", action="store_true", help="no progress lines (errors still show)")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
-    run.set_defaults(func=cmd_run)
-
-    demo = sub.add_parser("demo", help="4 workers + 1 spare, one killed mid-run, live view")
-    demo.add_argument("--steps", type=int, default=None)
-    demo.add_argument("--run-dir", default="runs/demo")
-    demo.set_defaults(func=_lazy("phoenixft.launch.demo", "cmd_demo"))
-
-    st = sub.add_parser("status", help="print a run directory's status.json")
-    st.add_argument("run_dir", nargs="?", default="runs/latest")
-    st.set_defaults(func=cmd_status)
 
 
 def _lazy(module: str, name: str):
@@ -55,24 +72,26 @@ def _lazy(module: str, name: str):
 
 
 def agent_config_from_args(args):
-    from phoenixft.launch.agent import AgentConfig
+    from phoenixft.launch.config import AgentConfig
     specs = [parse_spec(s) for s in args.inject]
     return AgentConfig(script=args.script, script_args=list(args.script_args),
                        nproc=args.nproc, spares=args.spares, nnodes=args.nnodes,
-                       node_rank=args.node_rank, store=args.store, run_dir=args.run_dir,
+                       node_rank=args.node_rank, store=args.store,
+                       external_store=args.external_store, auth_token=args.auth_token,
+                       local_addr=args.local_addr, run_dir=args.run_dir,
                        inject=specs, heartbeat_timeout_s=args.heartbeat_timeout,
                        replicas=args.replicas, echo=not args.quiet, min_nproc=args.min_nproc,
                        policy=args.policy, respawn=args.respawn)
 
 
 def cmd_run(args) -> int:
-    from phoenixft.launch.agent import Agent, LaunchError
+    from phoenixft.launch.agent import Agent
+    from phoenixft.launch.config import LaunchError
     try:
-        cfg = agent_config_from_args(args)
-    except (InjectSpecError, LaunchError, ValueError) as exc:
+        return Agent(agent_config_from_args(args)).run()
+    except (InjectSpecError, LaunchError) as exc:
         print(f"phoenixft run: error: {exc}", file=sys.stderr)
         return 2
-    return Agent(cfg).run()
 
 
 def cmd_status(args) -> int:

@@ -4,9 +4,14 @@ Why a thread: the engine is single-threaded and steps continuously while request
 and go; HTTP handlers only tokenize/validate (``make_sequence``) and hand the sequence
 over through a queue. Each request gets an ``asyncio.Queue`` of ``RequestOutput``s.
 
-Failure rule (never silent): if a step raises, the thread records the exception, sends
-it to every pending request (their handlers answer 500), logs it, and stops;
-``error`` is then set and ``/health`` reports it with status 503.
+Failure rules (never silent):
+- a step that raises is computed again one request at a time; a request that raises
+  alone gets `RequestFailed` (its handler answers 500), the failure is logged and counted
+  (`on_step_failure`), and the engine goes on serving every other request: one bad
+  request never kills serving;
+- `max_consecutive_failures` steps in a row that raise (the engine itself is broken, not
+  one request), or an error outside a step, stop the thread: every pending request gets
+  `EngineDead`, ``error`` is set and ``/health`` reports it with status 503.
 """
 
 from __future__ import annotations
@@ -28,10 +33,17 @@ class EngineDead(RuntimeError):
     """The engine thread stopped after an error; no request can be served."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine raised while computing this request; it was dropped, serving goes on."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Any = None) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Any = None, on_step_failure: Any = None,
+                 max_consecutive_failures: int = 3) -> None:
         self.engine = engine
         self.on_step = on_step  # called in the engine thread after each step (metrics)
+        self.on_step_failure = on_step_failure  # (exception, failed request ids)
+        self.max_consecutive_failures = max_consecutive_failures
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -63,7 +75,7 @@ class AsyncEngine:
         try:
             while True:
                 item = await q.get()
-                if isinstance(item, ValueError):
+                if isinstance(item, (ValueError, RequestFailed)):
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine failed: {item!r}") from item
@@ -83,7 +95,11 @@ class AsyncEngine:
         sink = self._sinks.get(request_id)
         if sink is not None:
             loop, q = sink
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # its event loop is closed: nobody is waiting any more
+                self._sinks.pop(request_id, None)
+                self.engine.abort(request_id)
 
     def _drain_commands(self) -> None:
         while True:
@@ -102,7 +118,30 @@ class AsyncEngine:
                 self.engine.abort(arg)
                 self._sinks.pop(arg, None)
 
+    def _step(self) -> None:
+        """One engine step; a failure fails only the requests of that step."""
+        try:
+            outs = self.engine.step()
+            self._consecutive_failures = 0
+        except Exception as exc:
+            self._consecutive_failures += 1
+            if self._consecutive_failures >= self.max_consecutive_failures:
+                raise
+            outs, ids = self.engine.isolate_failed_step()
+            log.exception("engine step failed; %d request(s) failed alone and were dropped, "
+                          "serving goes on", len(ids))
+            for rid in ids:
+                self._deliver(rid, RequestFailed(f"the engine failed on this request: {exc!r}"))
+                self._sinks.pop(rid, None)
+            if self.on_step_failure is not None:
+                self.on_step_failure(exc, ids)
+        for out in outs:
+            self._deliver(out.request_id, out)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+
     def _run(self) -> None:
+        self._consecutive_failures = 0
         try:
             while not self._stop.is_set():
                 self._drain_commands()
@@ -110,10 +149,7 @@ class AsyncEngine:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
-                    if out.finished:
-                        self._sinks.pop(out.request_id, None)
+                self._step()
                 if self.on_step is not None:
                     self.on_step(self.engine)
         except BaseException as exc:  # surfaced to every waiter and to /health

@@ -159,11 +159,17 @@ class EngineConfig:
                             enable_prefix_caching=self.enable_prefix_caching)
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    ``temperature == 0`` is greedy. With ``seed`` set, sampled tokens depend only on the
+    ``temperature`` below `GREEDY_BELOW` is greedy (dividing logits by a tiny temperature
+    overflows to inf/NaN; the limit of such a temperature *is* greedy). ``top_k`` 0 or -1
+    disables it and a ``top_k`` beyond the vocabulary keeps the whole vocabulary. With
+    ``seed`` set, sampled tokens depend only on the
     seed, the token's index and the logits: not on which other requests share the batch,
     nor on preemption (the random draw for token i is a pure function of (seed, i)).
     """
@@ -186,10 +192,14 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an integer in [-1, 2^31) (0 or -1 disables it), "
+                             f"got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > 16:
@@ -197,4 +207,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1

@@ -55,6 +55,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.model_config, self.config)
         self.seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
+        self._last_step: list[Sequence] = []  # what the current or last step computes
+        self._before: list[tuple[int, int]] = []  # their (tokens, computed) before it
 
     @property
     def max_model_len(self) -> int:
@@ -105,9 +107,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        seqs = self.scheduler.schedule()
+        seqs = self._last_step = self.scheduler.schedule()
+        self._before = [(len(s.token_ids), s.num_computed_tokens) for s in seqs]
         if not seqs:
             return []
+        return self._compute(seqs)
+
+    def _compute(self, seqs: list[Sequence]) -> list[RequestOutput]:
         starts = [s.num_computed_tokens for s in seqs]
         logits = self.runner.run(seqs)
         for s, start in zip(seqs, starts):
@@ -125,6 +131,26 @@ class LLMEngine:
             self.num_generated_tokens += 1
             outputs.append(self._postprocess(s, tok))
         return outputs
+
+    def isolate_failed_step(self) -> tuple[list[RequestOutput], list[str]]:
+        """After `step()` raised: compute that step's requests again one at a time, from
+        where they stood before it; a request that raises alone is finished as "error"
+        (its blocks freed). Returns (outputs of the requests that went through, ids of
+        the failed ones). Requests outside that step are untouched."""
+        outs, failed = [], []
+        for s, (n_tokens, n_computed) in zip(self._last_step, self._before):
+            if self.seqs.get(s.seq_id) is not s:
+                continue
+            del s.token_ids[n_tokens:]
+            s.num_computed_tokens = n_computed
+            try:
+                outs += self._compute([s])
+            except Exception:
+                self.seqs.pop(s.seq_id, None)
+                self.scheduler.finish(s, "error")
+                failed.append(s.seq_id)
+        self._last_step, self._before = [], []
+        return outs, failed
 
     def _postprocess(self, s: Sequence, tok: int) -> RequestOutput:
         p = s.params

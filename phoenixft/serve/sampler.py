@@ -36,7 +36,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     sorted_logits, order = sub.sort(dim=-1, descending=True)
     vocab = sub.shape[-1]
     ranks = torch.arange(vocab)
-    top_k = torch.tensor([seqs[i].params.top_k or vocab for i in rows])
+    top_k = torch.tensor([min(seqs[i].params.top_k or vocab, vocab) for i in rows])
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     top_p = torch.tensor([seqs[i].params.top_p for i in rows], dtype=torch.float64)

@@ -14,11 +14,13 @@ class SessionConfig:
     single-process session (handy in notebooks and unit tests)."""
 
     store: str | None = None  # HOST:PORT of the job's TCPStore; None = standalone
+    local_addr: str = "127.0.0.1"  # this host's address, where process groups listen
     worker_id: str = "n0w0"
     node: int = 0
     run_dir: str | None = None
     shm_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="phoenixft-shm-"))
     inject: str = ""
+    agent_pid: int | None = None  # the node's agent (for `node:` fault injection)
     heartbeat_interval_s: float = 0.2
     collective_timeout_s: float = 60.0  # backstop for one collective; hangs are caught sooner
     join_timeout_s: float = 60.0  # waiting for a plan, building a generation's groups
@@ -47,4 +49,5 @@ class SessionConfig:
         return cls(store=env["PHOENIXFT_STORE"], worker_id=env["PHOENIXFT_WORKER_ID"],
                    node=int(env.get("PHOENIXFT_NODE", "0")), run_dir=env.get("PHOENIXFT_RUN_DIR"),
                    shm_dir=env["PHOENIXFT_SHM_DIR"], inject=env.get("PHOENIXFT_INJECT", ""),
+                   agent_pid=int(env["PHOENIXFT_AGENT_PID"]) if "PHOENIXFT_AGENT_PID" in env else None,
                    **extra)

@@ -23,13 +23,16 @@ plan; a broken group is never destroyed (see `recover`); the plan kinds "done" a
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.restore import RestorePlanner
+from phoenixft.checkpoint.slots import HEADER_BYTES, slot_path
 from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
@@ -42,7 +45,7 @@ from phoenixft.comm.collectives import (
     call_with_deadline,
 )
 from phoenixft.comm.groups import abort_group, new_group
-from phoenixft.faults.inject import Injector, parse_env
+from phoenixft.faults.inject import Injector, WorkerHooks, parse_env
 from phoenixft.observe.events import EventLog
 from phoenixft.train import recovery
 from phoenixft.train.config import SessionConfig
@@ -66,8 +69,9 @@ class Member:
         self.events = events
         self.make_step = make_step  # (index, ids, m) -> Step
         self.interrupt = Interrupt()
-        self.injector = Injector(parse_env(cfg.inject), self._claim_injection,
-                                 self._on_injection)
+        self.injector = Injector(parse_env(cfg.inject), WorkerHooks(
+            claim=self._claim_injection, on_fire=self._on_injection,
+            settle=self._snapshot_copied, damage=self._damage_shm, agent_pid=cfg.agent_pid))
         self.planner = RestorePlanner.for_node(cfg.shm_dir)
         self.plan: Plan | None = None
         self.generation = -1
@@ -119,6 +123,9 @@ class Member:
                 continue
             try:
                 return self.join(plan, state, in_flight)
+            except IntegrityError as exc:  # nothing left to restore from: the job cannot go on
+                self.report("fatal", str(exc))
+                raise JobAborted(f"phoenixft: worker {self.wid} cannot recover: {exc}") from None
             except CommFailure as exc:
                 self.events.emit("join_failed", gen=plan.generation, error=str(exc))
                 self._bury_groups()
@@ -148,6 +155,8 @@ class Member:
         first = state.opt is None
         self._enter_generation(plan)
         phases = self._build_groups(plan, state, t0)
+        if self.generation > 0:  # every member is inside this join now (the group formed)
+            self.injector.at_recovery(self.rank, self.generation)
         self._prepare(state, first)
         phases["rep_group"] = time.time() - t0
         ctx = JoinContext(generation=self.generation, rank=self.rank,
@@ -173,15 +182,13 @@ class Member:
                          name=f"phoenixft-watch-{g + 1}").start()
         self.rank, self.world_size = plan.rank_of(self.wid), plan.world_size
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
-        if g > 0:
-            self.injector.at_recovery(self.rank, g)
 
     def _build_groups(self, plan: Plan, state: RankState, t0: float) -> dict[str, float]:
         """Each build gets its own store connection: an abandoned build (a member died
         mid-join) keeps blocking in a store wait, and a shared client would queue every
         later call behind it."""
         g, timeout = plan.generation, self.cfg.collective_timeout_s
-        host = kv.parse_addr(self.cfg.store)[0]
+        host = self.cfg.local_addr
 
         def build(name: str, device: torch.device):
             return call_with_deadline(
@@ -225,7 +232,10 @@ class Member:
             connect=self.connect, rep_pg=self._rep_pg, holders=holders[self.rank],
             sources=[r for r, hs in holders.items() if self.rank in hs],
             world_size=self.world_size, nodes=plan.nodes, interrupt=self.interrupt,
-            timeout_s=self.cfg.collective_timeout_s, on_commit=self._on_commit)
+            timeout_s=self.cfg.collective_timeout_s, on_commit=self._on_commit,
+            fault=lambda step, phase: self.injector.at_step(self.rank, step, phase),
+            on_degraded=lambda detail: self.events.emit("snapshot_degraded", rank=self.rank,
+                                                        gen=self.generation, detail=detail))
         if fresh:
             self.snapshot(state)
 
@@ -308,6 +318,25 @@ class Member:
                                                       "detail": detail[:500]})
         except Exception:
             pass
+
+    def _snapshot_copied(self) -> None:
+        if self.snap is not None:
+            self.snap.wait_copied()
+
+    def _damage_shm(self, kind: str) -> None:
+        """For injected faults: corrupt this rank's own snapshot slots, or delete the
+        node's shared memory."""
+        if kind == "shm":
+            shutil.rmtree(self.cfg.shm_dir, ignore_errors=True)
+            return
+        for step in (0, 1):  # both slots
+            p = slot_path(self.cfg.shm_dir, "snap", self.rank, step)
+            if p.exists() and p.stat().st_size > HEADER_BYTES:
+                with p.open("r+b") as f:
+                    f.seek(HEADER_BYTES + 7)
+                    b = f.read(1)
+                    f.seek(HEADER_BYTES + 7)
+                    f.write(bytes([b[0] ^ 0xFF]))
 
     def _claim_injection(self, spec: str) -> bool:
         return self.store.add(Keys.inject(spec), 1) == 1

@@ -53,8 +53,7 @@ class Session:
         self.wid = self.cfg.worker_id
         self._own_store = None
         if self.cfg.store is None:  # standalone: host a private store, lead ourselves
-            port = kv.free_port()
-            self._own_store = kv.host_store("127.0.0.1", port)
+            self._own_store, port = kv.host_store("127.0.0.1")
             self.cfg.store = f"127.0.0.1:{port}"
         self.store = kv.connect(self.cfg.store)
         self._heartbeat: HeartbeatSender | None = None
@@ -121,6 +120,8 @@ class Session:
                                tracked=tracked, policy=self.cfg.policy, m=microbatches or 0)
         self._warm_up()
         self._pending = self.member.start(self.state)
+        m = self.state.m_for(self.world_size)
+        self.member.injector.check_plan([len(ids) for ids in quota.plan(m, self.world_size)])
 
     def _warm_up(self) -> None:
         """Pay lazy imports and first-call costs now, not on activation: constructing and
@@ -200,6 +201,7 @@ class Session:
             g[lay.grow] = 1.0
         g[lay.loss] = st.loss_sum
         g[lay.count] = len(st.done)
+        self.member.injector.at_step(self.rank, st.index, "reduce")
         st.phase = StepPhase.REDUCE
         ops.allreduce(g, f"gradient all-reduce (step {st.index})")
         st.phase = StepPhase.UPDATE
@@ -207,6 +209,7 @@ class Session:
         if int(g[lay.count]) != st.m or any(c != 1.0 for c in counts):
             raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
                                f"cover each of the {st.m} microbatches exactly once")
+        self.member.injector.at_step(self.rank, st.index, "update")
         self._grow_requested = bool(g[lay.grow] > 0)
         loss = float(g[lay.loss]) / st.m
         g[lay.grads].div_(st.m)
@@ -231,11 +234,12 @@ class Session:
         self.events.emit("snapshot_stats", rank=self.rank, gen=self.generation,
                          **{k: round(v, 4) for k, v in member.snap.stats.items()})
         digest = state_digest(self.full_state())
-        member.ops.barrier("final barrier")
-        if self.rank == 0:
+        if self.rank == 0:  # before the barrier: no member leaves before the result exists
             self.store.set(Keys.result("final_step"), str(self.state.step))
             self.store.set(Keys.result("digest"), digest)
             self.events.emit("done", step=self.state.step, digest=digest)
+        member.ops.barrier("final barrier")
+        self.store.set(Keys.finished(self.wid), str(self.state.step))
         self.final_digest = digest
 
     def _shutdown(self) -> None:

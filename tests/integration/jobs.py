@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,10 +57,51 @@ def kill_members(run_dir: Path) -> None:
     for m in json.loads(status.read_text()).get("members", []):
         try:
             p = psutil.Process(m["pid"])
-            if any("train_gpt" in part for part in p.cmdline()):
+            if "phoenixft.launch.worker" in p.cmdline():
                 p.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
+
+
+def wait_until(check: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
+    """Poll `check` until it returns something truthy (returned), or fail naming `what`:
+    tests wait for a state, bounded by a deadline, never for a number of seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(poll)
+
+
+def reached_step(run_dir: Path, step: int) -> bool:
+    return any(e["event"] == "step" and e["step"] >= step
+               for e in read_events(run_dir / "events.jsonl"))
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+_REFERENCES: dict[tuple, dict] = {}
+
+
+def failure_free(tmp_path_factory, nproc: int, steps: int, *script_args: str) -> dict:
+    """The summary of the same job without failures (run once per shape in a session)."""
+    key = (nproc, steps, script_args)
+    if key not in _REFERENCES:
+        job = run(tmp_path_factory.mktemp(f"ref{nproc}"), "--nproc", str(nproc), steps=steps,
+                  script_args=script_args)
+        assert job.rc == 0, job.out
+        assert job.summary["final_step"] == steps
+        assert len(job.summary["losses"]) == steps
+        _REFERENCES[key] = job.summary
+    return _REFERENCES[key]
 
 
 def load(run_dir: Path, rc: int, out: str) -> Job:
@@ -69,17 +112,26 @@ def load(run_dir: Path, rc: int, out: str) -> Job:
     return job
 
 
-def start(run_dir: Path, *launch_args: str, steps: int = 16, script_args: tuple = ()) -> subprocess.Popen:
-    cmd = [*PHOENIXFT, "run", "--run-dir", str(run_dir), *launch_args, str(EXAMPLE),
-           "--steps", str(steps), *script_args]
+def start(run_dir: Path, *launch_args: str, steps: int | None = 16, script_args: tuple = (),
+          script: Path = EXAMPLE) -> subprocess.Popen:
+    steps_args = ("--steps", str(steps)) if steps is not None else ()
+    cmd = [*PHOENIXFT, "run", "--run-dir", str(run_dir), *launch_args, str(script),
+           *steps_args, *script_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
-def run(run_dir: Path, *launch_args: str, steps: int = 16, timeout: float = 150,
-        script_args: tuple = ()) -> Job:
-    p = start(run_dir, *launch_args, steps=steps, script_args=script_args)
+def run_script(run_dir: Path, script: Path, *launch_args: str, timeout: float = 150,
+               script_args: tuple = ()) -> Job:
+    """`phoenixft run` of another script than the example (it parses its own arguments)."""
+    return run(run_dir, *launch_args, steps=None, timeout=timeout, script_args=script_args,
+               script=script)
+
+
+def run(run_dir: Path, *launch_args: str, steps: int | None = 16, timeout: float = 150,
+        script_args: tuple = (), script: Path = EXAMPLE) -> Job:
+    p = start(run_dir, *launch_args, steps=steps, script_args=script_args, script=script)
     try:
         out, _ = p.communicate(timeout=timeout)
     finally:

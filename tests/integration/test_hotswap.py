@@ -4,34 +4,19 @@ curve, survivors never restarted."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
 import pytest
-from jobs import kill_members, kill_tree, load, run, start
+from jobs import failure_free, kill_members, kill_tree, load, run, start, wait_until
 
 pytestmark = [pytest.mark.integration]
 STEPS = 16
 
 
-_REFERENCES: dict[tuple[int, int], dict] = {}
-
-
-def failure_free(tmp_path_factory, nproc: int, steps: int = STEPS) -> dict:
-    """The same job without failures (run once per world size and length)."""
-    if (nproc, steps) not in _REFERENCES:
-        job = run(tmp_path_factory.mktemp(f"ref{nproc}"), "--nproc", str(nproc), steps=steps)
-        assert job.rc == 0, job.out
-        assert job.summary["final_step"] == steps
-        assert len(job.summary["losses"]) == steps
-        _REFERENCES[nproc, steps] = job.summary
-    return _REFERENCES[nproc, steps]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    return failure_free(tmp_path_factory, 2)
+    return failure_free(tmp_path_factory, 2, STEPS)
 
 
 def survivors_kept_pids(job) -> None:
@@ -76,7 +61,7 @@ def test_four_ranks_kill_a_middle_rank(tmp_path, tmp_path_factory):
     """With more than two ranks, some survivors stay blocked in the broken collective
     (only the dead rank's ring neighbours see the error); recovery must not wait for
     gloo's own timeout on them."""
-    ref = failure_free(tmp_path_factory, 4)
+    ref = failure_free(tmp_path_factory, 4, STEPS)
     job = run(tmp_path, "--nproc", "4", "--spares", "1", "--inject", "kill:rank=2:step=8",
               steps=STEPS)
     same_as_reference(job, ref, failures=1)
@@ -150,25 +135,20 @@ def test_two_nodes_worker_killed_then_node_lost(tmp_path, tmp_path_factory, refe
     same_as_reference(job, reference, failures=1)
     assert job.summary["recoveries"][0]["source"] == "local_replica"
 
-    # 2. node 1 lost whole: its agent and worker SIGKILLed, its shared memory deleted.
-    # A longer job, so that node 1 is lost while training is under way (with 16 tiny
-    # steps the job could finish between the step-10 line and the kill).
-    long_ref = failure_free(tmp_path_factory, 2, steps=60)
+    # 2. node 1 lost whole: its worker SIGKILLs its agent at step 10 (a `node:` fault), so
+    # the node's other processes die with the agent and its janitor removes its shared memory
     run_dir = tmp_path / "node"
-    a0, a1 = two_nodes(run_dir, (), steps=60)
+    a0, a1 = two_nodes(run_dir, ("--inject", "node:rank=1:step=10"))
     try:
-        for line in a0.stdout:  # node 0 prints a progress line every 10 steps
-            if line.startswith("step") and int(line.split()[1]) >= 10:
-                break
-        shm = [e["shm_dir"] for e in load(run_dir, 0, "").of("agent_start") if e["node"] == 1]
-        kill_tree(a1.pid)
-        for d in shm:
-            shutil.rmtree(d)
         out0, _ = a0.communicate(timeout=150)
+        a1.communicate(timeout=30)
     finally:
         kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
     job = load(run_dir, a0.returncode, out0)
-    same_as_reference(job, long_ref, failures=1)
-    assert shm, "node 1 never reported its shared-memory directory"
+    same_as_reference(job, reference, failures=1)
+    assert a1.returncode == -9
+    shm = [Path(e["shm_dir"]) for e in job.of("agent_start") if e["node"] == 1]
+    assert shm
+    wait_until(lambda: not shm[0].exists(), 10, "node 1's shared memory removed")
     rec = job.summary["recoveries"][0]
     assert rec["rank"] == 1 and rec["kind"] == "hang" and rec["source"] == "local_replica"

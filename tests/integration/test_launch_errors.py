@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import textwrap
+import time
 
 import pytest
 from jobs import PHOENIXFT, ROOT, kill_members, kill_tree, load
@@ -24,13 +25,63 @@ def phoenixft(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--inject", "kill:rank=1:step=x"], "step must be an integer"),
     (["--nproc", "0"], "--nproc must be >= 1"),
     (["--spares", "-1"], "--spares must be >= 0"),
+    (["--nproc", "2", "--inject", "kill:rank=2:step=3"], "can never fire: rank 2 does not exist"),
+    (["--inject", "kill:rank=0:step=0"], "step must be >= 1"),
+    (["--inject", "kill:rank=0:gen=0"], "gen must be >= 1"),
+    (["--heartbeat-timeout", "nan"], "--heartbeat-timeout must be a finite number"),
+    (["--heartbeat-timeout", "inf"], "--heartbeat-timeout must be a finite number"),
+    (["--store", "127.0.0.1:99999"], "--store port must be an integer in 1..65535"),
+    (["--store", "::1:29500"], "write an IPv6 address in brackets"),
+    (["--store", "nosuchhost.invalid:29500"], "cannot resolve the store host 'nosuchhost.invalid'"),
+    (["--store", "192.0.2.1:29500"], "reachable from other hosts: give every agent the same --auth-token"),
+    (["--store", "192.0.2.1:29500", "--auth-token", "0123456789abcdef"],
+     "cannot listen on --store 192.0.2.1"),
+    (["--auth-token", "short"], "--auth-token must be at least 16 characters"),
+    (["--nnodes", "2", "--store", "127.0.0.1:0"], "--store port must be an integer"),
+    (["--run-dir", "/proc/phoenixft-run"], "--run-dir"),
 ])
 def test_bad_arguments_one_clear_line(tmp_path, args, message):
+    t0 = time.monotonic()
     r = phoenixft("run", "--run-dir", str(tmp_path), *args, "examples/train_gpt.py")
+    assert time.monotonic() - t0 < 15
     assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_run_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = phoenixft("run", "--run-dir", str(f), "examples/train_gpt.py")
+    assert r.returncode == 2 and f"{f} is a file, not a directory" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_inject_that_never_fired_fails_the_job_even_quietly(tmp_path):
+    r = phoenixft("run", "--quiet", "--run-dir", str(tmp_path), "--inject", "kill:rank=0:step=50",
+                  "examples/train_gpt.py", "--steps", "3", timeout=100)
+    assert r.returncode == 1
+    assert "--inject kill:rank=0:step=50 never fired (the run ended at step 3)" in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.timeout(120)
+def test_a_microbatch_inject_that_can_never_fire_stops_the_job(tmp_path):
+    r = phoenixft("run", "--run-dir", str(tmp_path), "--nproc", "2", "--inject",
+                  "kill:rank=1:step=2:microbatch=1", "examples/train_gpt.py", "--steps", "3",
+                  timeout=100)
+    assert r.returncode == 1
+    assert "kill:rank=1:step=2:microbatch=1 can never fire: rank 1 computes 1 microbatch" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_ipv6_store(tmp_path):
+    r = phoenixft("run", "--run-dir", str(tmp_path), "--store", "[::1]:0", "--nproc", "2",
+                  "examples/train_gpt.py", "--steps", "3", timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert "store [::1]:" in r.stdout
 
 
 @pytest.mark.timeout(60)

@@ -5,9 +5,10 @@ microbatches as a failure-free run (audit), losses and final parameters match it
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from jobs import run
+from jobs import run, run_script
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.integration]
@@ -19,9 +20,8 @@ def audit(job) -> list[dict]:
     return [json.loads(line) for line in (job.run_dir / "audit.jsonl").read_text().splitlines()]
 
 
-def max_param_rel_diff(a, b) -> float:
-    pa, pb = load_file(str(a.run_dir / "model" / "model.safetensors")), load_file(
-        str(b.run_dir / "model" / "model.safetensors"))
+def max_param_rel_diff(a, b, name: str = "model/model.safetensors") -> float:
+    pa, pb = load_file(str(a.run_dir / name)), load_file(str(b.run_dir / name))
     assert pa.keys() == pb.keys()
     return max(((pa[k] - pb[k]).abs().max() / pa[k].abs().max().clamp_min(1e-12)).item() for k in pa)
 
@@ -98,18 +98,20 @@ def test_shrink_batch_policy_drops_microbatches(tmp_path):
     assert sizes[:5] == [M] * 5 and sizes[6:] == [6] * (STEPS - 6)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(300)
 def test_replacement_joins_and_the_world_grows_back(tmp_path):
-    """A respawned worker is admitted at a committed step boundary; quotas rebalance to 4."""
-    args = ("--data", "ids", "--microbatches", str(M), "--preset", "small")
-    ref = run(tmp_path / "ref", "--nproc", "4", steps=24, script_args=args)
+    """A respawned worker is admitted at a committed step boundary; quotas rebalance to 4.
+    The job holds at step 8 until the replacement has registered (a state, not a delay)."""
+    script = Path(__file__).with_name("scripts") / "gated.py"
+    ref = run_script(tmp_path / "ref", script, "--nproc", "4", script_args=("--steps", "14"))
     assert ref.rc == 0, ref.out
-    job = run(tmp_path / "grow", "--nproc", "4", "--min-nproc", "1", "--respawn", "1",
-              "--inject", "kill:rank=1:step=4:microbatch=1", steps=24, script_args=args)
+    job = run_script(tmp_path / "grow", script, "--nproc", "4", "--min-nproc", "1",
+                     "--respawn", "1", "--inject", "kill:rank=1:step=4:microbatch=1",
+                     script_args=("--steps", "14", "--hold-at", "8"))
     assert job.rc == 0, job.out[-3000:]
     assert job.summary["world_sizes"] == [4, 3, 4]
     assert audit(job) == audit(ref)
     for x, y in zip(job.summary["losses"], ref.summary["losses"]):
         assert abs(x - y) <= 1e-4 * abs(y)
-    assert max_param_rel_diff(job, ref) <= 1e-4
-    assert job.summary["microbatch_passes"] == M * 24 + 2
+    assert max_param_rel_diff(job, ref, "params.safetensors") <= 1e-4
+    assert job.summary["microbatch_passes"] == M * 14 + 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from phoenixft.serve import SamplingParams
-from phoenixft.serve.async_engine import AsyncEngine, EngineDead
+from phoenixft.serve.async_engine import AsyncEngine, EngineDead, RequestFailed
 from phoenixft.serve.engine import LLMEngine
 
 
@@ -79,3 +79,52 @@ def test_bench_serve_smoke(hf_models, tmp_path):
         assert row["engine"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
     with pytest.raises(ValueError, match="concurrency"):
         ServeBenchConfig(concurrency=[0])
+
+
+@pytest.mark.timeout(60)
+def test_a_request_the_engine_fails_on_fails_alone(hf_models):
+    """A fault that hits one request (a poison token reaching the model) fails that request;
+    the requests batched with it get exactly the tokens they get without it."""
+    path = hf_models["llama"][0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    clean = LLMEngine(path)
+    expected = {rid: clean.add_request(rid, ids, params) for rid, ids in
+                (("a", [3, 4, 5]), ("b", [9, 8, 7, 6]))}
+    while clean.has_unfinished():
+        clean.step()
+    expected = {rid: s.completion_token_ids for rid, s in expected.items()}
+
+    engine = LLMEngine(path)
+    run = engine.runner.run
+
+    def poisoned(seqs):
+        if any(99 in s.token_ids for s in seqs):
+            raise RuntimeError("kernel fault on token 99")
+        return run(seqs)
+
+    engine.runner.run = poisoned  # type: ignore[method-assign]
+    failures = []
+    runner = AsyncEngine(engine, on_step_failure=lambda exc, ids: failures.append(ids))
+    runner.start()
+
+    async def one(rid, ids):
+        seq = engine.make_sequence(rid, ids, params)
+        try:
+            return [t for o in [o async for o in runner.generate(seq)] for t in o.new_token_ids]
+        except RequestFailed as exc:
+            return exc
+
+    async def together():
+        return await asyncio.gather(one("a", [3, 4, 5]), one("bad", [99, 1]),
+                                    one("b", [9, 8, 7, 6]))
+
+    try:
+        a, bad, b = asyncio.run(asyncio.wait_for(together(), 30))
+        assert isinstance(bad, RequestFailed) and "token 99" in str(bad)
+        assert {"a": a, "b": b} == expected
+        assert failures and all(ids == ["bad"] for ids in failures)
+        assert runner.alive
+        again = asyncio.run(asyncio.wait_for(one("c", [3, 4, 5]), 30))
+        assert again == expected["a"]
+    finally:
+        runner.shutdown()

@@ -84,9 +84,12 @@ def test_sampler_seeded_independent_of_batch_and_greedy_limits():
 
 def test_sampling_params_validation():
     for bad in ({"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0},
-                {"top_p": 0.0}, {"top_k": -1}, {"stop": [""]}, {"seed": "x"}):
+                {"top_p": 0.0}, {"top_k": -2}, {"top_k": 2**64}, {"stop": [""]}, {"seed": "x"},
+                {"seed": 2**64}, {"temperature": float("nan")}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's spelling of "no top-k"
+    assert SamplingParams(temperature=1e-320).greedy
     assert SamplingParams(stop="x").stop == ["x"]
     with pytest.raises(ValueError, match="num_blocks"):
         EngineConfig(num_blocks=0)

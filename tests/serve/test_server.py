@@ -193,3 +193,44 @@ def test_models_metrics_and_disconnect_aborts(server):
     assert "phoenixft_generation_tokens_total" in metrics
     health = _poll(base + "/health", 20, pred=lambda r: r.json()["running"] == 0).json()
     assert health["waiting"] == 0
+
+
+def test_hostile_requests_never_kill_the_engine(server, client):
+    """Values that once killed the engine (overflow in the sampler, a subnormal
+    temperature) and bodies that bypassed the error shape."""
+    base, _ = server
+    url = base + "/v1/completions"
+    refused = [
+        ({"top_k": 18446744073709551616}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 2**70}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"n": 2}, "n=1"),
+    ]
+    for extra, needle in refused:
+        r = httpx.post(url, content=json.dumps({"model": "tiny", "prompt": "w1", **extra}),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        assert needle in r.json()["error"]["message"]
+    # a subnormal temperature is greedy, not a crash
+    tiny = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
+                                     temperature=1e-320, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert tiny.choices[0].text == greedy.choices[0].text
+    big_k = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3,
+                                      extra_body={"top_k": 2**31 - 1})
+    assert big_k.usage.completion_tokens >= 1
+    for body, code in [(b"\xff\xfe{not utf-8", "invalid_json"),
+                       (b"[" * 100_000 + b"]" * 100_000, "invalid_json"),
+                       (b"", "invalid_type")]:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == code and err["type"] == "invalid_request_error", err
+    r = httpx.get(base + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+    ok = client.completions.create(model="tiny", prompt="w1", max_tokens=3)
+    assert ok.usage.completion_tokens >= 1

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from phoenixft.faults.inject import Injector, InjectSpecError, parse_env, parse_spec
+from phoenixft.faults.inject import (
+    InjectedFault,
+    Injector,
+    InjectSpecError,
+    WorkerHooks,
+    parse_env,
+    parse_spec,
+)
 
 
 def test_inject_specs():
@@ -13,9 +20,15 @@ def test_inject_specs():
     assert parse_spec("stop:rank=0:gen=1").gen == 1
     assert parse_spec("kill:rank=1:step=3:microbatch=2").microbatch == 2
     assert len(parse_env("kill:rank=1:step=3;stop:rank=0:step=4")) == 2
+    assert parse_spec("node:rank=0:step=3:phase=replicate").phase == "replicate"
+    assert str(parse_spec("kill:rank=0:step=3:phase=start")) == "kill:rank=0:step=3"
     for bad, msg in [("boom:rank=1:step=1", "unknown fault kind"), ("kill:rank=1", "exactly one"),
                      ("kill:rank=1:step=1:gen=1", "exactly one"), ("kill:rank=-1:step=1", ">= 0"),
-                     ("kill:rank=1:gen=1:microbatch=0", "needs step"), ("kill:rank=1:foo=1", "bad field")]:
+                     ("kill:rank=1:gen=1:microbatch=0", "need step"), ("kill:rank=1:foo=1", "bad field"),
+                     ("kill:rank=0:step=0", ">= 1"), ("kill:rank=0:gen=0", ">= 1"),
+                     ("kill:rank=0:step=2:phase=lunch", "phase must be one of"),
+                     ("kill:rank=0:step=2:phase=reduce:microbatch=0", "not both"),
+                     ("kill:rank=0:step=2:step=3", "bad field")]:
         with pytest.raises(InjectSpecError, match=msg):
             parse_spec(bad)
 
@@ -29,12 +42,29 @@ def test_injector_fires_once_per_spec(monkeypatch):
         claimed.add(key)
         return True
 
-    monkeypatch.setattr("os.kill", lambda pid, sig: fired.append(sig))
-    inj = Injector(parse_env("kill:rank=1:step=3;stop:rank=0:gen=2"), claim)
+    monkeypatch.setattr("os.kill", lambda pid, sig: fired.append((pid, sig)))
+    damaged = []
+    inj = Injector(parse_env("kill:rank=1:step=3;stop:rank=0:gen=2;node:rank=0:step=4:phase=update;"
+                             "corrupt:rank=1:step=5:microbatch=1;raise:rank=0:step=6:phase=commit"),
+                   WorkerHooks(claim=claim, damage=damaged.append, agent_pid=4242))
     inj.at_step(0, 3)
     inj.at_step(1, 2)
+    inj.at_step(1, 3, "reduce")  # another phase of the same step
     assert fired == []
     inj.at_step(1, 3)
     inj.at_step(1, 3)  # the spare replaying step 3 is not killed again
     inj.at_recovery(0, 2)
-    assert len(fired) == 2
+    assert [sig for _, sig in fired] == [9, 19]
+    inj.at_step(0, 4, "update")  # node: the agent first, then itself
+    assert [(pid, sig) for pid, sig in fired[2:]] == [(4242, 9), (fired[0][0], 9)]
+    inj.at_microbatch(1, 5, 1)
+    assert damaged == ["corrupt"] and len(fired) == 5
+    with pytest.raises(InjectedFault, match="raise:rank=0:step=6:phase=commit"):
+        inj.at_step(0, 6, "commit")
+
+
+def test_a_microbatch_that_no_rank_computes_is_refused():
+    inj = Injector(parse_env("kill:rank=1:step=2:microbatch=1"), WorkerHooks(claim=lambda s: True))
+    inj.check_plan([2, 2])
+    with pytest.raises(InjectSpecError, match="can never fire: rank 1 computes 1"):
+        inj.check_plan([1, 1])

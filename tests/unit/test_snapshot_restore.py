@@ -43,8 +43,7 @@ def ranks(fn, n=2):
 
 @pytest.fixture()
 def store_addr():
-    port = kv.free_port()
-    server = kv.host_store("127.0.0.1", port)
+    server, port = kv.host_store("127.0.0.1")
     yield f"127.0.0.1:{port}"
     del server
 

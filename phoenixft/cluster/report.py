@@ -1,0 +1,87 @@
+"""What the leader tells people: `status.json` while the job runs, `summary.json` and
+`audit.jsonl` at its end. Read from the store and the leader's own records; decides
+nothing."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
+from phoenixft.cluster.membership import Plan
+
+
+def status(store: dist.Store, plan: Plan | None, workers: dict, failures: int) -> dict:
+    members = []
+    rank_of = {w: r for r, w in plan.members.items()} if plan else {}
+    for w in sorted(workers.values(), key=lambda w: (rank_of.get(w.wid, 1 << 30), w.wid)):
+        role = ("active" if w.wid in rank_of else
+                "failed" if w.state in ("dead", "fenced") else "spare")
+        members.append({"rank": rank_of.get(w.wid), "role": role,
+                        "pid": w.pid, "state": w.state, "wid": w.wid, "node": w.node})
+    return {"generation": plan.generation if plan else -1,
+            "kind": plan.kind if plan else "starting",
+            "world_size": plan.world_size if plan else 0,
+            "step": kv.get_int(store, Keys.PROGRESS, 0),
+            "committed_step": kv.get_int(store, Keys.COMMITTED, -1),
+            "members": members, "failures": failures, "updated": time.time()}
+
+
+def recoveries(store: dist.Store, last_generation: int, failures: list) -> list[dict]:
+    """One entry per replaced rank of every generation that finished recovering."""
+    out = []
+    kinds = {f.wid: f for f in failures}
+    for gen in range(1, last_generation + 1):
+        key = Keys.recovered(gen)
+        if not store.check([key]):
+            continue
+        rec = kv.get_json(store, key)
+        plan = Plan.from_json(store.get(Keys.plan(gen)))
+        for rank, dead in sorted(plan.replaced.items()):
+            f = kinds.get(dead)
+            src_key = Keys.source(gen, rank if rank < plan.world_size else 0)
+            out.append({"gen": gen, "rank": rank, "failed_worker": dead,
+                        "replacement": plan.members.get(rank),
+                        "kind": f.kind if f else "unknown",
+                        "detect_s": round(f.t_detect - f.t_fail, 4) if f else None,
+                        "recover_s": rec["recover_s"], "lost_steps": rec["lost_steps"],
+                        "restore_step": rec["restore_step"],
+                        "source": (store.get(src_key).decode()
+                                   if store.check([src_key]) else None)})
+    return out
+
+
+def summary(store: dist.Store, run_dir: Path, last_generation: int, failures: list,
+            wall_s: float, aborted: str | None, problems: list[str]) -> dict:
+    final_step = kv.get_int(store, Keys.result("final_step"), -1)
+    digest = (store.get(Keys.result("digest")).decode()
+              if store.check([Keys.result("digest")]) else None)
+    losses = []
+    if final_step > 0:
+        losses = [float(v) for v in store.multi_get([Keys.loss(s) for s in range(1, final_step + 1)])]
+        audit = store.multi_get([Keys.audit(s) for s in range(1, final_step + 1)])
+        with (run_dir / "audit.jsonl").open("w") as f:
+            for s, ids in enumerate(audit, start=1):
+                f.write(json.dumps({"step": s, "microbatches": json.loads(ids)}) + "\n")
+    return {"final_step": final_step, "final_state_digest": digest, "losses": losses,
+            "final_loss": losses[-1] if losses else None,
+            "failures": [f.__dict__ for f in failures],
+            "recoveries": recoveries(store, last_generation, failures),
+            "generations": last_generation, "wall_s": round(wall_s, 3), "aborted": aborted,
+            "problems": problems,
+            "microbatch_passes": kv.get_int(store, Keys.MB_COUNT, 0),
+            "world_sizes": world_sizes(store, last_generation)}
+
+
+def world_sizes(store: dist.Store, last_generation: int) -> list[int]:
+    out = []
+    for gen in range(last_generation + 1):
+        if store.check([Keys.plan(gen)]):
+            p = Plan.from_json(store.get(Keys.plan(gen)))
+            if p.kind == "run":
+                out.append(p.world_size)
+    return out

@@ -1,0 +1,167 @@
+"""`phoenixft run`'s configuration: every field checked when it is built, so bad input is
+one clear line and a non-zero exit before anything starts."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from phoenixft.faults.inject import InjectSpec
+
+
+class LaunchError(ValueError):
+    """Bad launcher input; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAddress:
+    host: str  # without brackets, also for IPv6
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host == "localhost"
+
+
+def parse_store(text: str, *, allow_port_zero: bool = False) -> StoreAddress:
+    """HOST:PORT, [IPV6]:PORT. Port 0 (pick a free one) only where we host the store."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise LaunchError(f"--store must be HOST:PORT (or [IPv6]:PORT), got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise LaunchError(f"--store: write an IPv6 address in brackets, [{host}]:{port}")
+    if not port.isdigit() or not (0 if allow_port_zero else 1) <= int(port) <= 65535:
+        raise LaunchError(f"--store port must be an integer in 1..65535, got {port!r}")
+    return StoreAddress(host, int(port))
+
+
+def resolve(addr: StoreAddress, timeout_s: float = 5.0) -> str:
+    """The IP address of the store host, or a LaunchError within `timeout_s`."""
+    box: dict = {}
+
+    def look() -> None:
+        try:
+            box["ip"] = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            box["err"] = exc
+
+    t = threading.Thread(target=look, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if "ip" in box:
+        return box["ip"]
+    why = box.get("err", f"no answer within {timeout_s:.0f}s")
+    raise LaunchError(f"cannot resolve the store host {addr.host!r}: {why}")
+
+
+def local_address_towards(ip: str) -> str:
+    """The address of this host that the kernel would use to reach `ip` (no packet is
+    sent: connecting a UDP socket only picks a route)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, 9))
+        except OSError as exc:
+            raise LaunchError(f"no route from this host to the store at {ip}: {exc}") from None
+        return s.getsockname()[0]
+
+
+def _finite_positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise LaunchError(f"{name} must be a finite number of seconds > 0, got {value}")
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc: int = 1
+    spares: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    store: str | None = None  # HOST:PORT; node 0 hosts it (port 0 or None: pick a free one)
+    external_store: bool = False  # the store runs on its own (`phoenixft store`); any agent leads
+    auth_token: str | None = None  # shared secret for a store reachable from other hosts
+    local_addr: str | None = None  # this host's address for the workers' groups
+    run_dir: str = "runs/latest"
+    inject: list[InjectSpec] = field(default_factory=list)
+    heartbeat_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 3.0
+    collective_timeout_s: float = 60.0
+    join_timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
+    replicas: int = 1
+    snapshots: bool = True  # False only for the overhead benchmark's baseline
+    min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
+    policy: str = "constant"  # microbatches per step after a shrink: constant | shrink-batch
+    respawn: int = 0  # replacement workers this agent may start for dead ones (they grow
+                      # the job back at a step boundary)
+    tick_s: float = 0.02
+    shutdown_grace_s: float = 5.0  # workers' time to leave on their own at the end
+    python: str = sys.executable
+    echo: bool = True  # print progress lines to stdout (errors are always printed)
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise LaunchError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.spares < 0:
+            raise LaunchError(f"--spares must be >= 0, got {self.spares}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
+        if (self.nnodes > 1 or self.external_store) and not self.store:
+            raise LaunchError("--nnodes > 1 and --external-store need --store HOST:PORT")
+        if not Path(self.script).is_file():
+            raise LaunchError(f"script {self.script!r} does not exist")
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
+                     "join_timeout_s", "startup_timeout_s", "tick_s", "shutdown_grace_s"):
+            _finite_positive(f"--{name.removesuffix('_s').replace('_', '-')}", getattr(self, name))
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise LaunchError("--heartbeat-timeout must exceed twice the heartbeat interval "
+                              f"({self.heartbeat_interval_s} s)")
+        if self.store:
+            parse_store(self.store, allow_port_zero=self.hosts_store and self.nnodes == 1)
+        if self.auth_token is not None and len(self.auth_token) < 16:
+            raise LaunchError("--auth-token must be at least 16 characters (a shared secret)")
+        world = self.nproc * self.nnodes
+        if self.min_nproc is not None and not 1 <= self.min_nproc <= world:
+            raise LaunchError(f"--min-nproc must be in [1, {world}], got {self.min_nproc}")
+        if self.policy not in ("constant", "shrink-batch"):
+            raise LaunchError(f"--policy must be 'constant' or 'shrink-batch', got {self.policy!r}")
+        if self.respawn < 0:
+            raise LaunchError(f"--respawn must be >= 0, got {self.respawn}")
+        if self.replicas < 0:
+            raise LaunchError(f"--replicas must be >= 0, got {self.replicas}")
+        for spec in self.inject:
+            if spec.rank >= world:
+                raise LaunchError(f"--inject {spec} can never fire: rank {spec.rank} does not "
+                                  f"exist in a job of {world} ranks")
+        self._check_run_dir()
+
+    @property
+    def hosts_store(self) -> bool:
+        """This agent runs the job's store (node 0, unless the store is external)."""
+        return self.node_rank == 0 and not self.external_store
+
+    def _check_run_dir(self) -> None:
+        p = Path(self.run_dir)
+        for parent in [p, *p.parents]:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise LaunchError(f"--run-dir {self.run_dir!r}: {parent} is a file, not a directory")
+                if not os.access(parent, os.W_OK | os.X_OK):
+                    raise LaunchError(f"--run-dir {self.run_dir!r}: {parent} is not writable")
+                return

@@ -1,0 +1,47 @@
+"""A tiny ReCoVer job (each microbatch's data is a pure function of its id) that can hold
+at a step until a respawned worker has registered. A test that needs the world to grow
+back before the job ends waits for that state, instead of hoping the job is slow enough."""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+import phoenixft
+from phoenixft.observe.events import read_events
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--hold-at", type=int, default=0, help="wait at this step for a new spare")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    run_dir = Path(os.environ["PHOENIXFT_RUN_DIR"])
+    sess = phoenixft.Session()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    sess.setup(model, lambda p: torch.optim.AdamW(p, lr=1e-2), microbatches=args.microbatches)
+    for step in sess.steps(args.steps):
+        if step.index == args.hold_at and not step.retry:
+            deadline = time.monotonic() + 120
+            while not any(e["event"] == "spare_added" for e in read_events(run_dir / "events.jsonl")):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no respawned worker registered within 120 s")
+                time.sleep(0.05)  # polling the run's event log for a state, bounded
+        for j in step.microbatches():
+            g = torch.Generator().manual_seed(step.index * 1000 + j)
+            x = torch.randn(8, 16, generator=g)
+            step.backward(F.mse_loss(model(x), x.sum(1, keepdim=True).sin()))
+    if sess.rank == 0:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  str(run_dir / "params.safetensors"))
+
+
+if __name__ == "__main__":
+    main()

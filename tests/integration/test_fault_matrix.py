@@ -1,0 +1,128 @@
+"""The fault matrix: kinds of fault x the phase of training they strike, with real faults.
+
+Outcome rule for every cell: the job finishes with the failure-free final state digest, or
+it stops within a deadline with a clear message. Never a hang, never a wrong digest
+reported as success. One job per kind runs that kind in every phase, one fault after the
+other, each recovered by its own spare (docs/reliability.md has the table and names the
+test for every cell; whole nodes, the leader and shared memory deleted without a death
+are in test_hosts.py, test_hotswap.py and test_lifecycle.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from jobs import failure_free, kill_members, kill_tree, load, run, start
+
+pytestmark = [pytest.mark.integration]
+STEPS = 30
+
+PHASES = {  # where, in the order the faults fire (fault k creates generation k)
+    "start": "step=4",
+    "recovery": "gen=1",  # while recovering from the first fault; strikes its spare
+    "microbatch": "step=7:microbatch=0",
+    "reduce": "step=10:phase=reduce",
+    "update": "step=13:phase=update",
+    "snapshot": "step=16:phase=snapshot",
+    "replicate": "step=19:phase=replicate",
+    "commit": "step=22:phase=commit",
+}
+
+
+def specs(kind: str, phases: list[str]) -> list[str]:
+    out = []
+    for i, p in enumerate(phases):
+        rank = 1 if p == "recovery" else i % 2  # the recovery fault hits the spare of fault 1
+        out += ["--inject", f"{kind}:rank={rank}:{PHASES[p]}"]
+    return out
+
+
+def survives(tmp_path, tmp_path_factory, kind: str, phases: list[str], *extra: str):
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    job = run(tmp_path, "--nproc", "2", "--spares", str(len(phases)), *extra,
+              *specs(kind, phases), steps=STEPS, timeout=300)
+    assert job.rc == 0, job.out[-4000:]
+    s = job.summary
+    assert s["final_state_digest"] == ref["final_state_digest"]
+    assert s["losses"] == ref["losses"]
+    assert not s["problems"]  # every fault fired
+    fired = job.of("inject")
+    assert len(fired) == len(phases) == len(s["failures"])
+    for e, p in zip(fired, phases):  # each fault struck where it was meant to
+        if p == "recovery":
+            assert e["gen"] == 1
+        elif p == "microbatch":
+            assert e["microbatch"] == 0
+        elif p != "start":
+            assert e["phase"] == p
+    assert all(r["lost_steps"] <= 1 for r in s["recoveries"])
+    return job
+
+
+@pytest.mark.timeout(400)
+def test_kill_in_every_phase(tmp_path, tmp_path_factory):
+    survives(tmp_path, tmp_path_factory, "kill", list(PHASES))
+
+
+@pytest.mark.timeout(400)
+def test_hang_in_every_phase(tmp_path, tmp_path_factory):
+    job = survives(tmp_path, tmp_path_factory, "stop",
+                   [p for p in PHASES if p != "recovery"], "--heartbeat-timeout", "2")
+    assert all(f["kind"] == "hang" for f in job.summary["failures"])
+
+
+@pytest.mark.timeout(400)
+def test_corrupted_snapshot_then_death_restores_from_the_replica(tmp_path, tmp_path_factory):
+    job = survives(tmp_path, tmp_path_factory, "corrupt", ["start", "reduce", "snapshot", "commit"])
+    sources = {r["source"] for r in job.summary["recoveries"]}
+    assert "local_snapshot" not in sources, "a corrupt snapshot was loaded"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["update", "snapshot"])
+def test_a_worker_raising_stops_the_job_with_the_error(tmp_path, where):
+    t0 = time.monotonic()
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--inject",
+              f"raise:rank=1:{PHASES[where]}", steps=STEPS)
+    assert job.rc == 1
+    assert "the training script raised on worker n0w1" in job.out
+    assert f"InjectedFault: injected fault raise:rank=1:{PHASES[where]}" in job.out
+    assert not job.of("recovered")
+    assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.timeout(120)
+def test_every_copy_lost_on_one_node_stops_clearly(tmp_path):
+    """All of a rank's copies live on the only node: deleting its shared memory and killing
+    it leaves nothing to restore from, and the job must say so, not hang or guess."""
+    t0 = time.monotonic()
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--inject", "shm:rank=1:step=5",
+              steps=STEPS)
+    assert job.rc == 1
+    assert "recovery is impossible: no surviving copy of rank" in job.out
+    assert "restart from a persisted checkpoint or run with more replicas" in job.out
+    assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.timeout(300)
+def test_shared_memory_deleted_and_death_on_one_of_two_nodes(tmp_path, tmp_path_factory):
+    """Node 1's shared memory is deleted and its worker killed: its own snapshot and the
+    replica it held are gone, but node 0 holds a replica of it, which is sent over."""
+    from phoenixft.cluster.store import free_port
+
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    addr = f"127.0.0.1:{free_port()}"
+    common = ("--nnodes", "2", "--store", addr, "--nproc", "1", "--spares", "1",
+              "--inject", "shm:rank=1:step=8")
+    a0 = start(tmp_path, *common, "--node-rank", "0", steps=STEPS)
+    a1 = start(tmp_path, *common, "--node-rank", "1", steps=STEPS)
+    try:
+        out0, _ = a0.communicate(timeout=240)
+        a1.communicate(timeout=30)
+    finally:
+        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(tmp_path)
+    job = load(tmp_path, a0.returncode, out0)
+    assert job.rc == 0, out0[-3000:]
+    assert job.summary["final_state_digest"] == ref["final_state_digest"]
+    [rec] = job.summary["recoveries"]
+    assert rec["rank"] == 1 and rec["replacement"] == "n1w1" and rec["source"] == "peer_memory"

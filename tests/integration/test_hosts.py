@@ -1,0 +1,146 @@
+"""Several hosts: two network namespaces joined by a veth pair (each host its own address),
+a standalone store that demands a token, a worker and then the leader's whole node lost;
+and, without a standalone store, a clear stop when node 0 dies."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jobs import (
+    EXAMPLE,
+    PHOENIXFT,
+    ROOT,
+    alive,
+    failure_free,
+    kill_members,
+    kill_tree,
+    load,
+    reached_step,
+    start,
+    wait_until,
+)
+from netns import can_make_namespaces, two_hosts
+
+from phoenixft.observe.events import read_events
+
+pytestmark = [pytest.mark.integration]
+STEPS = 30
+
+
+def popen(argv: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def agent_argv(run_dir: Path, node: int, *extra: str) -> list[str]:
+    return [*PHOENIXFT, "run", "--run-dir", str(run_dir), "--nnodes", "2", "--node-rank",
+            str(node), "--heartbeat-timeout", "2", "--nproc", "1", *extra, str(EXAMPLE),
+            "--steps", str(STEPS)]
+
+
+NO_TOKEN = """
+import datetime, sys, torch.distributed as d
+try:
+    s = d.TCPStore("{ip}", {port}, is_master=False, wait_for_workers=False,
+                   timeout=datetime.timedelta(seconds=3))
+    s.set("fence/n1w0", "1")
+except Exception as exc:
+    print("refused:", type(exc).__name__)
+    sys.exit(3)
+print("WROTE A FENCE")
+"""
+
+WRONG_TOKEN = """
+import socket, sys
+from phoenixft.cluster.auth import AuthError, client_handshake
+s = socket.create_connection(("{ip}", {port}), timeout=5)
+try:
+    client_handshake(s, b"not-the-token-0123456789")
+except (AuthError, ConnectionError) as exc:
+    print("refused:", exc)
+    sys.exit(3)
+print("HANDSHAKE PASSED")
+"""
+
+
+@pytest.mark.skipif(can_make_namespaces() is not None, reason=str(can_make_namespaces()))
+@pytest.mark.timeout(420)
+def test_two_hosts_with_a_token_survive_a_worker_and_then_the_leaders_node(
+        tmp_path, tmp_path_factory):
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    token = secrets.token_hex(16)
+    run_dir = tmp_path / "run"
+    procs: list[subprocess.Popen] = []
+    with two_hosts() as h:
+        ip, port = h.addr[0], 29555
+        try:
+            store = popen(h.cmd(0, [*PHOENIXFT, "store", "--host", ip, "--port", str(port),
+                                    "--auth-token", token]), tmp_path / "store.log")
+            procs.append(store)
+            wait_until(lambda: "listening" in (tmp_path / "store.log").read_text(), 60,
+                       "the store to listen")
+            common = ("--store", f"{ip}:{port}", "--external-store", "--auth-token", token,
+                      "--inject", "kill:rank=1:step=6", "--inject", "node:rank=0:step=15")
+            a0 = popen(h.cmd(0, agent_argv(run_dir, 0, *common)), tmp_path / "a0.log")
+            a1 = popen(h.cmd(1, agent_argv(run_dir, 1, *common, "--spares", "2")),
+                       tmp_path / "a1.log")
+            procs += [a0, a1]
+            wait_until(lambda: reached_step(run_dir, 3), 120, "step 3")
+            # a client on host b without the token reaches the store's address, but can
+            # neither speak the store's protocol nor pass the challenge with a wrong token
+            for script in (NO_TOKEN, WRONG_TOKEN):
+                r = subprocess.run(h.cmd(1, [sys.executable, "-c", script.format(ip=ip, port=port)]),
+                                   cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                assert r.returncode == 3 and "refused" in r.stdout, r.stdout + r.stderr
+            a1.wait(timeout=240)
+            a0.wait(timeout=30)
+        finally:
+            for p in procs:
+                kill_tree(p.pid)
+            kill_members(run_dir)
+    out1 = (tmp_path / "a1.log").read_text()
+    job = load(run_dir, a1.returncode, out1)
+    assert a1.returncode == 0, out1[-3000:]
+    assert a0.returncode == -9  # its own worker took the whole node down
+    s = job.summary
+    assert s["final_state_digest"] == ref["final_state_digest"]
+    assert s["losses"] == ref["losses"]
+    assert [f["wid"] for f in s["failures"]] == ["n1w0", "n0w0"]
+    assert [r["source"] for r in s["recoveries"]] == ["local_snapshot", "local_replica"]
+    [taken] = job.of("lead_taken")
+    assert taken["node"] == 1 and taken["resumed"]
+    starts = {e["node"]: e for e in job.of("agent_start")}
+    assert starts[0]["local_addr"] == h.addr[0] and starts[1]["local_addr"] == h.addr[1]
+
+
+@pytest.mark.timeout(180)
+def test_without_a_standalone_store_losing_node_0_stops_the_job_clearly(tmp_path):
+    from phoenixft.cluster.store import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    run_dir = tmp_path / "run"
+    common = ("--nnodes", "2", "--store", addr, "--heartbeat-timeout", "2", "--nproc", "1")
+    a0 = start(run_dir, *common, "--node-rank", "0", "--inject", "node:rank=0:step=5", steps=400)
+    a1 = start(run_dir, *common, "--node-rank", "1", "--spares", "1", steps=400)
+    try:
+        a0.wait(timeout=120)
+        t0 = time.monotonic()
+        out1, _ = a1.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
+    assert a0.returncode == -9
+    assert a1.returncode == 1, out1
+    assert "node 1 stops" in out1 and "without a standalone store" in out1
+    assert took < 20
+    workers = [e["pid"] for e in read_events(run_dir / "events.jsonl")
+               if e["event"] == "joined" and e["wid"].startswith("n1")]
+    assert workers and not any(alive(p) for p in workers)

@@ -1,0 +1,211 @@
+"""Lifecycles: a job never leaves orphans or shared memory behind, stops promptly and says
+why when told to, and treats a rank that leaves early as that rank's failure. Real
+processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from jobs import (
+    PHOENIXFT,
+    ROOT,
+    alive,
+    failure_free,
+    kill_members,
+    kill_tree,
+    load,
+    reached_step,
+    run,
+    start,
+    wait_until,
+)
+
+from phoenixft.observe.events import read_events
+
+pytestmark = [pytest.mark.integration]
+
+
+def shm_dirs(run_dir: Path) -> list[Path]:
+    return [Path(e["shm_dir"]) for e in read_events(run_dir / "events.jsonl")
+            if e["event"] == "agent_start"]
+
+
+def worker_pids(run_dir: Path) -> list[int]:
+    status = json.loads((run_dir / "status.json").read_text())
+    return [m["pid"] for m in status["members"]]
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_the_agent_leaves_no_orphans_and_no_shared_memory(tmp_path):
+    p = start(tmp_path, "--nproc", "2", "--spares", "1", steps=400)
+    try:
+        wait_until(lambda: reached_step(tmp_path, 3), 60, "step 3")
+        pids, shm = worker_pids(tmp_path), shm_dirs(tmp_path)
+        assert len(pids) == 3 and shm and all(d.exists() for d in shm)
+        t0 = time.monotonic()
+        p.kill()
+        p.wait()
+        wait_until(lambda: not any(alive(pid) for pid in pids), 10, "every worker to die")
+        wait_until(lambda: not any(d.parent.exists() for d in shm), 10, "shared memory removed")
+        assert time.monotonic() - t0 < 10
+    finally:
+        kill_tree(p.pid)
+        kill_members(tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_job_with_its_reason(tmp_path, sig):
+    p = start(tmp_path, "--nproc", "2", "--spares", "1", steps=400)
+    try:
+        wait_until(lambda: reached_step(tmp_path, 3), 60, "step 3")
+        pids, shm = worker_pids(tmp_path), shm_dirs(tmp_path)
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        kill_tree(p.pid)
+        kill_members(tmp_path)
+    assert p.returncode == 128 + sig, out
+    assert took < 10, f"took {took:.1f}s to stop"
+    assert f"{sig.name} received" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["aborted"] == f"interrupted by {sig.name}"
+    assert not any(alive(pid) for pid in pids)
+    assert not any(d.parent.exists() for d in shm)
+
+
+EARLY_EXIT = """
+    import os, sys, torch, phoenixft
+    sess = phoenixft.Session()
+    model = torch.nn.Linear(4, 4)
+    sess.setup(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    for step in sess.steps(12):
+        if step.index == 3 and os.environ["PHOENIXFT_WORKER_ID"] == "n0w1":
+            sys.exit({code})
+        for _ in step.microbatches():
+            step.backward(model(torch.ones(2, 4)).sum())
+"""
+
+
+def run_script(tmp_path: Path, body: str, *launch: str, timeout: float = 90):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    p = subprocess.Popen([*PHOENIXFT, "run", "--run-dir", str(run_dir), *launch, str(script)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        kill_tree(p.pid)
+        kill_members(run_dir)
+    job = load(run_dir, p.returncode, out + err)
+    job.took = time.monotonic() - t0
+    return job
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_rank_that_exits_early_is_a_failure_of_that_rank(tmp_path, code):
+    job = run_script(tmp_path, EARLY_EXIT.format(code=code), "--nproc", "2")
+    assert job.rc == 1, job.out
+    assert f"worker n0w1 (rank 1) failed (exit code {code}" in job.out
+    assert job.took < 60
+    [f] = job.summary["failures"]
+    assert (f["wid"], f["rank"], f["kind"]) == ("n0w1", 1, "exit")
+
+
+@pytest.mark.timeout(120)
+def test_a_spare_takes_over_from_a_rank_that_exited_early(tmp_path):
+    job = run_script(tmp_path, EARLY_EXIT.format(code=3), "--nproc", "2", "--spares", "1")
+    assert job.rc == 0, job.out
+    [f] = job.summary["failures"]
+    assert f["wid"] == "n0w1" and f["detail"] == "exit code 3"
+    assert job.summary["recoveries"][0]["replacement"] == "n0w2"
+
+
+@pytest.mark.timeout(60)
+def test_a_script_without_a_session_stops_the_job_at_once(tmp_path):
+    job = run_script(tmp_path, "print('I forgot phoenixft.Session()')\n", "--nproc", "2")
+    assert job.rc == 1
+    assert "exited during start-up" in job.out and "phoenixft.Session()" in job.out
+    assert job.took < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_fails_after_training_fails_the_job(tmp_path):
+    job = run_script(tmp_path, """
+        import sys, torch, phoenixft
+        sess = phoenixft.Session()
+        model = torch.nn.Linear(4, 4)
+        sess.setup(model, lambda p: torch.optim.SGD(p, lr=0.1))
+        for step in sess.steps(4):
+            for _ in step.microbatches():
+                step.backward(model(torch.ones(2, 4)).sum())
+        sys.exit(5 if sess.rank == 1 else 0)  # saving the model failed, say
+    """, "--nproc", "2")
+    assert job.rc == 1
+    assert "training finished, but worker n0w1 exited after training with exit code 5" in job.out
+    assert job.summary["final_step"] == 4
+
+
+@pytest.mark.timeout(180)
+def test_deleting_shared_memory_mid_run_does_not_stop_a_healthy_job(tmp_path, tmp_path_factory):
+    ref = failure_free(tmp_path_factory, 2, 40)
+    p = start(tmp_path, "--nproc", "2", steps=40)
+    try:
+        wait_until(lambda: reached_step(tmp_path, 5), 60, "step 5")
+        for d in shm_dirs(tmp_path):
+            shutil.rmtree(d.parent)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        kill_tree(p.pid)
+        kill_members(tmp_path)
+    job = load(tmp_path, p.returncode, out)
+    assert job.rc == 0, out
+    assert job.summary["final_state_digest"] == ref["final_state_digest"]
+
+
+@pytest.mark.timeout(120)
+def test_a_second_run_in_the_same_run_dir_is_refused(tmp_path):
+    p = start(tmp_path, "--nproc", "1", steps=400)
+    try:
+        wait_until(lambda: reached_step(tmp_path, 1), 60, "step 1")
+        second = subprocess.run([*PHOENIXFT, "run", "--run-dir", str(tmp_path), "--nproc", "1",
+                                 "examples/train_gpt.py", "--steps", "2"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2
+        assert f"is in use by a running job (pid {p.pid})" in second.stderr
+        assert alive(p.pid) and p.poll() is None
+    finally:
+        kill_tree(p.pid)
+        kill_members(tmp_path)
+    # once it is gone the directory is free again (a killed job leaves no stale lock)
+    job = run(tmp_path, "--nproc", "1", steps=2)
+    assert job.rc == 0, job.out
+
+
+@pytest.mark.timeout(120)
+def test_a_single_host_job_listens_on_loopback_only(tmp_path):
+    p = start(tmp_path, "--nproc", "2", steps=400)
+    try:
+        wait_until(lambda: reached_step(tmp_path, 1), 60, "step 1")
+        root = psutil.Process(p.pid)
+        pids = {root.pid} | {c.pid for c in root.children(recursive=True)}
+        listening = [c for c in psutil.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.pid in pids]
+        assert listening
+        assert all(c.laddr.ip in ("127.0.0.1", "::1") for c in listening), listening
+    finally:
+        kill_tree(p.pid)
+        kill_members(tmp_path)
