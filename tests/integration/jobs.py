@@ -104,6 +104,23 @@ def failure_free(tmp_path_factory, nproc: int, steps: int, *script_args: str) ->
     return _REFERENCES[key]
 
 
+def run_two_nodes(run_dir: Path, node0: tuple, node1: tuple, *common: str, steps: int,
+                  timeout: float = 240) -> tuple[Job, int]:
+    """Two agents on loopback (node 0 hosts the store); returns node 0's job (it leads and
+    writes the summary) and node 1's exit status."""
+    from phoenixft.cluster.store import free_port
+
+    both = ("--nnodes", "2", "--store", f"127.0.0.1:{free_port()}", *common)
+    a0 = start(run_dir, *both, "--node-rank", "0", *node0, steps=steps)
+    a1 = start(run_dir, *both, "--node-rank", "1", *node1, steps=steps)
+    try:
+        out0, _ = a0.communicate(timeout=timeout)
+        a1.communicate(timeout=30)
+    finally:
+        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
+    return load(run_dir, a0.returncode, out0), a1.returncode
+
+
 def load(run_dir: Path, rc: int, out: str) -> Job:
     job = Job(rc, out, run_dir)
     if (run_dir / "summary.json").exists():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from jobs import failure_free, kill_members, kill_tree, load, run, start
+from jobs import failure_free, run, run_two_nodes
 
 pytestmark = [pytest.mark.integration]
 STEPS = 30
@@ -108,21 +108,10 @@ def test_every_copy_lost_on_one_node_stops_clearly(tmp_path):
 def test_shared_memory_deleted_and_death_on_one_of_two_nodes(tmp_path, tmp_path_factory):
     """Node 1's shared memory is deleted and its worker killed: its own snapshot and the
     replica it held are gone, but node 0 holds a replica of it, which is sent over."""
-    from phoenixft.cluster.store import free_port
-
     ref = failure_free(tmp_path_factory, 2, STEPS)
-    addr = f"127.0.0.1:{free_port()}"
-    common = ("--nnodes", "2", "--store", addr, "--nproc", "1", "--spares", "1",
-              "--inject", "shm:rank=1:step=8")
-    a0 = start(tmp_path, *common, "--node-rank", "0", steps=STEPS)
-    a1 = start(tmp_path, *common, "--node-rank", "1", steps=STEPS)
-    try:
-        out0, _ = a0.communicate(timeout=240)
-        a1.communicate(timeout=30)
-    finally:
-        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(tmp_path)
-    job = load(tmp_path, a0.returncode, out0)
-    assert job.rc == 0, out0[-3000:]
+    job, _ = run_two_nodes(tmp_path, (), (), "--nproc", "1", "--spares", "1", "--inject",
+                           "shm:rank=1:step=8", steps=STEPS)
+    assert job.rc == 0, job.out[-3000:]
     assert job.summary["final_state_digest"] == ref["final_state_digest"]
     [rec] = job.summary["recoveries"]
     assert rec["rank"] == 1 and rec["replacement"] == "n1w1" and rec["source"] == "peer_memory"

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import failure_free, kill_members, kill_tree, load, run, start, wait_until
+from jobs import failure_free, run, run_two_nodes, wait_until
 
 pytestmark = [pytest.mark.integration]
 STEPS = 16
@@ -112,41 +112,20 @@ def test_no_spare_left_stops_cleanly(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_two_nodes_worker_killed_then_node_lost(tmp_path, tmp_path_factory, reference):
-    from phoenixft.cluster.store import free_port
-
-    def two_nodes(run_dir: Path, node1_args: tuple, steps: int = STEPS):
-        addr = f"127.0.0.1:{free_port()}"
-        common = ("--nnodes", "2", "--store", addr, "--heartbeat-timeout", "2")
-        a0 = start(run_dir, *common, "--node-rank", "0", "--nproc", "1", "--spares", "1",
-                   steps=steps)
-        a1 = start(run_dir, *common, "--node-rank", "1", "--nproc", "1", *node1_args,
-                   steps=steps)
-        return a0, a1
+    def two_nodes(run_dir: Path, inject: str):
+        return run_two_nodes(run_dir, ("--spares", "1"), ("--inject", inject), "--nproc", "1",
+                             "--heartbeat-timeout", "2", steps=STEPS)
 
     # 1. a worker on node 1 is killed: the spare on node 0 restores it from the replica
-    run_dir = tmp_path / "worker"
-    a0, a1 = two_nodes(run_dir, ("--inject", "kill:rank=1:step=6"))
-    try:
-        out0, _ = a0.communicate(timeout=150)
-        a1.communicate(timeout=30)
-    finally:
-        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
-    job = load(run_dir, a0.returncode, out0)
+    job, _ = two_nodes(tmp_path / "worker", "kill:rank=1:step=6")
     same_as_reference(job, reference, failures=1)
     assert job.summary["recoveries"][0]["source"] == "local_replica"
 
     # 2. node 1 lost whole: its worker SIGKILLs its agent at step 10 (a `node:` fault), so
     # the node's other processes die with the agent and its janitor removes its shared memory
-    run_dir = tmp_path / "node"
-    a0, a1 = two_nodes(run_dir, ("--inject", "node:rank=1:step=10"))
-    try:
-        out0, _ = a0.communicate(timeout=150)
-        a1.communicate(timeout=30)
-    finally:
-        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
-    job = load(run_dir, a0.returncode, out0)
+    job, rc1 = two_nodes(tmp_path / "node", "node:rank=1:step=10")
     same_as_reference(job, reference, failures=1)
-    assert a1.returncode == -9
+    assert rc1 == -9
     shm = [Path(e["shm_dir"]) for e in job.of("agent_start") if e["node"] == 1]
     assert shm
     wait_until(lambda: not shm[0].exists(), 10, "node 1's shared memory removed")
