@@ -16,6 +16,7 @@ _COMMANDS = [
     "phoenixft.launch.cli",      # run, demo, status
     "phoenixft.launch.store_cli",  # store
     "phoenixft.launch.chaos_cli",  # chaos
+    "phoenixft.checkpoint.cli",    # ckpt
     "phoenixft.serve.cli",       # serve, generate
 ]
 # modules whose register(subparsers) adds `phoenixft bench <name>`.
@@ -24,6 +25,7 @@ _BENCHES = [
     "phoenixft.bench.recovery",
     "phoenixft.bench.goodput",
     "phoenixft.bench.serve",
+    "phoenixft.bench.checkpoint",
 ]
 
 

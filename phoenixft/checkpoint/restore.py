@@ -11,14 +11,17 @@ slots it holds for peers) which ranks' snapshots of step t it can serve, verifie
    node; a spare beside the replica holder): read from shared memory, no network;
 2. otherwise the lowest member that holds a verified copy sends it over the group
    ("peer_memory");
-3. no copy anywhere: `IntegrityError` naming the rank and step (never a silent load).
+3. otherwise the persistent tier (`PersistentSource`: base + deltas in a directory or
+   S3), which every member can read: the rank reads its own record;
+4. no copy anywhere: `IntegrityError` naming the rank and step (never a silent load).
 
-A new tier plugs in as a `SnapshotSource` (a persistent tier any member can read goes
-after the memory tiers).
+Memory tiers are `SnapshotSource`s asked for verified copies; the persistent tier only
+says cheaply which records its manifests hold (`available`), and is read when chosen.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -47,17 +50,22 @@ class ShmSource:
     """Slot files in this node's shared memory: "snap" (a rank's own snapshot) or "rep"
     (a replica this node holds for a peer)."""
 
-    def __init__(self, shm_dir: str | Path, kind: str, name: str) -> None:
+    def __init__(self, shm_dir: str | Path, kind: str, name: str,
+                 report: Callable[[str, str], None] | None = None) -> None:
         self.shm_dir, self.kind, self.name = Path(shm_dir), kind, name
+        self.report = report or (lambda tier, error: None)  # a damaged copy, named
 
     def open(self, rank: int, step: int, generation: int | None) -> SlotFile | None:
         p = slot_path(self.shm_dir, self.kind, rank, step)
         if not p.exists():
             return None
         f = SlotFile(p)
+        if f.peek()[1] not in (step, -1):  # that slot holds another step: nothing here
+            return None
         try:
             hdr = f.verify(step)
-        except IntegrityError:
+        except IntegrityError as exc:
+            self.report(self.name, str(exc))
             return None
         # After a world-size change an abandoned snapshot of the same step from an older
         # numbering may still sit in a slot: only the generation asked for counts.
@@ -66,19 +74,65 @@ class ShmSource:
         return f
 
 
+class PersistentSource:
+    """Records of committed steps in persistent storage (`tiers.FsspecTier`). A record is
+    read (base + delta, checksums verified) into a scratch slot in shared memory once, and
+    kept there for the rest of the restore."""
+
+    name = "persistent"
+
+    def __init__(self, tier, scratch_dir: str | Path) -> None:
+        from phoenixft.checkpoint.tiers import ShmTier
+
+        self.tier = tier
+        self._scratch = ShmTier(scratch_dir, "disk")
+        self._manifests: dict[int, dict] = {}
+        self._opened: dict[tuple[int, int], SlotFile] = {}
+
+    def steps(self) -> list[int]:
+        return self.tier.manifests()
+
+    def manifest(self, step: int) -> dict:
+        if step not in self._manifests:
+            self._manifests[step] = self.tier.read_manifest(step)
+        return self._manifests[step]
+
+    def available(self, rank: int, step: int) -> bool:
+        try:
+            return any(r["rank"] == rank for r in self.manifest(step)["records"])
+        except (KeyError, IntegrityError):
+            return False
+
+    def open(self, rank: int, step: int) -> SlotFile:
+        """The verified snapshot of (rank, step); IntegrityError names what is damaged."""
+        if (rank, step) not in self._opened:
+            self._scratch.put(step, rank, self.tier.get(step, rank))
+            self._opened[rank, step] = SlotFile(slot_path(self._scratch.shm_dir, "disk", rank, step))
+        return self._opened[rank, step]
+
+
+MEMORY, PERSISTENT = 1, 2  # copy-table entries: where a member can get a snapshot from
+
+
 class RestorePlanner:
     """Chooses and fetches every rank's snapshot for a new generation (see module doc).
 
     `scratch_dir` is where copies sent by peers are written (this node's shared memory)."""
 
-    def __init__(self, local: list[SnapshotSource], scratch_dir: str | Path) -> None:
+    def __init__(self, local: list[SnapshotSource], scratch_dir: str | Path,
+                 persistent: PersistentSource | None = None) -> None:
         self.local = local
         self.scratch_dir = Path(scratch_dir)
+        self.persistent = persistent
 
     @classmethod
-    def for_node(cls, shm_dir: str | Path) -> RestorePlanner:
-        return cls([ShmSource(shm_dir, "snap", "local_snapshot"),
-                    ShmSource(shm_dir, "rep", "local_replica")], shm_dir)
+    def for_node(cls, shm_dir: str | Path, persistent_tier=None,
+                 report: Callable[[str, str], None] | None = None) -> RestorePlanner:
+        """The sources of one node; `report(tier, error)` hears of every damaged copy
+        passed over (the event log names them)."""
+        persistent = PersistentSource(persistent_tier, shm_dir) if persistent_tier else None
+        return cls([ShmSource(shm_dir, "snap", "local_snapshot", report),
+                    ShmSource(shm_dir, "rep", "local_replica", report)], shm_dir, persistent)
 
     def local_copy(self, rank: int, step: int,
                    generation: int | None = None) -> tuple[SlotFile, str] | None:
@@ -91,11 +145,14 @@ class RestorePlanner:
 
     def copy_table(self, ops: GroupOps, world_size: int, old_world: int, step: int,
                    generation: int | None):
-        """Collective: which member holds a verified copy of which old rank's snapshot.
-        Returns (this member's copies by old rank, table[member][old rank])."""
+        """Collective: where each member can get each old rank's snapshot from.
+        Returns (this member's memory copies by old rank, table[member][old rank]) with
+        entries MEMORY (a verified copy on its node), PERSISTENT (a committed record) or 0."""
         copies = {r: self.local_copy(r, step, generation) for r in range(old_world)}
-        have = torch.tensor([1 if copies[r] is not None else 0 for r in range(old_world)],
-                            dtype=torch.int32)
+        p = self.persistent
+        have = torch.tensor([MEMORY if copies[r] is not None else
+                             PERSISTENT if p is not None and p.available(r, step) else 0
+                             for r in range(old_world)], dtype=torch.int32)
         table = torch.zeros(world_size * old_world, dtype=torch.int32)
         ops.all_gather_into(table, have, "restore planning")
         return copies, table.view(world_size, old_world)
@@ -107,16 +164,20 @@ class RestorePlanner:
         copies, table = self.copy_table(ops, world_size, world_size, step, generation)
         senders: dict[int, int] = {}
         for r in range(world_size):
-            if table[r][r]:
+            if table[r][r] == MEMORY:
                 continue
-            holders = [h for h in range(world_size) if table[h][r]]
-            if not holders:
+            holders = [h for h in range(world_size) if table[h][r] == MEMORY]
+            if holders:
+                senders[r] = holders[0]
+            elif table[r][r] != PERSISTENT:
                 raise IntegrityError(
                     f"no surviving copy of rank {r}'s snapshot for step {step}: its own node "
-                    "and every replica holder are gone or corrupt; restart from a persisted "
-                    "checkpoint or run with more replicas")
-            senders[r] = holders[0]
+                    "and every replica holder are gone or corrupt, and no persisted record "
+                    "holds it; restart from a persisted checkpoint (--persist, --resume) or "
+                    "run with more replicas")
         mine, source = copies[rank] if copies[rank] is not None else (None, "")
+        if mine is None and rank not in senders:
+            mine, source = self.persistent.open(rank, step), PersistentSource.name
         for r, s in sorted(senders.items()):  # same order on every member
             if rank == s:
                 self._send(ops, copies[r][0], r)
@@ -154,13 +215,18 @@ class RestorePlanner:
         parts: dict[str, list[torch.Tensor]] = {}
         header0: dict = {}
         for o in range(old_world):
-            holders = [m for m in range(world_size) if table[m][o]]
-            if not holders:
+            holders = [m for m in range(world_size) if table[m][o] == MEMORY]
+            if holders:
+                src = holders[0]
+                mine = copies[o][0] if rank == src else None
+            elif table[0][o] == PERSISTENT:  # member 0 reads the record and shares it
+                src = 0
+                mine = self.persistent.open(o, step) if rank == 0 else None
+            else:
                 raise IntegrityError(
                     f"no surviving copy of old rank {o}'s snapshot for step {step} (generation "
                     f"{generation}): its node and its replica holders are gone or corrupt")
-            slot = self._broadcast_slot(ops, copies[o][0] if rank == holders[0] else None,
-                                        holders[0], o, step)
+            slot = self._broadcast_slot(ops, mine, src, o, step)
             hdr = slot.verify(step)
             if hdr.get("rank") != o or hdr.get("world_size") != old_world:
                 raise IntegrityError(f"{slot.path}: holds rank {hdr.get('rank')} of world "

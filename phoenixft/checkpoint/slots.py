@@ -128,42 +128,75 @@ class SlotFile:
     # -- reading -------------------------------------------------------------------
     def peek(self) -> tuple[bool, int]:
         """(complete, step) from the fixed header, without verifying data."""
-        if self._mm is None or bytes(self.np[0:8]) != MAGIC:
+        if self._mm is None:
             return False, -1
-        state, step = struct.unpack("<qq", bytes(self.np[8:24]))
-        return state == 1, step
+        return _peek(self.np)
 
     def header(self) -> dict:
         if self._mm is None:
             raise IntegrityError(f"{self.path}: no snapshot (missing or empty file)")
-        (n,) = struct.unpack("<q", bytes(self.np[24:32]))
-        if not 0 < n <= HEADER_BYTES - 64:
-            raise IntegrityError(f"{self.path}: bad header length {n}")
-        try:
-            return json.loads(bytes(self.np[64:64 + n]))
-        except ValueError as exc:
-            raise IntegrityError(f"{self.path}: unreadable header ({exc})") from None
+        return _header(self.np, self.path)
 
     def used_nbytes(self) -> int:
         return HEADER_BYTES + int(self.header()["data_nbytes"])
 
     def verify(self, step: int) -> dict:
         """Return the header of a complete, uncorrupted snapshot of `step`, or raise."""
-        complete, got = self.peek()
-        if not complete:
-            raise IntegrityError(f"{self.path}: snapshot incomplete (writer died mid-copy?)")
-        if got != step:
-            raise IntegrityError(f"{self.path}: holds step {got}, wanted step {step}")
-        hdr = self.header()
-        data = self.np[HEADER_BYTES:HEADER_BYTES + int(hdr["data_nbytes"])]
-        if checksum(data) != hdr["checksum"]:
-            raise IntegrityError(f"{self.path}: checksum mismatch for step {step} "
-                                 "(corrupt snapshot; falling back to another copy)")
-        return hdr
+        if self._mm is None:
+            raise IntegrityError(f"{self.path}: no snapshot (missing or empty file)")
+        return _verify(self.np, step, self.path)
 
     def tensors(self, hdr: dict) -> dict[str, torch.Tensor]:
         """Views (no copy) of the entries; copy them before the slot is rewritten."""
         return {e["name"]: self.view(Entry(**e)) for e in hdr["entries"]}
+
+
+def _peek(buf: np.ndarray) -> tuple[bool, int]:
+    if len(buf) < 32 or bytes(buf[0:8]) != MAGIC:
+        return False, -1
+    state, step = struct.unpack("<qq", bytes(buf[8:24]))
+    return state == 1, step
+
+
+def _header(buf: np.ndarray, where) -> dict:
+    (n,) = struct.unpack("<q", bytes(buf[24:32]))
+    if not 0 < n <= HEADER_BYTES - 64 or len(buf) < 64 + n:
+        raise IntegrityError(f"{where}: bad header length {n}")
+    try:
+        return json.loads(bytes(buf[64:64 + n]))
+    except ValueError as exc:
+        raise IntegrityError(f"{where}: unreadable header ({exc})") from None
+
+
+def _verify(buf: np.ndarray, step: int, where) -> dict:
+    complete, got = _peek(buf)
+    if not complete:
+        raise IntegrityError(f"{where}: snapshot incomplete (writer died mid-copy?)")
+    if got != step:
+        raise IntegrityError(f"{where}: holds step {got}, wanted step {step}")
+    hdr = _header(buf, where)
+    end = HEADER_BYTES + int(hdr["data_nbytes"])
+    if len(buf) < end or checksum(buf[HEADER_BYTES:end]) != hdr["checksum"]:
+        raise IntegrityError(f"{where}: checksum mismatch for step {step} "
+                             "(corrupt snapshot; falling back to another copy)")
+    return hdr
+
+
+def verify_blob(blob, step: int, where: str = "snapshot blob") -> dict:
+    """The header of a slot's bytes held elsewhere (a copy, a persisted record), checked
+    exactly as a slot file is: complete, for `step`, checksum matching."""
+    return _verify(np.frombuffer(blob, dtype=np.uint8), step, where)
+
+
+def blob_tensors(blob, step: int, where: str = "snapshot blob") -> tuple[dict, dict[str, torch.Tensor]]:
+    """The verified header and the tensors (copies) of a slot's bytes held elsewhere."""
+    hdr = verify_blob(blob, step, where)
+    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    out = {}
+    for e in hdr["entries"]:
+        start = HEADER_BYTES + e["offset"]
+        out[e["name"]] = raw[start:start + e["nbytes"]].view(getattr(torch, e["dtype"])).view(e["shape"])
+    return hdr, out
 
 
 def slot_path(shm_dir: str | os.PathLike, kind: str, rank: int, step: int) -> Path:

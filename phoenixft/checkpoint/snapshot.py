@@ -33,8 +33,22 @@ from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.replicate import exchange_slots
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
 from phoenixft.cluster.keys import Keys
-from phoenixft.cluster.store import StoreGone, raise_to, wait_for
+from phoenixft.cluster.store import StoreGone, wait_for
 from phoenixft.comm.collectives import CommFailure, Interrupt
+
+
+def mark_committed(store: dist.Store, step: int, info: dict) -> None:
+    """Commit `step`: its marker (who wrote it, at which world size) and the monotonic
+    `committed` key in one request, so no reader ever sees one without the other (a
+    writer SIGSTOPped or killed between two separate writes left `committed` pointing at
+    a step without a marker). Steps commit in order (snapshot t+1 is only written once t
+    is committed), so `committed` only moves forward; a step below it only gets its marker."""
+    current = int(store.get(Keys.COMMITTED)) if store.check([Keys.COMMITTED]) else -1
+    keys, values = [Keys.commit(step)], [json.dumps(info)]
+    if step > current:
+        keys.append(Keys.COMMITTED)
+        values.append(str(step))
+    store.multi_set(keys, values)
 
 
 class Snapshotter:
@@ -44,7 +58,8 @@ class Snapshotter:
                  nodes: dict[int, int], interrupt: Interrupt, timeout_s: float,
                  on_commit: Callable[[int, float], None] | None = None,
                  fault: Callable[[int, str], None] | None = None,
-                 on_degraded: Callable[[str], None] | None = None) -> None:
+                 on_degraded: Callable[[str], None] | None = None,
+                 after_copy: Callable[[int], None] | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.rank = rank
         self.generation = generation
@@ -65,6 +80,7 @@ class Snapshotter:
         self._on_commit = on_commit
         self._fault = fault or (lambda step, phase: None)  # fault-injection points
         self._on_degraded = on_degraded or (lambda detail: None)
+        self._after_copy = after_copy or (lambda step: None)  # e.g. the persister's offer
         self._slots: dict[tuple[str, int, int], SlotFile] = {}
         self._tasks: queue.Queue = queue.Queue()
         self._copied_step = -1
@@ -72,7 +88,9 @@ class Snapshotter:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._stopped = False
-        self.stats = {"snapshots": 0, "copy_s": 0.0, "replicate_s": 0.0, "thread_cpu_s": 0.0}
+        # stall_s: what snapshots cost the training thread (waiting for a copy to finish)
+        self.stats = {"snapshots": 0, "copy_s": 0.0, "replicate_s": 0.0, "thread_cpu_s": 0.0,
+                      "stall_s": 0.0}
         self._thread = threading.Thread(target=self._run, name=f"phoenixft-snap-r{rank}",
                                         daemon=True)
         self._thread.start()
@@ -86,11 +104,13 @@ class Snapshotter:
     def wait_copied(self) -> None:
         """Block until the last begun snapshot is in host memory (the pre-hook)."""
         target = self._begun_step
+        t0 = time.perf_counter()
         with self._cond:
             while self._copied_step < target and self._error is None and not self._stopped:
                 if self._interrupt.is_set():
                     break
                 self._cond.wait(0.5)
+        self.stats["stall_s"] += time.perf_counter() - t0
         self._raise_error()
         if self._copied_step < target:
             raise CommFailure("snapshot copy abandoned: the generation changed")
@@ -182,6 +202,7 @@ class Snapshotter:
         with self._cond:
             self._copied_step = step
             self._cond.notify_all()
+        self._after_copy(step)
         if self._announce:
             store.set(Keys.copied(self.generation, self.rank, step), "1")
         self._ack(store, step)
@@ -197,33 +218,39 @@ class Snapshotter:
                 self._ack(store, step)
         for src in self._local_sources:
             self._wait_key(store, Keys.copied(self.generation, src, step))
-            self._copy_local_replica(src, step)
-            self._ack(store, step)
+            if self._copy_local_replica(src, step):
+                self._ack(store, step)
         self._fault(step, "commit")
         self.stats["copy_s"] += t1 - t0
         self.stats["replicate_s"] += time.perf_counter() - t1
 
-    def _copy_local_replica(self, src: int, step: int) -> None:
-        """Copy a same-node peer's slot out of shared memory (checksummed with it, verified
-        on restore). If its file is gone (the node's shared memory was deleted by hand)
-        this replica cannot exist: the step still commits, with one copy fewer, and says
-        so; every copy is verified at restore time, so nothing is loaded on trust."""
+    def _copy_local_replica(self, src: int, step: int) -> bool:
+        """Copy a same-node peer's slot out of shared memory and verify the copy (it is
+        acknowledged only if whole: a slot damaged while it was copied must not count as a
+        replica). If the peer's file is gone (the node's shared memory was deleted by hand)
+        the replica cannot exist: the step still commits, with one copy fewer, and says so.
+        Returns whether to acknowledge."""
         try:
             source = SlotFile(slot_path(self.shm_dir, "snap", src, step))
             n = source.used_nbytes()
         except IntegrityError as exc:
             self._on_degraded(f"no replica of rank {src}'s snapshot {step}: {exc}")
-            return
+            return True
         rslot = self._slot("rep", src, step)
         rslot.ensure(n)
         rslot.begin_write(step)
         rslot.tensor[:n].copy_(source.tensor[:n])
+        try:
+            rslot.verify(step)
+            return True
+        except IntegrityError as exc:
+            self._on_degraded(f"the replica of rank {src}'s snapshot {step} is damaged: {exc}")
+            return False
 
     def _ack(self, store: dist.Store, step: int) -> None:
         n = store.add(Keys.ack(self.generation, step), 1)
         if n == self._target:
-            raise_to(store, Keys.COMMITTED, step)  # before the marker its waiters read
-            store.set(Keys.commit(step), json.dumps({"t": time.time(), "generation": self.generation,
-                                                   "world_size": self._world_size}))
+            mark_committed(store, step, {"t": time.time(), "generation": self.generation,
+                                         "world_size": self._world_size})
             if self._on_commit is not None:
                 self._on_commit(step, time.time())

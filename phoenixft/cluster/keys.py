@@ -131,6 +131,18 @@ class Keys:
         recovery): {"generation", "world_size", ...}. Set after COMMITTED is raised."""
         return f"commit/{step}"
 
+    # -- persistence ---------------------------------------------------------------------
+    PERSISTED = "persisted"  # rank 0's persister: newest step committed by a manifest
+    RESUMED_FROM = "resumed_from"  # rank 0 of generation 0: the persisted step it resumed
+
+    @staticmethod
+    def persisted(step: int, rank: int) -> str:  # rank's persister: its durable record
+        return f"persisted/{step}/{rank}"
+
+    @staticmethod
+    def persist_error(rank: int) -> str:  # rank's persister: its last storage error
+        return f"persist_error/{rank}"
+
     # -- progress and results (rank 0) ---------------------------------------------------
     MB_COUNT = "mb_count"  # add-counter: microbatch forward+backward passes, all ranks
     PROGRESS = "progress"  # rank 0: last completed step

@@ -60,19 +60,24 @@ def summary(store: dist.Store, run_dir: Path, last_generation: int, failures: li
     final_step = kv.get_int(store, Keys.result("final_step"), -1)
     digest = (store.get(Keys.result("digest")).decode()
               if store.check([Keys.result("digest")]) else None)
+    first = kv.get_int(store, Keys.RESUMED_FROM, 0) + 1  # a resumed job ran from there
     losses = []
-    if final_step > 0:
-        losses = [float(v) for v in store.multi_get([Keys.loss(s) for s in range(1, final_step + 1)])]
-        audit = store.multi_get([Keys.audit(s) for s in range(1, final_step + 1)])
+    if final_step >= first:
+        steps = range(first, final_step + 1)
+        losses = [float(v) for v in store.multi_get([Keys.loss(s) for s in steps])]
+        audit = store.multi_get([Keys.audit(s) for s in steps])
         with (run_dir / "audit.jsonl").open("w") as f:
-            for s, ids in enumerate(audit, start=1):
+            for s, ids in zip(steps, audit):
                 f.write(json.dumps({"step": s, "microbatches": json.loads(ids)}) + "\n")
-    return {"final_step": final_step, "final_state_digest": digest, "losses": losses,
+    return {"final_step": final_step, "final_state_digest": digest,
+            "first_step": first, "losses": losses,
             "final_loss": losses[-1] if losses else None,
             "failures": [f.__dict__ for f in failures],
             "recoveries": recoveries(store, last_generation, failures),
             "generations": last_generation, "wall_s": round(wall_s, 3), "aborted": aborted,
             "problems": problems,
+            "persisted_step": kv.get_int(store, Keys.PERSISTED, -1),
+            "resumed_from": kv.get_int(store, Keys.RESUMED_FROM, -1),
             "microbatch_passes": kv.get_int(store, Keys.MB_COUNT, 0),
             "world_sizes": world_sizes(store, last_generation)}
 

@@ -37,6 +37,7 @@ from phoenixft.cluster.membership import Plan
 from phoenixft.faults.inject import format_env
 from phoenixft.launch.config import AgentConfig, LaunchError
 from phoenixft.launch.janitor import remove_node_shm
+from phoenixft.launch.resume import newest_persisted, persisted_job
 from phoenixft.launch.rundir import RunDirLock, set_aside_previous_run
 from phoenixft.launch.store_access import StoreAccess
 from phoenixft.observe.events import EventLog, write_json_atomic
@@ -69,13 +70,16 @@ class Agent:
         self._lost_store: str | None = None
         self.lease: LeaderLease | None = None
         self._started = False  # the leader published generation 0
+        self.persisted_step = -1  # newest step committed to persistent storage, as last seen
+        self._persist_t = 0.0
+        self._persist_errors: dict[int, int] = {}
 
     # -- set-up ---------------------------------------------------------------------
     def _open_store(self):
         self.access = StoreAccess.open(self.cfg)
         store = self.access.connect()
         if self.cfg.node_rank == 0:  # node 0 names the job (after setting the last run aside)
-            job = uuid.uuid4().hex[:12]
+            job = persisted_job(self.cfg) or uuid.uuid4().hex[:12]
             if store.compare_set(Keys.JOB_ID, "", job).decode() != job:
                 raise LaunchError(f"the store at {self.access.public} already holds job "
                                   f"{store.get(Keys.JOB_ID).decode()}: start a fresh "
@@ -121,7 +125,8 @@ class Agent:
                 "collective_timeout_s": cfg.collective_timeout_s,
                 "join_timeout_s": cfg.join_timeout_s, "replicas": cfg.replicas,
                 "snapshots": cfg.snapshots, "policy": cfg.policy,
-                "local_addr": self.access.local_addr}),
+                "local_addr": self.access.local_addr, "persist_url": cfg.persist,
+                "persist_every": cfg.persist_every, "persist_keep": cfg.persist_keep}),
             # torchrun-compatible names; RANK/WORLD_SIZE are set when a generation is joined
             LOCAL_RANK=str(local), MASTER_ADDR=self.access.public.host,
             MASTER_PORT=str(self.access.public.port), GROUP_RANK=str(cfg.node_rank),
@@ -246,6 +251,7 @@ class Agent:
                         self._adopt_spawns(store)
                         self.leader.tick()
                     last_progress = self._echo_progress(store, last_progress)
+                self._watch_persistence(store)
                 final = self._final = self._final or self._final_plan(store)
                 if final is not None and (final.kind == "abort" or
                                           all(p.done for p in self.procs.values())):
@@ -327,8 +333,11 @@ class Agent:
             who = ("the standalone store" if self.cfg.external_store else
                    "node 0's agent hosted it: without a standalone store (`phoenixft store`), "
                    "losing node 0 ends the job")
+            newest = newest_persisted(self.cfg.persist, self.persisted_step)
+            resume = (f"; the newest persisted step is {newest} in {self.cfg.persist}: "
+                      "rerun the job with --resume to continue from it" if newest >= 0 else "")
             self._say(f"phoenixft: node {self.cfg.node_rank} stops: {self._lost_store} at "
-                      f"{self.cfg.store} ({who}); its workers were stopped", err=True)
+                      f"{self.cfg.store} ({who}); its workers were stopped{resume}", err=True)
         elif self.leader is not None:
             summary = self.leader.summary(wall_s)
             if self.leader.problems:
@@ -367,6 +376,25 @@ class Agent:
                 time.sleep(0.05)  # bounded wait for the other agents' goodbye
         except kv.STORE_LOST:
             return
+
+    def _watch_persistence(self, store) -> None:
+        """Twice a second: remember the newest durable step (for the message if the store
+        goes away) and, on the leader, show storage errors on the console once each."""
+        if not self.cfg.persist or time.monotonic() - self._persist_t < 0.5:
+            return
+        self._persist_t = time.monotonic()
+        self.persisted_step = kv.get_int(store, Keys.PERSISTED, -1)
+        if self.leader is None or self.leader.plan is None:
+            return
+        for r in range(self.leader.plan.world_size):
+            if store.check([Keys.persist_error(r)]):
+                err = kv.get_json(store, Keys.persist_error(r))
+                if err["errors"] > self._persist_errors.get(r, 0):
+                    if r not in self._persist_errors or err["errors"] % 20 == 0:
+                        self._say(f"phoenixft: persisting to {self.cfg.persist} fails on rank {r} "
+                                  f"({err['error']}); training goes on, newest durable step "
+                                  f"{self.persisted_step}", err=True)
+                    self._persist_errors[r] = err["errors"]
 
     def _echo_progress(self, store, last: int) -> int:
         step = kv.get_int(store, Keys.PROGRESS, 0)

@@ -59,6 +59,16 @@ def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None =
                           "a failure-free run) or shrink-batch (fewer: the batch shrinks)")
     run.add_argument("--respawn", type=int, default=0,
                      help="replacement workers this agent may start; they grow the job back")
+    run.add_argument("--persist", default=None, metavar="URL",
+                     help="persist every rank's snapshots to a directory or s3://bucket/prefix "
+                          "in the background (bases + deltas, a manifest commits each step)")
+    run.add_argument("--persist-every", type=int, default=10, metavar="K",
+                     help="a base record every K steps, deltas in between")
+    run.add_argument("--persist-keep", type=int, default=2, metavar="N",
+                     help="bases kept in storage (with their deltas and manifests)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the job whose checkpoints are in --persist URL from its "
+                          "newest committed step")
     run.add_argument("--quiet", action="store_true", help="no progress lines (errors still show)")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -81,7 +91,9 @@ def agent_config_from_args(args):
                        local_addr=args.local_addr, run_dir=args.run_dir,
                        inject=specs, heartbeat_timeout_s=args.heartbeat_timeout,
                        replicas=args.replicas, echo=not args.quiet, min_nproc=args.min_nproc,
-                       policy=args.policy, respawn=args.respawn)
+                       policy=args.policy, respawn=args.respawn, persist=args.persist,
+                       persist_every=args.persist_every, persist_keep=args.persist_keep,
+                       resume=args.resume)
 
 
 def cmd_run(args) -> int:

@@ -110,6 +110,10 @@ class AgentConfig:
     policy: str = "constant"  # microbatches per step after a shrink: constant | shrink-batch
     respawn: int = 0  # replacement workers this agent may start for dead ones (they grow
                       # the job back at a step boundary)
+    persist: str | None = None  # URL of the persistent tier (a directory or s3://...)
+    persist_every: int = 10  # a base record every K steps
+    persist_keep: int = 2  # bases kept
+    resume: bool = False  # continue the job persisted at `persist`
     tick_s: float = 0.02
     shutdown_grace_s: float = 5.0  # workers' time to leave on their own at the end
     python: str = sys.executable
@@ -145,6 +149,10 @@ class AgentConfig:
             raise LaunchError(f"--respawn must be >= 0, got {self.respawn}")
         if self.replicas < 0:
             raise LaunchError(f"--replicas must be >= 0, got {self.replicas}")
+        if self.persist_every < 1 or self.persist_keep < 1:
+            raise LaunchError("--persist-every and --persist-keep must be >= 1")
+        if self.resume and not self.persist:
+            raise LaunchError("--resume needs --persist URL (where the job's checkpoints are)")
         for spec in self.inject:
             if spec.rank >= world:
                 raise LaunchError(f"--inject {spec} can never fire: rank {spec.rank} does not "

@@ -28,6 +28,9 @@ class SessionConfig:
     replicas: int = 1  # peers that hold a copy of each rank's snapshot
     snapshots: bool = True  # off only to measure what snapshots cost (no recovery then)
     policy: str = "constant"  # microbatches per step when the world shrinks: constant | shrink-batch
+    persist_url: str | None = None  # a directory or s3://bucket/prefix for persistent records
+    persist_every: int = 10  # a base record every K steps, deltas between
+    persist_keep: int = 2  # bases kept in persistent storage
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "collective_timeout_s", "join_timeout_s",
@@ -39,6 +42,8 @@ class SessionConfig:
                              f"got {self.policy!r}")
         if self.replicas < 0:
             raise ValueError(f"SessionConfig.replicas must be >= 0, got {self.replicas}")
+        if self.persist_every < 1 or self.persist_keep < 1:
+            raise ValueError("SessionConfig.persist_every and persist_keep must be >= 1")
 
     @classmethod
     def from_env(cls) -> SessionConfig:

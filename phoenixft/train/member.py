@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.persist import JobInfo, PersistConfig, Persister, safetensors_bytes
 from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.slots import HEADER_BYTES, slot_path
 from phoenixft.checkpoint.snapshot import Snapshotter
+from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan, replica_holders
@@ -72,7 +74,12 @@ class Member:
         self.injector = Injector(parse_env(cfg.inject), WorkerHooks(
             claim=self._claim_injection, on_fire=self._on_injection,
             settle=self._snapshot_copied, damage=self._damage_shm, agent_pid=cfg.agent_pid))
-        self.planner = RestorePlanner.for_node(cfg.shm_dir)
+        self.tier = FsspecTier(cfg.persist_url) if cfg.persist_url else None
+        self.planner = RestorePlanner.for_node(
+            cfg.shm_dir, self.tier, report=lambda tier, error: self.events.emit(
+                "restore_source_failed", tier=tier, rank=self.rank, gen=self.generation,
+                error=error[:500]))
+        self.persister: Persister | None = None
         self.plan: Plan | None = None
         self.generation = -1
         self.rank = -1
@@ -225,7 +232,34 @@ class Member:
         state.step = 0
         return "init", None
 
+    def _start_persister(self, state: RankState) -> Persister | None:
+        """This generation's persister (rank 0 also writes the model's untrained tensors
+        once, for `ckpt export`)."""
+        if self.tier is None:
+            return None
+        job_id = self.store.get(Keys.JOB_ID).decode() if self.store.check([Keys.JOB_ID]) else "standalone"
+        model = {"meta": state.export_meta(), "fixed": None}
+        if self.rank == 0:
+            model["fixed"] = f"model/g{self.generation:04d}.safetensors"
+            self.tier.write_object(model["fixed"], safetensors_bytes(state.fixed_tensors()))
+        return Persister(self.tier, rank=self.rank, shm_dir=self.cfg.shm_dir,
+                         cfg=PersistConfig(every=self.cfg.persist_every, keep=self.cfg.persist_keep),
+                         job=JobInfo(job_id=job_id, generation=self.generation,
+                                     world_size=self.world_size, model=model),
+                         connect=self.connect,
+                         emit=lambda event, **kw: self.events.emit(
+                             event, rank=self.rank, gen=self.generation, **kw))
+
+    def flush_persisted(self, step: int, timeout_s: float = 30.0) -> None:
+        """Training ended: wait (bounded) until its last step is durable, and say so if
+        storage could not keep up."""
+        if self.persister is not None and not self.persister.flush(step, timeout_s):
+            self.events.emit("persist_incomplete", rank=self.rank, step=step,
+                             durable=self.persister.stats.last_step,
+                             errors=self.persister.stats.errors)
+
     def _start_snapshots(self, plan: Plan, state: RankState, fresh: bool) -> None:
+        self.persister = self._start_persister(state)
         holders = replica_holders(plan.nodes, min(self.cfg.replicas, self.world_size - 1))
         self.snap = Snapshotter(
             shm_dir=self.cfg.shm_dir, rank=self.rank, generation=self.generation,
@@ -235,7 +269,8 @@ class Member:
             timeout_s=self.cfg.collective_timeout_s, on_commit=self._on_commit,
             fault=lambda step, phase: self.injector.at_step(self.rank, step, phase),
             on_degraded=lambda detail: self.events.emit("snapshot_degraded", rank=self.rank,
-                                                        gen=self.generation, detail=detail))
+                                                        gen=self.generation, detail=detail),
+            after_copy=self.persister.offer if self.persister is not None else None)
         if fresh:
             self.snapshot(state)
 
@@ -243,6 +278,10 @@ class Member:
                 pending: Step | None, t0: float) -> None:
         g = self.generation
         if g == 0:
+            if point.step >= 0 and self.rank == 0:  # a resumed job
+                self.store.set(Keys.RESUMED_FROM, str(point.step))
+                self.events.emit("resumed", step=point.step, source=source,
+                                 world_size=self.world_size, from_world_size=point.world_size)
             return
         now = time.time()
         self.store.set(Keys.source(g, self.rank), source)
@@ -265,6 +304,8 @@ class Member:
                          error=str(exc)[:300])
         if self.snap is not None:
             self.snap.stop()
+        if self.persister is not None:
+            self.persister.stop()
         self._bury_groups()
         # ...and never let the old groups' late-finishing ops write into live buffers.
         state.flat.relocate()
@@ -349,6 +390,8 @@ class Member:
 
     def shutdown(self) -> None:
         self._stopped = True
+        if self.persister is not None:
+            self.persister.stop(join_timeout_s=2.0)
         if self.snap is not None:
             self.snap.stop(join_timeout_s=2.0)
 

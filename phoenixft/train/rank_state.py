@@ -57,6 +57,37 @@ class RankState:
                   "python_random": random.getstate()}
         return tensors, header
 
+    def aliases(self) -> dict[str, str]:
+        """State-dict names that share another name's tensor (tied weights) -> that name."""
+        seen: dict[int, str] = {}
+        out = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            ptr = t.data_ptr()
+            if ptr in seen and t.numel():
+                out[name] = seen[ptr]
+            seen.setdefault(ptr, name)
+        return out
+
+    def export_meta(self) -> dict:
+        """How to rebuild the model from persisted shards: the trainable parameters' names,
+        shapes and places in the flat buffer, names that alias another tensor (tied
+        weights), and the model's Hugging Face config when it has one."""
+        params = [[name, list(p.shape), off] for (off, _), (name, p) in
+                  zip(self.flat.offsets, self.flat.named)]
+        cfg = getattr(self.model, "config", None)
+        config = (cfg.to_hf_dict() if hasattr(cfg, "to_hf_dict") else
+                  cfg.to_dict() if hasattr(cfg, "to_dict") else None)
+        return {"params": params, "numel": self.flat.numel,
+                "dtype": str(self.flat.dtype).removeprefix("torch."), "aliases": self.aliases(),
+                "config": config}
+
+    def fixed_tensors(self) -> dict[str, torch.Tensor]:
+        """Model tensors that are not trained (frozen parameters, buffers), as CPU copies:
+        persisted once per generation beside the shards."""
+        skip = {name for name, _ in self.flat.named} | set(self.aliases())
+        return {name: t.detach().to("cpu", copy=True).contiguous()
+                for name, t in self.model.state_dict().items() if name not in skip}
+
     def load_rank_local(self, tensors: dict[str, torch.Tensor], header: dict) -> None:
         """Take over the per-rank state of a snapshot: RNGs and tracked objects (the
         optimizer shard is loaded separately, since it also reshards)."""

@@ -20,14 +20,15 @@ their data as a pure function of the microbatch id.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from phoenixft.checkpoint.restore import RestorePlanner
+from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.restore import MEMORY, RestorePlanner
+from phoenixft.checkpoint.snapshot import mark_committed
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.comm.collectives import GroupOps
@@ -67,7 +68,12 @@ def restore_point(ctx: JoinContext, state: RankState, new_member: bool) -> Resto
     Normally the newest committed step. But when every survivor stands at the same step s
     past it (a rank died just after step s, before snapshot s was committed), s is used if
     a verified copy of every rank's snapshot s exists somewhere: the survivors hold s in
-    memory anyway, and in-step recovery then keeps the step in flight."""
+    memory anyway, and in-step recovery then keeps the step in flight.
+
+    With a persistent tier: when some rank's committed step has no copy left in memory
+    anywhere (it died with every holder of its replica), or when a new job resumes
+    (nothing committed in its store yet), the newest persisted step whose records all
+    verify is used instead (`_persisted_point`)."""
     committed = kv.get_int(ctx.store, Keys.COMMITTED, -1)
     gen, world = state.snap_from
     mine = -1 if new_member else state.step
@@ -80,14 +86,63 @@ def restore_point(ctx: JoinContext, state: RankState, new_member: bool) -> Resto
         _, table = ctx.planner.copy_table(ctx.ops, ctx.world_size, world, s_max, gen)
         if bool(table.any(dim=0).all()):
             if ctx.rank == 0:  # every rank's s is verified somewhere: commit it for good
-                kv.raise_to(ctx.store, Keys.COMMITTED, s_max)
-                ctx.store.set(Keys.commit(s_max), json.dumps(
-                    {"generation": gen, "world_size": world, "adopted_by": ctx.generation}))
+                mark_committed(ctx.store, s_max, {"generation": gen, "world_size": world,
+                                                  "adopted_by": ctx.generation})
             return RestorePoint(s_max, world, gen)
     if committed < 0:
-        return RestorePoint(-1, -1, -1)
+        return _persisted_point(ctx, None) or RestorePoint(-1, -1, -1)
+    if not ctx.store.check([Keys.commit(committed)]):
+        raise IntegrityError(f"step {committed} is marked committed but has no commit record")
     info = kv.get_json(ctx.store, Keys.commit(committed))
-    return RestorePoint(committed, info["world_size"], info["generation"])
+    point = RestorePoint(committed, info["world_size"], info["generation"])
+    if ctx.planner.persistent is None:
+        return point
+    _, table = ctx.planner.copy_table(ctx.ops, ctx.world_size, point.world_size, committed,
+                                      point.generation)
+    if bool((table == MEMORY).any(dim=0).all()):
+        return point
+    # a rank and every holder of its copies are gone: the planner alone would stop here
+    return _persisted_point(ctx, committed) or point
+
+
+def _persisted_point(ctx: JoinContext, upto: int | None) -> RestorePoint | None:
+    """Collective: the newest persisted step (at most `upto`) whose records every member
+    that needs them could read and verify; older manifests are tried when one fails, each
+    failure named in the event log. None: nothing persisted (or no persistent tier)."""
+    src = ctx.planner.persistent
+    if src is None:
+        return None
+    tried: set[int] = set()
+    while True:
+        cand = -1
+        if ctx.rank == 0:
+            steps = [s for s in src.steps() if (upto is None or s <= upto) and s not in tried]
+            cand = steps[-1] if steps else -1
+        step = int(ctx.ops.broadcast(torch.tensor([cand], dtype=torch.int64), 0,
+                                     "choosing a persisted step")[0])
+        if step < 0:
+            return None
+        tried.add(step)
+        manifest = src.manifest(step)
+        world = manifest["world_size"]
+        need = ([ctx.rank] if world == ctx.world_size else
+                list(range(world)) if ctx.rank == 0 else [])
+        ok = 1
+        for r in need:
+            try:
+                src.open(r, step)
+            except (IntegrityError, KeyError) as exc:
+                ok = 0
+                ctx.events.emit("restore_source_failed", tier="persistent", step=step, rank=r,
+                                error=str(exc)[:500])
+        flag = ctx.ops.allreduce(torch.tensor([ok], dtype=torch.int32), "verifying persisted "
+                                 "records", op=dist.ReduceOp.MIN)
+        if int(flag[0]) == 1:
+            if ctx.rank == 0 and not ctx.store.check([Keys.commit(step)]):
+                # committed for this store too: later snapshots wait on its marker
+                mark_committed(ctx.store, step, {"generation": manifest["generation"],
+                                                 "world_size": world, "restored_from": "persistent"})
+            return RestorePoint(step, world, manifest["generation"])
 
 
 def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: Step | None,

@@ -177,6 +177,10 @@ class Session:
                 out[f"optim.{name[4:]}.{k}"] = v
         return out
 
+    def close(self) -> None:
+        """Stop this session's background threads (also done at process exit)."""
+        self._shutdown()
+
     def log(self, event: str, **fields) -> None:
         self.events.emit(event, rank=self.rank, gen=self.generation, **fields)
 
@@ -231,6 +235,7 @@ class Session:
     def _finish(self) -> None:
         member = self.member
         member.snap.wait_copied()
+        member.flush_persisted(self.state.step)
         self.events.emit("snapshot_stats", rank=self.rank, gen=self.generation,
                          **{k: round(v, 4) for k, v in member.snap.stats.items()})
         digest = state_digest(self.full_state())

@@ -127,8 +127,9 @@ def test_without_a_standalone_store_losing_node_0_stops_the_job_clearly(tmp_path
 
     addr = f"127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
-    common = ("--nnodes", "2", "--store", addr, "--heartbeat-timeout", "2", "--nproc", "1")
-    a0 = start(run_dir, *common, "--node-rank", "0", "--inject", "node:rank=0:step=5", steps=400)
+    common = ("--nnodes", "2", "--store", addr, "--heartbeat-timeout", "2", "--nproc", "1",
+              "--persist", str(tmp_path / "ckpt"))
+    a0 = start(run_dir, *common, "--node-rank", "0", "--inject", "node:rank=0:step=12", steps=400)
     a1 = start(run_dir, *common, "--node-rank", "1", "--spares", "1", steps=400)
     try:
         a0.wait(timeout=120)
@@ -141,6 +142,9 @@ def test_without_a_standalone_store_losing_node_0_stops_the_job_clearly(tmp_path
     assert a1.returncode == 1, out1
     assert "node 1 stops" in out1 and "without a standalone store" in out1
     assert took < 20
+    from phoenixft.checkpoint.tiers import FsspecTier
+    newest = FsspecTier(str(tmp_path / "ckpt")).manifests()[-1]
+    assert f"the newest persisted step is {newest}" in out1 and "--resume" in out1
     workers = [e["pid"] for e in read_events(run_dir / "events.jsonl")
                if e["event"] == "joined" and e["wid"].startswith("n1")]
     assert workers and not any(alive(p) for p in workers)

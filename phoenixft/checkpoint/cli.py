@@ -1,0 +1,114 @@
+"""`phoenixft ckpt ls|verify|inspect|export URL`: operators' view of persisted checkpoints
+(a directory or s3://bucket/prefix)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="list, verify, inspect or export persisted checkpoints")
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    ls = verbs.add_parser("ls", help="committed steps (manifests), newest last")
+    verify = verbs.add_parser("verify", help="read every record of every kept step (or one) "
+                              "and check its checksums")
+    verify.add_argument("--step", type=int, default=None)
+    inspect = verbs.add_parser("inspect", help="a step's manifest, records and tensors")
+    inspect.add_argument("--step", type=int, default=None, help="default: the newest")
+    export = verbs.add_parser("export", help="a step as a Hugging Face model directory")
+    export.add_argument("--step", type=int, default=None, help="default: the newest")
+    export.add_argument("--to", required=True, help="output directory")
+    for v in (ls, verify, inspect, export):
+        v.add_argument("url", help="the --persist URL of the job")
+    p.set_defaults(func=cmd_ckpt)
+
+
+def _tier(url: str):
+    from phoenixft.checkpoint.tiers import FsspecTier
+    return FsspecTier(url)
+
+
+def _step(tier, step: int | None) -> int:
+    steps = tier.manifests()
+    if not steps:
+        raise LookupError(f"{tier.url} holds no committed checkpoint (no manifest)")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise LookupError(f"{tier.url} has no committed step {step}; it has {steps}")
+    return step
+
+
+def cmd_ckpt(args) -> int:
+    from phoenixft.checkpoint.integrity import IntegrityError
+    try:
+        return {"ls": _ls, "verify": _verify, "inspect": _inspect, "export": _export}[args.verb](args)
+    except (LookupError, IntegrityError, ValueError, OSError) as exc:
+        print(f"phoenixft ckpt {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _ls(args) -> int:
+    tier = _tier(args.url)
+    steps = tier.manifests()
+    if not steps:
+        print(f"{args.url}: no committed checkpoint")
+        return 0
+    print(f"{'step':>8}  {'job':12}  {'ranks':>5}  {'gen':>4}  {'records':14}  {'bytes':>12}  time")
+    for s in steps:
+        m = tier.read_manifest(s)
+        kinds = "+".join(sorted({r["kind"] for r in m["records"]}))
+        size = sum(r["nbytes"] for r in m["records"])
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["time"]))
+        print(f"{s:>8}  {m['job_id']:12}  {m['world_size']:>5}  {m['generation']:>4}  "
+              f"{kinds:14}  {size:>12}  {when}")
+    return 0
+
+
+def _verify(args) -> int:
+    from phoenixft.checkpoint.integrity import IntegrityError
+    tier = _tier(args.url)
+    steps = [_step(tier, args.step)] if args.step is not None else tier.manifests()
+    if not steps:
+        raise LookupError(f"{tier.url} holds no committed checkpoint (no manifest)")
+    bad = 0
+    for s in steps:
+        m = tier.read_manifest(s)
+        for r in range(m["world_size"]):
+            try:
+                tier.get(s, r)
+                print(f"step {s} rank {r}: ok")
+            except (IntegrityError, KeyError) as exc:
+                bad += 1
+                print(f"step {s} rank {r}: BAD: {exc}")
+    print(f"{args.url}: {len(steps)} committed step(s), {bad} bad record(s)")
+    return 1 if bad else 0
+
+
+def _inspect(args) -> int:
+    from phoenixft.checkpoint.slots import blob_tensors
+    tier = _tier(args.url)
+    s = _step(tier, args.step)
+    m = tier.read_manifest(s)
+    print(json.dumps({k: v for k, v in m.items() if k != "model"}, indent=1))
+    meta = m["model"]["meta"]
+    print(f"model: {len(meta['params'])} trainable tensors, {meta['numel']} parameters "
+          f"({meta['dtype']}), config: {'yes' if meta.get('config') else 'none'}, "
+          f"untrained tensors: {m['model'].get('fixed')}")
+    hdr, tensors = blob_tensors(tier.get(s, 0), s)
+    print(f"rank 0 snapshot: {hdr['data_nbytes']} bytes of state")
+    for name, t in tensors.items():
+        print(f"  {name:40} {str(t.dtype):16} {list(t.shape)}")
+    return 0
+
+
+def _export(args) -> int:
+    from phoenixft.checkpoint.export import export_hf
+    tier = _tier(args.url)
+    s = _step(tier, args.step)
+    out = export_hf(tier, s, args.to)
+    print(f"wrote step {s} of {args.url} to {out} (config.json, model.safetensors)")
+    return 0

@@ -1,0 +1,85 @@
+"""Differential records: a blob (a snapshot's bytes) as the chunks that changed since a
+base blob, each XORed against the base's chunk and compressed.
+
+Works on bytes, so every dtype a snapshot holds (fp32, bf16, int64 counters, RNG state)
+is handled alike. Unchanged chunks (found by comparing xxh3 hashes of base and current
+chunks) cost nothing; a chunk whose values moved a little XORs to bytes that are mostly
+zero in their high bits, which zstd compresses.
+
+Layout of an encoded delta::
+
+    magic b"PHXDLT1\\0" | u64 blob length | u64 chunk size | u64 dirty count
+    | dirty chunk indices (u64 each) | zstd( XOR of each dirty chunk, concatenated )
+
+`apply_delta(base, delta)` needs the exact base it was made against: callers keep the
+base's checksum beside the delta and verify the result's checksum (records.py).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import xxhash
+import zstandard
+
+MAGIC = b"PHXDLT1\0"
+CHUNK = 64 * 1024
+_HEAD = struct.Struct("<8sQQQ")
+
+
+def _chunks_changed(base: np.ndarray, cur: np.ndarray, chunk: int) -> list[int]:
+    n = -(-len(cur) // chunk)
+    out = []
+    for i in range(n):
+        a, b = base[i * chunk:(i + 1) * chunk], cur[i * chunk:(i + 1) * chunk]
+        if len(a) != len(b) or xxhash.xxh3_64_intdigest(a) != xxhash.xxh3_64_intdigest(b):
+            out.append(i)
+    return out
+
+
+def encode_delta(base, cur, *, chunk: int = CHUNK, level: int = 1) -> bytes:
+    """The delta that turns `base` into `cur` (bytes-like, the same length)."""
+    b = np.frombuffer(base, dtype=np.uint8)
+    c = np.frombuffer(cur, dtype=np.uint8)
+    if len(b) != len(c):
+        raise ValueError(f"a delta needs blobs of one length, got {len(b)} and {len(c)}")
+    dirty = _chunks_changed(b, c, chunk)
+    xored = bytearray()
+    for i in dirty:
+        sl = slice(i * chunk, min((i + 1) * chunk, len(c)))
+        xored += np.bitwise_xor(b[sl], c[sl]).tobytes()
+    body = zstandard.ZstdCompressor(level=level).compress(bytes(xored))
+    index = np.asarray(dirty, dtype="<u8").tobytes()
+    return _HEAD.pack(MAGIC, len(c), chunk, len(dirty)) + index + body
+
+
+def apply_delta(base, delta) -> bytearray:
+    """`base` with `delta` applied (a new buffer)."""
+    view = memoryview(delta)
+    magic, length, chunk, count = _HEAD.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise ValueError("not a phoenixft delta (bad magic)")
+    if len(base) != length:
+        raise ValueError(f"delta made for a blob of {length} bytes, base has {len(base)}")
+    off = _HEAD.size
+    dirty = np.frombuffer(view[off:off + 8 * count], dtype="<u8")
+    xored = np.frombuffer(zstandard.ZstdDecompressor().decompress(view[off + 8 * count:]),
+                          dtype=np.uint8)
+    out = bytearray(base)
+    arr = np.frombuffer(out, dtype=np.uint8)
+    pos = 0
+    for i in dirty.tolist():
+        sl = slice(i * chunk, min((i + 1) * chunk, length))
+        n = sl.stop - sl.start
+        np.bitwise_xor(arr[sl], xored[pos:pos + n], out=arr[sl])
+        pos += n
+    if pos != len(xored):
+        raise ValueError("delta payload does not match its chunk index")
+    return out
+
+
+def dirty_fraction(delta) -> float:
+    """Share of the blob's chunks this delta carries."""
+    _, length, chunk, count = _HEAD.unpack_from(memoryview(delta), 0)
+    return count / max(1, -(-length // chunk))

@@ -1,0 +1,261 @@
+"""Background persistence: each rank's snapshots go to persistent storage without ever
+blocking a training step, and rank 0 commits each step that every rank made durable.
+
+Per rank, after the snapshot thread copied step t into shared memory it *offers* t to the
+`Persister` thread (never waits). The thread copies the slot's bytes, verifies them, and
+writes a record: a *base* (the whole blob) every `every` steps, else a *delta* against the
+rank's last base. One offer is pending at most: when storage is slower than training, an
+older pending step is replaced by the newer one (coalesced, counted, logged), so host
+memory stays bounded at two blobs per rank (the base and the one being written) whatever
+the storage does. A step whose slot was rewritten before it could be read is skipped the
+same way.
+
+Commit (the global one): each rank announces its durable records in the store
+(`Keys.persisted`); rank 0 writes the step's manifest once every rank of the generation
+has announced it: the manifest is the commit, written atomically and last. Only manifests
+count when restoring, so a half-written step is invisible; rank 0 then keeps the newest
+`keep` bases and deletes the manifests and records older than them.
+
+A storage error never stops training: it is logged (`persist_failed`, the first and then
+every 20th), announced in the store for the console, and the next step tries again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.slots import SlotFile, slot_path, verify_blob
+from phoenixft.checkpoint.tiers import FsspecTier, info_dict
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
+
+
+@dataclass(kw_only=True)
+class PersistConfig:
+    every: int = 10  # a base record every `every` steps, deltas between
+    keep: int = 2  # bases kept (with the deltas and manifests that use them)
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"--persist-every must be >= 1, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"--persist-keep must be >= 1, got {self.keep}")
+
+
+@dataclass
+class PersistStats:
+    records: int = 0
+    bases: int = 0
+    coalesced: int = 0
+    errors: int = 0
+    bytes_written: int = 0
+    blob_bytes: int = 0
+    write_s: float = 0.0
+    manifests: int = 0
+    last_step: int = -1
+    host_bytes: int = 0  # the base blob + the blob in flight
+    durable_s: list[float] = field(default_factory=list)  # rank 0: offer -> manifest, per step
+
+
+@dataclass(kw_only=True)
+class JobInfo:
+    """What rank 0 puts in every manifest besides the records."""
+
+    job_id: str
+    generation: int
+    world_size: int
+    model: dict = field(default_factory=dict)  # layout, config, fixed tensors' path
+
+
+class Persister:
+    def __init__(self, tier: FsspecTier, *, rank: int, shm_dir: str, cfg: PersistConfig,
+                 job: JobInfo, connect: Callable[[], dist.Store],
+                 emit: Callable[..., None]) -> None:
+        self.tier, self.rank, self.shm_dir, self.cfg, self.job = tier, rank, shm_dir, cfg, job
+        self._connect = connect
+        self._emit = emit
+        self.stats = PersistStats()
+        self._base: tuple[int, bytes] | None = None
+        self._pending: int | None = None
+        self._done_step = -1  # newest step this rank made durable (or gave up on)
+        self._committed = -1  # rank 0: newest manifest written
+        self._candidates: list[int] = []
+        self._offered: dict[int, float] = {}  # step -> when it was offered (for durable_s)
+        self._failed_step = -1  # newest step whose record could not be written
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"phoenixft-persist-r{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the snapshot thread's side -----------------------------------------------------
+    def offer(self, step: int) -> None:
+        """Step `step`'s slot is complete in shared memory: persist it when the thread is
+        free. Never blocks; a step still pending is replaced (coalesced)."""
+        with self._cond:
+            if self._pending is not None:
+                self.stats.coalesced += 1
+                self._done_step = max(self._done_step, self._pending)
+            self._pending = step
+            if self.rank == 0:
+                self._offered[step] = time.perf_counter()
+            self._cond.notify_all()
+
+    def flush(self, step: int, timeout_s: float) -> bool:
+        """Wait until `step` is durable (rank 0: committed by a manifest). False at once if
+        this rank failed to write it, else when the deadline passed (storage slow)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while (self._committed if self.rank == 0 else self._done_step) < step:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopped or self._failed_step >= step:
+                    return False
+                self._cond.wait(min(left, 0.2))
+        return True
+
+    def stop(self, join_timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(join_timeout_s)
+
+    # -- the persister thread -----------------------------------------------------------
+    def _run(self) -> None:
+        store = self._connect()
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stopped:
+                    self._cond.wait(0.2)
+                    if self.rank == 0 and self._candidates:
+                        break  # look again whether the other ranks caught up
+                if self._stopped:
+                    return
+                step, self._pending = self._pending, None
+            try:
+                if step is not None:
+                    self._persist(store, step)
+                if self.rank == 0:
+                    self._commit(store)
+            except Exception as exc:  # noqa: BLE001 - storage trouble never stops training
+                self._failed(store, step, exc)
+            with self._cond:
+                if step is not None:
+                    self._done_step = max(self._done_step, step)
+                self._cond.notify_all()
+
+    def _read_slot(self, step: int) -> bytes | None:
+        """A verified copy of this rank's slot for `step` (verified after copying: the
+        live slot may be rewritten meanwhile), or None."""
+        f = SlotFile(slot_path(self.shm_dir, "snap", self.rank, step))
+        try:
+            blob = bytes(f.np[:f.used_nbytes()])
+            verify_blob(blob, step)
+            return blob
+        except IntegrityError:
+            return None
+
+    def _persist(self, store: dist.Store, step: int) -> None:
+        blob = self._read_slot(step)
+        if blob is None:  # rewritten before we could read it: a newer step will come
+            self.stats.coalesced += 1
+            return
+        base = self._base
+        if base is not None and (step - base[0] >= self.cfg.every or len(base[1]) != len(blob)):
+            base = None
+        t0 = time.perf_counter()
+        info = self.tier.put(step, self.rank, blob, base=base)
+        self.stats.write_s += time.perf_counter() - t0
+        if info.kind == "base":
+            self._base = (step, blob)
+            self.stats.bases += 1
+        self.stats.records += 1
+        self.stats.bytes_written += info.nbytes
+        self.stats.blob_bytes += len(blob)
+        self.stats.last_step = step
+        self.stats.host_bytes = len(blob) + (len(self._base[1]) if self._base else 0)
+        kv.set_json(store, Keys.persisted(step, self.rank), info_dict(info))
+        if self.rank == 0:
+            self._candidates.append(step)
+
+    def _commit(self, store: dist.Store) -> None:
+        """Rank 0: write the manifest of the newest step every rank made durable."""
+        ready = None
+        for step in sorted(self._candidates, reverse=True):
+            keys = [Keys.persisted(step, r) for r in range(self.job.world_size)]
+            if store.check(keys):
+                ready = step
+                break
+        if ready is None:
+            return
+        self._candidates = [s for s in self._candidates if s > ready]
+        records = [kv.get_json(store, Keys.persisted(ready, r)) for r in range(self.job.world_size)]
+        self.tier.write_manifest(ready, {
+            "step": ready, "job_id": self.job.job_id, "generation": self.job.generation,
+            "world_size": self.job.world_size, "time": time.time(), "records": records,
+            "model": self.job.model})
+        kv.raise_to(store, Keys.PERSISTED, ready)
+        with self._cond:
+            self._committed = ready
+            t = self._offered.pop(ready, None)
+            for s in [s for s in self._offered if s < ready]:
+                del self._offered[s]
+        if t is not None:
+            self.stats.durable_s.append(time.perf_counter() - t)
+        self.stats.manifests += 1
+        self._emit("persisted", step=ready, records=len(records),
+                   bytes=sum(r["nbytes"] for r in records),
+                   kinds=sorted({r["kind"] for r in records}))
+        self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Keep the newest `keep` base steps of rank 0 and everything newer; drop older
+        manifests, then records no kept manifest needs (never one newer than the newest
+        manifest: it may be in flight)."""
+        steps = self.tier.manifests()
+        if not steps:
+            return
+        manifests = {s: self.tier.read_manifest(s) for s in steps}
+        bases = sorted({r["step"] if r["kind"] == "base" else r["base_step"]
+                        for m in manifests.values() for r in m["records"] if r["rank"] == 0})
+        floor = bases[-self.cfg.keep] if len(bases) >= self.cfg.keep else bases[0]
+        keep = {s for s in steps if s >= floor}
+        needed = set()
+        for s in keep:
+            for r in manifests[s]["records"]:
+                needed.add((r["step"], r["rank"]))
+                if r["kind"] == "delta":
+                    needed.add((r["base_step"], r["rank"]))
+        for s in steps:
+            if s not in keep:
+                self.tier.delete_manifest(s)
+        newest = steps[-1]
+        for rec in self.tier.list():
+            if rec.step < newest and (rec.step, rec.rank) not in needed:
+                self.tier.delete(rec.step, rec.rank)
+
+    def _failed(self, store: dist.Store, step: int | None, exc: Exception) -> None:
+        self.stats.errors += 1
+        if step is not None:
+            self._failed_step = max(self._failed_step, step)
+        text = f"{type(exc).__name__}: {exc}"
+        if self.stats.errors == 1 or self.stats.errors % 20 == 0:
+            self._emit("persist_failed", step=step, error=text[:500], errors=self.stats.errors)
+        try:
+            store.set(Keys.persist_error(self.rank), json.dumps({"step": step, "error": text[:300],
+                                                                 "errors": self.stats.errors}))
+        except Exception:
+            pass
+
+
+
+def safetensors_bytes(tensors: dict) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors) if tensors else save({})

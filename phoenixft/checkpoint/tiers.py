@@ -1,0 +1,278 @@
+"""Tiers: the places a rank's snapshot is kept, behind one small interface.
+
+A snapshot travels as a *blob*: its slot bytes (header JSON + aligned tensor bytes, see
+`slots.py`), self-describing and checksummed. Every tier keeps blobs by (step, rank):
+
+- `ShmTier("snap")`, local memory: the rank's own slots in its node's shared memory;
+- `ShmTier("rep")`, peer memory: the replica slots a holder keeps for a peer;
+- `FsspecTier(url)`, persistent storage through fsspec: a local directory or
+  ``s3://bucket/prefix`` (s3fs). It stores *base* records (the whole blob, compressed)
+  and *delta* records against a base (`delta.py`), and the manifests that commit a step.
+
+Guarantees of every tier: `get` returns only bytes whose checksum matches what `put`
+stored, else raises `IntegrityError` naming the file or key (a torn write, a flipped
+byte, a truncated file); a record that is not there is `KeyError`. `put` of a record is
+atomic: a reader sees the whole record or none (temp file + fsync + rename on a
+filesystem; one PUT on an object store).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import zstandard
+
+from phoenixft.checkpoint.delta import apply_delta, encode_delta
+from phoenixft.checkpoint.integrity import IntegrityError, checksum
+from phoenixft.checkpoint.slots import SlotFile, slot_path
+
+
+@dataclass(frozen=True)
+class RecordInfo:
+    step: int
+    rank: int
+    kind: str  # "slot" (memory tiers), "base" or "delta" (persistent)
+    checksum: str  # of the whole blob the record restores
+    nbytes: int  # bytes stored
+    base_step: int | None = None  # a delta's base
+
+
+class Tier(Protocol):
+    """One place snapshot blobs are kept (see the module doc for the guarantees)."""
+
+    name: str
+
+    def put(self, step: int, rank: int, blob, *, base: tuple[int, bytes] | None = None) -> RecordInfo:
+        """Keep `blob` as (step, rank). A tier that stores deltas may be given the base
+        (its step and blob) to store only the difference."""
+        ...
+
+    def get(self, step: int, rank: int) -> bytes: ...
+    def list(self) -> list[RecordInfo]: ...
+    def delete(self, step: int, rank: int) -> None: ...
+
+
+class ShmTier:
+    """Slot files in one node's shared memory ("snap": own snapshots, local memory;
+    "rep": replicas held for peers, peer memory). Two slots per rank (step % 2)."""
+
+    def __init__(self, shm_dir: str | Path, kind: str = "snap") -> None:
+        self.shm_dir, self.kind = Path(shm_dir), kind
+        self.name = "local_memory" if kind == "snap" else "peer_memory"
+
+    def put(self, step: int, rank: int, blob, *, base=None) -> RecordInfo:
+        data = memoryview(blob)
+        f = SlotFile(slot_path(self.shm_dir, self.kind, rank, step))
+        f.ensure(len(data))
+        f.begin_write(step)  # marked incomplete until the blob's own state word lands, last
+        raw = np.frombuffer(data, dtype=np.uint8)
+        f.np[16:len(raw)] = raw[16:]
+        f.np[0:16] = raw[0:16]
+        f.verify(step)
+        return RecordInfo(step, rank, "slot", checksum(data), len(data))
+
+    def get(self, step: int, rank: int) -> bytes:
+        p = slot_path(self.shm_dir, self.kind, rank, step)
+        if not p.exists():
+            raise KeyError((step, rank))
+        f = SlotFile(p)
+        if f.peek()[1] not in (step, -1):  # the slot moved on to another step: not here
+            raise KeyError((step, rank))
+        f.verify(step)
+        return bytes(f.np[:f.used_nbytes()])
+
+    def list(self) -> list[RecordInfo]:
+        out = []
+        for p in sorted(self.shm_dir.glob(f"{self.kind}.r*.s*")):
+            f = SlotFile(p)
+            complete, step = f.peek()
+            if complete:
+                rank = int(p.name.split(".")[1][1:])
+                out.append(RecordInfo(step, rank, "slot", "", f.used_nbytes()))
+        return out
+
+    def delete(self, step: int, rank: int) -> None:
+        p = slot_path(self.shm_dir, self.kind, rank, step)
+        if p.exists() and SlotFile(p).peek() == (True, step):
+            p.unlink()
+
+
+_RECORD = b"PHXREC1\0"
+_LEN = struct.Struct("<Q")
+_NAME = re.compile(r"s(\d+)\.(base|delta)$")
+
+
+class FsspecTier:
+    """Persistent records and manifests under one fsspec URL (a directory or s3://...).
+
+    Layout: ``r{rank}/s{step:010d}.{base|delta}`` (a JSON header, then the zstd-compressed
+    blob or delta), ``manifests/{step:010d}.json``."""
+
+    name = "persistent"
+
+    def __init__(self, url: str, *, level: int = 3) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
+                                else (self.fs.protocol,))
+        self.level = level
+
+    # -- raw objects --------------------------------------------------------------------
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """The whole object or nothing: temp + fsync + rename on a filesystem; on an
+        object store a PUT is already all-or-nothing."""
+        if not self.local:
+            with self.fs.open(path, "wb") as f:
+                f.write(data)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)  # a full disk must not fill up with our half-written temps
+            except OSError:
+                pass
+            raise
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself is durable
+        finally:
+            os.close(fd)
+
+    def write_object(self, rel: str, data: bytes) -> None:
+        """An object at `rel` under the URL (atomic, see write_atomic)."""
+        self.write_atomic(self._path(rel), data)
+
+    def read_object(self, rel: str) -> bytes:
+        return self.read(self._path(rel))
+
+    def read(self, path: str) -> bytes:
+        try:
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise KeyError(path) from None
+
+    # -- records ------------------------------------------------------------------------
+    def record_path(self, step: int, rank: int, kind: str) -> str:
+        return self._path(f"r{rank}", f"s{step:010d}.{kind}")
+
+    def put(self, step: int, rank: int, blob, *, base: tuple[int, bytes] | None = None) -> RecordInfo:
+        blob = memoryview(blob)
+        full = checksum(blob)
+        if base is not None and len(base[1]) == len(blob):
+            kind, payload = "delta", encode_delta(base[1], blob)
+            meta = {"base_step": base[0], "base_checksum": checksum(base[1])}
+        else:
+            kind, meta = "base", {}
+            payload = zstandard.ZstdCompressor(level=self.level).compress(blob)
+        header = json.dumps({"step": step, "rank": rank, "kind": kind, "blob_nbytes": len(blob),
+                             "checksum": full, "payload_checksum": checksum(payload), **meta}).encode()
+        data = _RECORD + _LEN.pack(len(header)) + header + payload
+        self.write_atomic(self.record_path(step, rank, kind), data)
+        return RecordInfo(step, rank, kind, full, len(data), meta.get("base_step"))
+
+    def _read_record(self, path: str) -> tuple[dict, memoryview]:
+        data = memoryview(self.read(path))
+        if len(data) < len(_RECORD) + 8 or bytes(data[:len(_RECORD)]) != _RECORD:
+            raise IntegrityError(f"{self._url_of(path)}: not a phoenixft record (truncated or "
+                                 "overwritten)")
+        (n,) = _LEN.unpack_from(data, len(_RECORD))
+        start = len(_RECORD) + 8
+        try:
+            header = json.loads(bytes(data[start:start + n]))
+        except ValueError:
+            raise IntegrityError(f"{self._url_of(path)}: unreadable record header") from None
+        payload = data[start + n:]
+        if checksum(payload) != header["payload_checksum"]:
+            raise IntegrityError(f"{self._url_of(path)}: checksum mismatch ({len(payload)} "
+                                 "payload bytes: corrupt or truncated record)")
+        return header, payload
+
+    def _url_of(self, path: str) -> str:
+        return f"{self.url}/{path[len(self.root):].lstrip('/')}"
+
+    def get(self, step: int, rank: int) -> bytes:
+        for kind in ("delta", "base"):
+            path = self.record_path(step, rank, kind)
+            if self.fs.exists(path):
+                break
+        else:
+            raise KeyError((step, rank))
+        header, payload = self._read_record(path)
+        if header["kind"] == "base":
+            blob = zstandard.ZstdDecompressor().decompress(payload)
+        else:
+            base = self.get(header["base_step"], rank)
+            if checksum(base) != header["base_checksum"]:
+                raise IntegrityError(f"{self._url_of(path)}: its base (step "
+                                     f"{header['base_step']}) is not the one it was made against")
+            blob = apply_delta(base, payload)
+        if len(blob) != header["blob_nbytes"] or checksum(blob) != header["checksum"]:
+            raise IntegrityError(f"{self._url_of(path)}: restored blob fails its checksum")
+        return bytes(blob)
+
+    def list(self) -> list[RecordInfo]:
+        out = []
+        for rank_dir in self.fs.glob(self._path("r*")):
+            rank = int(rank_dir.rstrip("/").rsplit("/r", 1)[1])
+            for path in self.fs.ls(rank_dir, detail=False):
+                m = _NAME.search(path)
+                if m:
+                    out.append(RecordInfo(int(m.group(1)), rank, m.group(2), "", 0))
+        return sorted(out, key=lambda r: (r.step, r.rank))
+
+    def delete(self, step: int, rank: int) -> None:
+        for kind in ("delta", "base"):
+            path = self.record_path(step, rank, kind)
+            if self.fs.exists(path):
+                self.fs.rm(path)
+
+    # -- manifests ----------------------------------------------------------------------
+    def manifest_path(self, step: int) -> str:
+        return self._path("manifests", f"{step:010d}.json")
+
+    def write_manifest(self, step: int, manifest: dict) -> None:
+        self.write_atomic(self.manifest_path(step), json.dumps(manifest, indent=1).encode())
+
+    def manifests(self) -> list[int]:
+        """Committed steps, oldest first (only whole manifests exist: see write_atomic)."""
+        paths = self.fs.glob(self._path("manifests", "*.json"))
+        return sorted(int(p.rsplit("/", 1)[1][:-5]) for p in paths)
+
+    def read_manifest(self, step: int) -> dict:
+        path = self.manifest_path(step)
+        try:
+            return json.loads(self.read(path))
+        except ValueError:
+            raise IntegrityError(f"{self._url_of(path)}: unreadable manifest") from None
+
+    def delete_manifest(self, step: int) -> None:
+        path = self.manifest_path(step)
+        if self.fs.exists(path):
+            self.fs.rm(path)
+
+    def record_infos(self, manifest: dict) -> list[RecordInfo]:
+        return [RecordInfo(**r) for r in manifest["records"]]
+
+
+def info_dict(info: RecordInfo) -> dict:
+    return asdict(info)

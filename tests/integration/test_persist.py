@@ -1,0 +1,281 @@
+"""TierCheck with real processes and real faults: persistent bases and deltas in a
+directory or on a real S3-compatible server (moto's, on loopback), restore from the fastest
+tier that survived, resume after the whole job died, damaged records detected and passed
+over, storage that fills up or turns read-only, and export to Hugging Face."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from jobs import (
+    PHOENIXFT,
+    ROOT,
+    failure_free,
+    kill_members,
+    kill_tree,
+    load,
+    run,
+    start,
+    wait_until,
+)
+
+from phoenixft.checkpoint.tiers import FsspecTier
+from phoenixft.observe.events import read_events
+
+pytestmark = [pytest.mark.integration]
+STEPS = 30
+
+
+def persisted_steps(run_dir: Path) -> list[int]:
+    return [e["step"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "persisted"]
+
+
+def same_result(job, ref) -> None:
+    assert job.rc == 0, job.out[-4000:]
+    s = job.summary
+    assert s["final_state_digest"] == ref["final_state_digest"]
+    first = s["first_step"]
+    assert s["losses"] == ref["losses"][first - 1:]
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_and_its_replica_holder_lost_together_restore_from_storage(
+        tmp_path, tmp_path_factory):
+    """Rank 1 deletes the node's shared memory and dies as rank 0 (which holds its replica)
+    dies too: no copy is left in memory, so both spares restore from base + deltas."""
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    job = run(tmp_path / "run", "--nproc", "2", "--spares", "2", "--persist",
+              str(tmp_path / "ckpt"), "--persist-every", "4", "--inject", "shm:rank=1:step=14",
+              "--inject", "kill:rank=0:step=14", steps=STEPS, timeout=240)
+    same_result(job, ref)
+    sources = [r["source"] for r in job.summary["recoveries"]]
+    assert sources and set(sources) == {"persistent"}, job.summary["recoveries"]
+    assert max(persisted_steps(job.run_dir)) == STEPS  # the final step is durable too
+
+
+def kill_whole_job_then_resume(tmp_path, url: str, ref: dict, *resume_args: str,
+                               script_args: tuple = ()) -> object:
+    """A `node:` fault SIGKILLs the agent at step 20, so the whole job dies (the workers
+    with their agent); then the same command with --resume."""
+    first = run(tmp_path / "killed", "--nproc", "2", "--persist", url, "--persist-every", "5",
+                "--inject", "node:rank=0:step=20", steps=STEPS, script_args=script_args)
+    assert first.rc == -9, first.out[-2000:]
+    newest = FsspecTier(url).manifests()[-1]  # what was committed when the job died
+    assert 5 <= newest < 20
+    job = run(tmp_path / "resumed", "--nproc", "2", "--persist", url, "--resume", *resume_args,
+              steps=STEPS, script_args=script_args)
+    assert "resuming job" in job.out
+    assert job.summary["resumed_from"] == newest
+    return job
+
+
+@pytest.mark.timeout(300)
+def test_whole_job_killed_then_resumed_from_a_directory(tmp_path, tmp_path_factory):
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    job = kill_whole_job_then_resume(tmp_path, str(tmp_path / "ckpt"), ref)
+    same_result(job, ref)
+    [e] = job.of("resumed")
+    assert e["source"] == "persistent"
+
+
+@pytest.mark.timeout(300)
+def test_whole_job_killed_then_resumed_from_s3(tmp_path, tmp_path_factory, s3_url):
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    job = kill_whole_job_then_resume(tmp_path, s3_url + "/job", ref)
+    same_result(job, ref)
+
+
+@pytest.mark.timeout(300)
+def test_resume_on_another_world_size_reshards(tmp_path, tmp_path_factory):
+    args = ("--data", "ids", "--microbatches", "6")
+    ref = failure_free(tmp_path_factory, 2, STEPS, *args)
+    job = kill_whole_job_then_resume(tmp_path, str(tmp_path / "ckpt"), ref, "--nproc", "3",
+                                     script_args=args)
+    assert job.rc == 0, job.out[-3000:]
+    first = job.summary["first_step"]
+    for x, y in zip(job.summary["losses"], ref["losses"][first - 1:]):
+        assert abs(x - y) <= 1e-4 * abs(y), (x, y)
+    assert job.summary["world_sizes"] == [3]
+    assert job.of("resumed")[0]["from_world_size"] == 2
+
+
+def damage(path: str, how: str) -> None:
+    data = bytearray(Path(path).read_bytes())
+    if how == "flip":
+        data[-9] ^= 0x40
+    else:
+        data = data[:len(data) // 3]
+    Path(path).write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(300)
+def test_damaged_persisted_records_are_named_and_passed_over(tmp_path, tmp_path_factory):
+    """The newest committed step's record has a flipped byte, the one before is truncated:
+    the resume names both in the event log and starts from the step before them."""
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    url = str(tmp_path / "ckpt")
+    first = run(tmp_path / "first", "--nproc", "2", "--persist", url, "--persist-every", "6",
+                "--persist-keep", "3", steps=18)
+    assert first.rc == 0, first.out
+    tier = FsspecTier(url)
+    steps = tier.manifests()
+    newest, before = steps[-1], steps[-2]
+    bad = []
+    for step, how in ((newest, "flip"), (before, "truncate")):
+        rec = next(r for r in tier.read_manifest(step)["records"] if r["rank"] == 1)
+        path = tier.record_path(step, 1, rec["kind"])
+        damage(path, how)
+        bad.append(Path(path).name)
+    job = run(tmp_path / "resumed", "--nproc", "2", "--persist", url, "--resume", steps=STEPS)
+    same_result(job, ref)
+    failed = job.of("restore_source_failed")
+    named = " ".join(e["error"] for e in failed)
+    assert all(name in named for name in bad), named
+    assert job.summary["resumed_from"] == steps[-3]
+    verify = subprocess.run([*PHOENIXFT, "ckpt", "verify", url, "--step", str(STEPS)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr  # what the resumed job wrote
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory):
+    """Two nodes. While the job is frozen, rank 1's replica on node 0 gets a flipped byte,
+    node 1's shared memory is deleted and rank 1 is SIGKILLed: its spare passes over the
+    damaged replica (named in the event log) and restores from storage."""
+    ref = failure_free(tmp_path_factory, 2, 40)
+    from phoenixft.cluster.store import free_port
+
+    run_dir, url = tmp_path / "run", str(tmp_path / "ckpt")
+    both = ("--nnodes", "2", "--store", f"127.0.0.1:{free_port()}", "--nproc", "1",
+            "--persist", url, "--persist-every", "4")
+    a0 = start(run_dir, *both, "--node-rank", "0", steps=40)
+    a1 = start(run_dir, *both, "--node-rank", "1", "--spares", "1", steps=40)
+    try:
+        wait_until(lambda: len(persisted_steps(run_dir)) >= 3, 120, "three persisted steps")
+        joined = {e["wid"]: e for e in read_events(run_dir / "events.jsonl") if e["event"] == "joined"}
+        workers = [psutil.Process(e["pid"]) for e in joined.values() if e["rank"] is not None]
+        shm = {e["node"]: Path(e["shm_dir"]) for e in read_events(run_dir / "events.jsonl")
+               if e["event"] == "agent_start"}
+        for w in workers:
+            w.send_signal(signal.SIGSTOP)
+        for slot in shm[0].glob("rep.r1.s*"):
+            damage(str(slot), "flip")
+        for slot in shm[1].glob("*"):
+            slot.unlink()
+        psutil.Process(joined["n1w0"]["pid"]).kill()
+        for w in workers:
+            if w.pid != joined["n1w0"]["pid"]:
+                w.send_signal(signal.SIGCONT)
+        out0, _ = a0.communicate(timeout=200)
+        a1.communicate(timeout=30)
+    finally:
+        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
+    job = load(run_dir, a0.returncode, out0)
+    same_result(job, ref)
+    failed = job.of("restore_source_failed")
+    assert any(e["tier"] == "local_replica" and "rep.r1" in e["error"] for e in failed), failed
+    [rec] = job.summary["recoveries"]
+    assert rec["source"] == "persistent"
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (the test is root in CI): room for a base and a few deltas."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.timeout(300)
+def test_storage_full_or_read_only_mid_run_never_stops_training(tmp_path, tmp_path_factory,
+                                                                small_disk):
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    url = str(small_disk / "ckpt")
+    p = start(tmp_path / "run", "--nproc", "2", "--persist", url, "--persist-every", "50",
+              steps=STEPS)
+    try:
+        out, _ = p.communicate(timeout=240)
+    finally:
+        kill_tree(p.pid)
+        kill_members(tmp_path / "run")
+    job = load(tmp_path / "run", p.returncode, out)
+    same_result(job, ref)  # the disk filled up; training did not notice
+    failed = job.of("persist_failed")
+    assert failed and "No space left" in failed[0]["error"]
+    assert "persisting to" in out and "training goes on" in out
+    verify = subprocess.run([*PHOENIXFT, "ckpt", "verify", url], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr  # what was committed is whole
+    committed = FsspecTier(url).manifests()
+    assert committed and job.summary["persisted_step"] == committed[-1] < STEPS
+
+    # the same disk turned read-only under a running job
+    subprocess.run(["rm", "-rf", url], check=True)
+    run_dir = tmp_path / "ro"
+    p = start(run_dir, "--nproc", "2", "--persist", url, "--persist-every", "50", steps=STEPS)
+    try:
+        wait_until(lambda: persisted_steps(run_dir), 120, "a persisted step")
+        subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+        out, _ = p.communicate(timeout=240)
+    finally:
+        kill_tree(p.pid)
+        kill_members(run_dir)
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=False)
+    job = load(run_dir, p.returncode, out)
+    same_result(job, ref)
+    assert any("Read-only file system" in e["error"] for e in job.of("persist_failed"))
+    verify = subprocess.run([*PHOENIXFT, "ckpt", "verify", url], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout
+
+
+@pytest.mark.timeout(300)
+def test_export_loads_in_transformers_with_the_trained_models_logits(tmp_path):
+    import torch
+    import transformers
+
+    url = str(tmp_path / "ckpt")
+    job = run(tmp_path / "run", "--nproc", "2", "--persist", url, steps=12)
+    assert job.rc == 0, job.out
+    r = subprocess.run([*PHOENIXFT, "ckpt", "export", url, "--to", str(tmp_path / "hf")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    trained = transformers.AutoModelForCausalLM.from_pretrained(job.run_dir / "model")
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(x).logits, trained(x).logits)
+    assert subprocess.run([*PHOENIXFT, "ckpt", "ls", url], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60).stdout.count("\n") >= 2
+
+
+@pytest.mark.timeout(60)
+def test_persist_and_resume_refuse_what_cannot_be_right(tmp_path):
+    url = str(tmp_path / "ckpt")
+    r = subprocess.run([*PHOENIXFT, "run", "--run-dir", str(tmp_path / "a"), "--persist", url,
+                        "--resume", "examples/train_gpt.py"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "holds no committed checkpoint" in r.stderr
+    job = run(tmp_path / "b", "--nproc", "1", "--persist", url, steps=3)
+    assert job.rc == 0
+    r = subprocess.run([*PHOENIXFT, "run", "--run-dir", str(tmp_path / "c"), "--persist", url,
+                        "examples/train_gpt.py"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "pass --resume to continue it" in r.stderr
+    r = subprocess.run([*PHOENIXFT, "run", "--run-dir", str(tmp_path / "d"), "--resume",
+                        "examples/train_gpt.py"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--resume needs --persist" in r.stderr
