@@ -24,27 +24,30 @@ import xxhash
 import zstandard
 
 MAGIC = b"PHXDLT1\0"
-CHUNK = 64 * 1024
+CHUNK = 4 * 1024  # small enough that sparse updates (embedding rows) stay sparse
 _HEAD = struct.Struct("<8sQQQ")
 
 
-def _chunks_changed(base: np.ndarray, cur: np.ndarray, chunk: int) -> list[int]:
-    n = -(-len(cur) // chunk)
-    out = []
-    for i in range(n):
-        a, b = base[i * chunk:(i + 1) * chunk], cur[i * chunk:(i + 1) * chunk]
-        if len(a) != len(b) or xxhash.xxh3_64_intdigest(a) != xxhash.xxh3_64_intdigest(b):
-            out.append(i)
-    return out
+def chunk_hashes(buf, chunk: int = CHUNK) -> np.ndarray:
+    """xxh3-64 of each `chunk`-byte piece of `buf` (the last one may be shorter). A base's
+    hashes are computed once and kept beside it; each new blob's are compared to them."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    digest = xxhash.xxh3_64_intdigest
+    return np.fromiter((digest(a[i:i + chunk]) for i in range(0, len(a), chunk)),
+                       dtype=np.uint64, count=-(-len(a) // chunk))
 
 
-def encode_delta(base, cur, *, chunk: int = CHUNK, level: int = 1) -> bytes:
-    """The delta that turns `base` into `cur` (bytes-like, the same length)."""
+def encode_delta(base, cur, *, chunk: int = CHUNK, level: int = 1,
+                 base_hashes: np.ndarray | None = None) -> bytes:
+    """The delta that turns `base` into `cur` (bytes-like, the same length). Chunks are
+    found changed by their xxh3 hashes (`base_hashes`: the base's, if already known)."""
     b = np.frombuffer(base, dtype=np.uint8)
     c = np.frombuffer(cur, dtype=np.uint8)
     if len(b) != len(c):
         raise ValueError(f"a delta needs blobs of one length, got {len(b)} and {len(c)}")
-    dirty = _chunks_changed(b, c, chunk)
+    if base_hashes is None or len(base_hashes) != -(-len(b) // chunk):
+        base_hashes = chunk_hashes(b, chunk)
+    dirty = np.flatnonzero(chunk_hashes(c, chunk) != base_hashes).tolist()
     xored = bytearray()
     for i in dirty:
         sl = slice(i * chunk, min((i + 1) * chunk, len(c)))

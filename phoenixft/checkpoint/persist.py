@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from phoenixft.checkpoint.delta import CHUNK, chunk_hashes
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.slots import SlotFile, slot_path, verify_blob
 from phoenixft.checkpoint.tiers import FsspecTier, info_dict
@@ -41,6 +42,7 @@ from phoenixft.cluster.keys import Keys
 class PersistConfig:
     every: int = 10  # a base record every `every` steps, deltas between
     keep: int = 2  # bases kept (with the deltas and manifests that use them)
+    chunk: int = CHUNK  # delta granularity in bytes
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -62,6 +64,7 @@ class PersistStats:
     last_step: int = -1
     host_bytes: int = 0  # the base blob + the blob in flight
     durable_s: list[float] = field(default_factory=list)  # rank 0: offer -> manifest, per step
+    delta_bytes: list[int] = field(default_factory=list)  # each delta record's size
 
 
 @dataclass(kw_only=True)
@@ -83,6 +86,7 @@ class Persister:
         self._emit = emit
         self.stats = PersistStats()
         self._base: tuple[int, bytes] | None = None
+        self._base_hashes = None  # its chunks' hashes, computed once
         self._pending: int | None = None
         self._done_step = -1  # newest step this rank made durable (or gave up on)
         self._committed = -1  # rank 0: newest manifest written
@@ -170,11 +174,15 @@ class Persister:
         if base is not None and (step - base[0] >= self.cfg.every or len(base[1]) != len(blob)):
             base = None
         t0 = time.perf_counter()
-        info = self.tier.put(step, self.rank, blob, base=base)
+        info = self.tier.put(step, self.rank, blob, base=base, chunk=self.cfg.chunk,
+                             base_hashes=self._base_hashes if base is not None else None)
         self.stats.write_s += time.perf_counter() - t0
         if info.kind == "base":
             self._base = (step, blob)
+            self._base_hashes = chunk_hashes(blob, self.cfg.chunk)
             self.stats.bases += 1
+        else:
+            self.stats.delta_bytes.append(info.nbytes)
         self.stats.records += 1
         self.stats.bytes_written += info.nbytes
         self.stats.blob_bytes += len(blob)

@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 import zstandard
 
-from phoenixft.checkpoint.delta import apply_delta, encode_delta
+from phoenixft.checkpoint.delta import CHUNK, apply_delta, encode_delta
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
 from phoenixft.checkpoint.slots import SlotFile, slot_path
 
@@ -175,11 +175,13 @@ class FsspecTier:
     def record_path(self, step: int, rank: int, kind: str) -> str:
         return self._path(f"r{rank}", f"s{step:010d}.{kind}")
 
-    def put(self, step: int, rank: int, blob, *, base: tuple[int, bytes] | None = None) -> RecordInfo:
+    def put(self, step: int, rank: int, blob, *, base: tuple[int, bytes] | None = None,
+            chunk: int = CHUNK, base_hashes=None) -> RecordInfo:
         blob = memoryview(blob)
         full = checksum(blob)
         if base is not None and len(base[1]) == len(blob):
-            kind, payload = "delta", encode_delta(base[1], blob)
+            kind = "delta"
+            payload = encode_delta(base[1], blob, chunk=chunk, base_hashes=base_hashes)
             meta = {"base_step": base[0], "base_checksum": checksum(base[1])}
         else:
             kind, meta = "base", {}

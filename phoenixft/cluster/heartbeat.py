@@ -38,8 +38,10 @@ class HeartbeatSender:
                 return
             self._stop.wait(self._interval)
 
-    def stop(self) -> None:
+    def stop(self, join_timeout_s: float = 0.0) -> None:
         self._stop.set()
+        if join_timeout_s:
+            self._thread.join(join_timeout_s)
 
 
 class HeartbeatMonitor:

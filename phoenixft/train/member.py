@@ -89,6 +89,7 @@ class Member:
         self._rep_pg = None
         self._dead_groups: list = []
         self._stopped = False
+        self._watchers: list[threading.Thread] = []
 
     def connect(self) -> dist.Store:
         """A new store connection (one per blocking thread or group build)."""
@@ -150,7 +151,7 @@ class Member:
         try:
             store = self.connect()
             while self.generation < g_next and not self._stopped:
-                if kv.wait_for(store, [Keys.plan(g_next)], 1.0):
+                if kv.wait_for(store, [Keys.plan(g_next)], 0.25):
                     self.interrupt.announce(g_next)
                     return
         except (kv.StoreGone, RuntimeError):
@@ -185,8 +186,10 @@ class Member:
         g = plan.generation
         self.plan, self.generation = plan, g
         self.interrupt.enter(g)
-        threading.Thread(target=self._watch, args=(g + 1,), daemon=True,
-                         name=f"phoenixft-watch-{g + 1}").start()
+        watcher = threading.Thread(target=self._watch, args=(g + 1,), daemon=True,
+                                   name=f"phoenixft-watch-{g + 1}")
+        watcher.start()
+        self._watchers = [w for w in self._watchers if w.is_alive()] + [watcher]
         self.rank, self.world_size = plan.rank_of(self.wid), plan.world_size
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
 
@@ -388,12 +391,15 @@ class Member:
                   "world_size": self.world_size, **point}  # point may name the gen itself
         self.events.emit("inject", spec=str(spec), **fields)
 
-    def shutdown(self) -> None:
+    def shutdown(self, join_timeout_s: float = 2.0) -> None:
+        """Stop this member's threads (the plan watchers end within a second)."""
         self._stopped = True
         if self.persister is not None:
-            self.persister.stop(join_timeout_s=2.0)
+            self.persister.stop(join_timeout_s=join_timeout_s)
         if self.snap is not None:
-            self.snap.stop(join_timeout_s=2.0)
+            self.snap.stop(join_timeout_s=join_timeout_s)
+        for w in self._watchers:
+            w.join(join_timeout_s)
 
 
 def _delta(a: float | None, b: float | None) -> float | None:

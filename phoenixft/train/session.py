@@ -61,7 +61,7 @@ class Session:
                                wid=self.wid)
         self.member = Member(self.cfg, store=self.store, events=self.events,
                              make_step=self._new_step)
-        stop_at_exit(self._shutdown)
+        stop_at_exit(self.close)
         self.state: RankState | None = None
         self._pending: Step | None = None
         self._grow_requested = False
@@ -178,8 +178,12 @@ class Session:
         return out
 
     def close(self) -> None:
-        """Stop this session's background threads (also done at process exit)."""
-        self._shutdown()
+        """Stop this session's background threads and, standalone, its private store
+        (also done at process exit): nothing of it runs while the interpreter tears down."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop(join_timeout_s=2.0)
+        self.member.shutdown(join_timeout_s=2.0)
+        self._own_store = None
 
     def log(self, event: str, **fields) -> None:
         self.events.emit(event, rank=self.rank, gen=self.generation, **fields)
@@ -247,7 +251,3 @@ class Session:
         self.store.set(Keys.finished(self.wid), str(self.state.step))
         self.final_digest = digest
 
-    def _shutdown(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-        self.member.shutdown()
