@@ -16,26 +16,14 @@ directory first on ``sys.path``, ``sys.argv`` as given). Around it this module:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import runpy
-import signal
 import sys
 import traceback
 
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent exits; exit now if it already has."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the agent died before prctl took effect
-        os._exit(1)
+from phoenixft.platform import die_with_parent
 
 
 def exit_code(code: object) -> int:

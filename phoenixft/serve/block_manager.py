@@ -11,8 +11,12 @@ Guarantees:
   one token (it needs that token's logits).
 - Freed blocks keep their contents and hash until reused (LRU order), so a preempted or
   repeated prompt can find them again.
-- ``dirty`` is the set of blocks written since the last ``take_dirty()``: the seam for the
-  crash-recovery log (docs/architecture.md, "Serving"), which copies only those blocks.
+- ``dirty`` maps each block written since the last ``take_dirty()`` to the slot range
+  [lo, hi) written: the crash-recovery log copies only those slots.
+- With ``hold(epoch)`` set (the recovery log is on), a freed block is *quarantined* until
+  the log has processed that epoch (``release(processed)``): the log copies a block's KV
+  after the step that wrote it, so the block must not be rewritten by a new owner before
+  then. A quarantined block still serves prefix-cache hits (they only read it).
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ class BlockManager:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.dirty: set[int] = set()
+        self.dirty: dict[int, list[int]] = {}
         self.num_cache_hits = 0
+        self.quarantine: dict[int, int] = {}  # block -> epoch it was freed in
+        self.hold_epoch: int | None = None  # set while the recovery log runs
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -53,7 +59,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks
+        return 1.0 - len(self.free) / self.num_blocks  # quarantined blocks count as used
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -91,7 +97,10 @@ class BlockManager:
                 if cand is not None and self.block_tokens[cand] == tokens:
                     block, prev = cand, h
                     if self.ref_counts[cand] == 0:
-                        del self.free[cand]
+                        if cand in self.quarantine:
+                            del self.quarantine[cand]
+                        else:
+                            del self.free[cand]
                     self.ref_counts[cand] += 1
             if block is None:
                 hit = False
@@ -118,16 +127,32 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free[block] = None
+                if self.hold_epoch is None:
+                    self.free[block] = None
+                else:
+                    self.quarantine[block] = self.hold_epoch
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def release(self, processed_epoch: int) -> None:
+        """The log has processed every epoch up to `processed_epoch`: quarantined blocks
+        freed by then may be reused."""
+        if self.quarantine:
+            for b in [b for b, e in self.quarantine.items() if e <= processed_epoch]:
+                del self.quarantine[b]
+                self.free[b] = None
 
     def mark_computed(self, seq: Sequence, start: int, end: int) -> None:
         """Record that tokens [start, end) of ``seq`` were written: dirty + register full."""
         bs = self.block_size
         for i in range(start // bs, -(-end // bs)):
             block = seq.block_table[i]
-            self.dirty.add(block)
+            lo, hi = max(start - i * bs, 0), min(end - i * bs, bs)
+            rng = self.dirty.get(block)
+            if rng is None:
+                self.dirty[block] = [lo, hi]
+            else:
+                rng[0], rng[1] = min(rng[0], lo), max(rng[1], hi)
             if (self.enable_prefix_caching and (i + 1) * bs <= end
                     and self.hashes[block] is None):
                 prev = self.hashes[seq.block_table[i - 1]] if i else None
@@ -138,9 +163,9 @@ class BlockManager:
                 self.hashes[block], self.block_tokens[block] = h, tokens
                 self.hash_to_block.setdefault(h, block)
 
-    def take_dirty(self) -> set[int]:
-        """Blocks written since the previous call; clears the set."""
-        dirty, self.dirty = self.dirty, set()
+    def take_dirty(self) -> dict[int, list[int]]:
+        """Blocks written since the previous call, each with its written slots [lo, hi)."""
+        dirty, self.dirty = self.dirty, {}
         return dirty
 
     # -- state for the recovery log -------------------------------------------------------
@@ -163,4 +188,19 @@ class BlockManager:
         for b, h in enumerate(self.hashes):
             if h is not None:
                 self.hash_to_block.setdefault(h, b)
-        self.dirty = set()
+        self.dirty = {}
+        self.quarantine = {}
+
+    def rebuild(self, tables: list[list[int]]) -> None:
+        """State from the block tables of the live sequences alone (a recovery: the log
+        holds those, not the allocator's bookkeeping). Every other block is free; cached
+        prefixes are forgotten."""
+        self.ref_counts = [0] * self.num_blocks
+        for table in tables:
+            for b in table:
+                self.ref_counts[b] += 1
+        self.hashes = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+        self.hash_to_block = {}
+        self.free = OrderedDict((b, None) for b in range(self.num_blocks) if not self.ref_counts[b])
+        self.dirty, self.quarantine = {}, {}

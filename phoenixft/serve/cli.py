@@ -34,17 +34,21 @@ def _engine_config(args: argparse.Namespace):
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from .config import EngineConfig
     from .http import build_app
-
     try:
-        app = build_app(args.model_dir, _engine_config(args), model_name=args.served_model_name)
+        app = build_app(args.model_dir, EngineConfig(max_model_len=args.max_model_len,
+                                                     max_num_seqs=args.max_num_seqs),
+                        model_name=args.served_model_name, run_dir=args.run_dir,
+                        log_dir=args.log_dir, threads=args.threads)
     except ValueError as exc:
         print(f"phoenixft serve: {exc}", file=sys.stderr)
         return 2
-    eng = app.state.engine
-    print(f"serving {args.model_dir} ({eng.model_config.model_type}, "
-          f"max_model_len {eng.max_model_len}, {eng.config.num_blocks} KV blocks of "
-          f"{eng.config.block_size}) on http://{args.host}:{args.port}", flush=True)
+    spec = app.state.spec
+    print(f"serving {args.model_dir} ({spec.model_config.model_type}, "
+          f"max_model_len {spec.max_model_len}, {spec.config.num_blocks} KV blocks of "
+          f"{spec.config.block_size}) on http://{args.host}:{args.port}; an engine process "
+          f"and a warm standby, recovery log in {app.state.supervisor.log_dir}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -82,6 +86,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the `model` clients send (default: the directory's name)")
     s.add_argument("--log-level", default="warning")
+    s.add_argument("--run-dir", default=None,
+                   help="status.json, events.jsonl and accepted requests; restarting on the "
+                        "same run dir resumes the requests a crash interrupted")
+    s.add_argument("--log-dir", default=None,
+                   help="where the engines keep their recovery log (default: /dev/shm, one "
+                        "directory per run dir)")
     s.set_defaults(func=_serve)
 
     g = subparsers.add_parser("generate", help="offline generation for one or more prompts")

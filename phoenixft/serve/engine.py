@@ -6,15 +6,15 @@
 State seam for crash recovery (docs/architecture.md, "Serving"): ``state_dict()`` enumerates
 everything a restarted engine needs (the preallocated KV tensors, the block manager's
 tables, the scheduler's queues with each request's tokens, progress and seed), and
-``take_dirty_blocks()`` names the KV blocks written since the previous call, so a log
+``take_dirty_blocks()`` names the KV blocks (and slots) written since the previous call, so a log
 can copy only those. ``load_state_dict`` restores them into an engine built from the
 same model and config; generation then continues token for token as if uninterrupted.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from .runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .tokenizer import load_tokenizer
+from .spec import EngineSpec
 
 
 @dataclass(slots=True)
@@ -41,14 +41,16 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_completion_tokens: int
+    prompt_computed: int = 0  # prompt tokens this engine computed for the request so far
 
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.model_dir = Path(model_dir)
-        self.model_config, model = load_model(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir, self.model_config)
-        self.config = (config or EngineConfig()).resolve(self.model_config)
+        model_config, model = load_model(self.model_dir)
+        self.spec = EngineSpec(self.model_dir, config, model_config)
+        self.model_config, self.tokenizer = model_config, self.spec.tokenizer
+        self.config = self.spec.config
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
@@ -57,6 +59,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._last_step: list[Sequence] = []  # what the current or last step computes
         self._before: list[tuple[int, int]] = []  # their (tokens, computed) before it
+        self.recorder = None  # the recovery log (recorder.py), when serving keeps one
 
     @property
     def max_model_len(self) -> int:
@@ -65,23 +68,9 @@ class LLMEngine:
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                       keep_logits: bool = False, add_special_tokens: bool = True) -> Sequence:
         """Tokenize and validate a request without touching engine state, so any thread
-        may call it. ValueError (a client error) when it cannot be served."""
-        ids = (self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-               if isinstance(prompt, str) else list(prompt))
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
-                f"{params.max_tokens} for the completion); shorten the prompt or lower "
-                "max_tokens")
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return Sequence(seq_id=request_id, token_ids=ids, num_prompt_tokens=len(ids),
-                        params=params, seed=seed, keep_logits=keep_logits)
+        may call it (`EngineSpec.make_sequence`)."""
+        return self.spec.make_sequence(request_id, prompt, params, keep_logits,
+                                       add_special_tokens)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.seq_id in self.seqs:
@@ -109,15 +98,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         seqs = self._last_step = self.scheduler.schedule()
         self._before = [(len(s.token_ids), s.num_computed_tokens) for s in seqs]
-        if not seqs:
-            return []
-        return self._compute(seqs)
+        outputs = self._compute(seqs) if seqs else []
+        if self.recorder is not None:
+            self.recorder.end_step()
+        return outputs
+
+    def install(self, waiting: list[Sequence], running: list[Sequence]) -> None:
+        """Take over requests rebuilt from the recovery log (their KV already written into
+        the cache): queues in the recorded order, the allocator rebuilt from their block
+        tables, the text emitted so far decoded again from their tokens."""
+        for s in (*waiting, *running):
+            ids = s.completion_token_ids
+            s.output_text = self.tokenizer.decode(ids)
+        self.seqs = {s.seq_id: s for s in (*running, *waiting)}
+        self.scheduler.waiting = deque(waiting)
+        self.scheduler.running = deque(running)
+        self.block_manager.rebuild([s.block_table for s in (*running, *waiting)])
 
     def _compute(self, seqs: list[Sequence]) -> list[RequestOutput]:
         starts = [s.num_computed_tokens for s in seqs]
         logits = self.runner.run(seqs)
         for s, start in zip(seqs, starts):
             self.block_manager.mark_computed(s, start, len(s))
+            s.prompt_computed += max(0, min(len(s), s.num_prompt_tokens) - start)
             s.num_computed_tokens = len(s)
         tokens = sample(logits, seqs)
         now = time.monotonic()
@@ -142,6 +145,7 @@ class LLMEngine:
             if self.seqs.get(s.seq_id) is not s:
                 continue
             del s.token_ids[n_tokens:]
+            del s.emitted[max(0, n_tokens - s.num_prompt_tokens):]
             s.num_computed_tokens = n_computed
             try:
                 outs += self._compute([s])
@@ -175,8 +179,9 @@ class LLMEngine:
         end = max(end, s.num_emitted_chars)
         delta = s.output_text[s.num_emitted_chars:end]
         s.num_emitted_chars = end
+        s.emitted.append(end)
         return RequestOutput(s.seq_id, [tok], delta, reason is not None, reason,
-                             s.num_prompt_tokens, s.num_completion_tokens)
+                             s.num_prompt_tokens, s.num_completion_tokens, s.prompt_computed)
 
     @staticmethod
     def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:
@@ -200,7 +205,7 @@ class LLMEngine:
         return end
 
     # -- state seam --------------------------------------------------------------------
-    def take_dirty_blocks(self) -> set[int]:
+    def take_dirty_blocks(self) -> dict[int, list[int]]:
         return self.block_manager.take_dirty()
 
     def state_dict(self) -> dict:

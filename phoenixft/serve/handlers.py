@@ -1,9 +1,18 @@
-"""The OpenAI-compatible endpoints, one small handler each, over one engine thread.
+"""The OpenAI-compatible endpoints, one small handler each, over the request table of the
+front (`remote.RemoteEngine`), which outlives any engine process.
 
-Validation happens before a stream starts, so a streamed request that is refused still
-gets a proper status code. A client that disconnects aborts its request (its blocks are
-freed at the next engine step). A request the engine fails on gets a 500 in OpenAI's
-shape (mid-stream: an ``error`` event, then ``[DONE]``); the other requests go on.
+Validation happens before a stream starts, so a refused streamed request still gets a
+proper status code. A client that disconnects aborts its request. A request the engine
+fails on gets a 500 in OpenAI's shape (mid-stream: an `error` event, then `[DONE]`); the
+other requests go on. An engine crash is not seen by clients at all: the front keeps their
+connections and continues every stream from the last token it sent.
+
+Resumption after the whole server died (the run directory and the log survived):
+- every response names its request (`X-Request-Id`) and every stream event carries the
+  count of completion tokens sent so far as its SSE `id`; `GET /v1/streams/{id}` with a
+  `Last-Event-ID` header continues that stream after that token;
+- a request sent again with the same `Idempotency-Key` header gets the original request's
+  completion (waiting for it if it is still running), computed once.
 """
 
 from __future__ import annotations
@@ -20,11 +29,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .api_errors import APIError, error_body
-from .async_engine import AsyncEngine, EngineDead, RequestFailed
-from .engine import LLMEngine, RequestOutput
+from .async_engine import EngineDead, RequestFailed
+from .engine import RequestOutput
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, _Common
+from .remote import RemoteEngine
 from .sequence import Sequence
+from .spec import EngineSpec
+
+_ENGINE_ERRORS = (EngineDead, RequestFailed)
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -34,9 +47,9 @@ def _usage(out: RequestOutput) -> dict:
 
 
 class OpenAIHandlers:
-    def __init__(self, engine: LLMEngine, runner: AsyncEngine, metrics: ServeMetrics,
+    def __init__(self, spec: EngineSpec, backend: RemoteEngine, metrics: ServeMetrics,
                  model_dir: str | Path, name: str) -> None:
-        self.engine, self.runner, self.metrics = engine, runner, metrics
+        self.spec, self.backend, self.metrics = spec, backend, metrics
         self.name = name
         self.aliases = {name, str(model_dir), str(Path(model_dir).resolve())}
         self.created = int(time.time())
@@ -47,29 +60,55 @@ class OpenAIHandlers:
         if body.model not in self.aliases:
             raise APIError(404, f"the model {body.model!r} does not exist; this server "
                            f"serves {self.name!r}", "model_not_found", param="model")
-        if not self.runner.alive:
-            raise APIError(503, f"the engine stopped: {self.runner.error!r}", "engine_dead",
+        if not self.backend.alive:
+            raise APIError(503, f"the engine stopped: {self.backend.error}", "engine_dead",
                            "server_error")
         try:
-            ids = (self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = (self.spec.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
                    if isinstance(prompt, str) else prompt)
             max_tokens = body.max_tokens
             if max_tokens is None:
-                max_tokens = default_max or max(1, self.engine.max_model_len - len(ids))
+                max_tokens = default_max or max(1, self.spec.max_model_len - len(ids))
             params = body.sampling_params(max_tokens)
-            return self.engine.make_sequence(f"req-{uuid.uuid4().hex}", ids, params)
+            return self.spec.make_sequence(f"req-{uuid.uuid4().hex}", ids, params)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
 
-    async def _collect(self, request: Request, seq: Sequence, endpoint: str) -> RequestOutput:
+    def _chunker(self, endpoint: str, rid: str) -> Callable:
+        now = int(time.time())
+        if endpoint == "chat":
+            def chunk(delta, reason):
+                choices = [] if delta is None else [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+                return {"id": "chatcmpl-" + rid[4:], "object": "chat.completion.chunk",
+                        "created": now, "model": self.name, "choices": choices}
+        else:
+            def chunk(text, reason):
+                choices = [] if text is None else [
+                    {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
+                return {"id": "cmpl-" + rid[4:], "object": "text_completion", "created": now,
+                        "model": self.name, "choices": choices}
+        return chunk
+
+    def _result(self, endpoint: str, rid: str, text: str, last: RequestOutput) -> dict:
+        if endpoint == "chat":
+            return {"id": "chatcmpl-" + rid[4:], "object": "chat.completion",
+                    "created": int(time.time()), "model": self.name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": last.finish_reason}],
+                    "usage": _usage(last)}
+        return self._chunker(endpoint, rid)(text, last.finish_reason) | {"usage": _usage(last)}
+
+    async def _collect(self, request: Request, outs: AsyncIterator[RequestOutput], rid: str,
+                       endpoint: str) -> dict:
         """Run to the end (non-streaming); abort if the client goes away meanwhile."""
         parts: list[str] = []
-        outs: list[RequestOutput] = []
+        got: list[RequestOutput] = []
 
         async def consume() -> None:
-            async for out in self.runner.generate(seq):
+            async for out in outs:
                 parts.append(out.new_text)
-                outs.append(out)
+                got.append(out)
 
         consumer = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -82,110 +121,123 @@ class OpenAIHandlers:
             raise APIError(499, "client disconnected", "client_closed")
         try:
             consumer.result()
-        except (EngineDead, RequestFailed) as exc:
+        except _ENGINE_ERRORS as exc:
             self.metrics.requests.labels(endpoint, "error").inc()
             raise APIError(500, str(exc), "engine_error", "server_error") from exc
-        last = outs[-1]
-        self._record(seq, last, endpoint)
-        last.new_text = "".join(parts)
-        return last
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from exc
+        last = got[-1]
+        self._record(last, endpoint)
+        result = self._result(endpoint, rid, "".join(parts), last)
+        self.backend.record_result(rid, result)
+        return result
 
-    def _record(self, seq: Sequence, last: RequestOutput, endpoint: str) -> None:
+    def _record(self, last: RequestOutput, endpoint: str) -> None:
         m = self.metrics
         m.requests.labels(endpoint, "ok").inc()
         m.prompt_tokens.inc(last.num_prompt_tokens)
         m.gen_tokens.inc(last.num_completion_tokens)
-        if seq.first_token_time is not None:
-            m.ttft.observe(seq.first_token_time - seq.arrival_time)
 
-    async def _stream(self, seq: Sequence, endpoint: str, chunk: Callable, include_usage: bool,
-                      first: dict | None) -> AsyncIterator[str]:
-        last, failed = None, False
-        gen = self.runner.generate(seq)
+    async def _stream(self, outs: AsyncIterator[RequestOutput], rid: str, endpoint: str,
+                      include_usage: bool, opening: bool) -> AsyncIterator[str]:
+        chunk = self._chunker(endpoint, rid)
+        chat = endpoint == "chat"
+        last, failed, parts = None, False, []
         try:
-            if first is not None:
-                yield f"data: {json.dumps(chunk(first, None))}\n\n"
-            async for out in gen:
+            if opening and chat:
+                yield f"data: {json.dumps(chunk({'role': 'assistant', 'content': ''}, None))}\n\n"
+            async for out in outs:  # one event per token (its id counts them), text or not
                 last = out
-                if out.new_text or out.finished:
-                    payload = chunk({"content": out.new_text} if first is not None
-                                    else out.new_text, out.finish_reason)
-                    yield f"data: {json.dumps(payload)}\n\n"
+                parts.append(out.new_text)
+                payload = chunk({"content": out.new_text} if chat else out.new_text,
+                                out.finish_reason)
+                yield f"id: {out.num_completion_tokens}\ndata: {json.dumps(payload)}\n\n"
             if last is not None:
-                self._record(seq, last, endpoint)
+                self._record(last, endpoint)
+                self.backend.record_result(rid, self._result(endpoint, rid, "".join(parts), last))
                 if include_usage:
-                    usage = chunk(None, None) | {"usage": _usage(last)}
-                    yield f"data: {json.dumps(usage)}\n\n"
-        except (EngineDead, RequestFailed) as exc:
+                    yield f"data: {json.dumps(chunk(None, None) | {'usage': _usage(last)})}\n\n"
+        except (*_ENGINE_ERRORS, ValueError) as exc:
             failed = True
             self.metrics.requests.labels(endpoint, "error").inc()
-            yield f"data: {json.dumps(error_body(str(exc), 'engine_error', 'server_error'))}\n\n"
+            code, kind = (("invalid_value", "invalid_request_error") if isinstance(exc, ValueError)
+                          else ("engine_error", "server_error"))
+            yield f"data: {json.dumps(error_body(str(exc), code, kind))}\n\n"
         finally:
-            await gen.aclose()  # aborts the request if the client went away mid-stream
+            await outs.aclose()  # aborts the request if the client went away mid-stream
             if not failed and (last is None or not last.finished):
                 self.metrics.requests.labels(endpoint, "aborted").inc()
         yield "data: [DONE]\n\n"
 
+    async def _serve(self, request: Request, seq: Sequence, endpoint: str, stream: bool,
+                     include_usage: bool):
+        key = request.headers.get("idempotency-key")
+        if key is not None:
+            rid = self.backend.by_key(key)
+            if rid is not None and rid in self.backend.results and not stream:
+                return JSONResponse(self.backend.results[rid], headers={"X-Request-Id": rid})
+            if rid is not None and self.backend.find(rid) is not None:
+                outs = self.backend.follow(rid, 0)
+                return await self._respond(request, outs, rid, endpoint, stream, include_usage)
+        rid = seq.seq_id
+        outs = self.backend.generate(seq, endpoint, key)
+        return await self._respond(request, outs, rid, endpoint, stream, include_usage)
+
+    async def _respond(self, request: Request, outs, rid: str, endpoint: str, stream: bool,
+                       include_usage: bool):
+        headers = {"X-Request-Id": rid}
+        if stream:
+            return StreamingResponse(self._stream(outs, rid, endpoint, include_usage, True),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(await self._collect(request, outs, rid, endpoint), headers=headers)
+
     # -- endpoints ------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         seq = self._sequence(body, body.prompt, 16)
-        rid, now = "cmpl-" + seq.seq_id[4:], int(time.time())
-
-        def chunk(text, reason):
-            choices = [] if text is None else [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
-            return {"id": rid, "object": "text_completion", "created": now, "model": self.name,
-                    "choices": choices}
-
-        if body.stream:
-            return StreamingResponse(self._stream(seq, "completions", chunk, body.include_usage,
-                                                  None), media_type="text/event-stream")
-        last = await self._collect(request, seq, "completions")
-        return chunk(last.new_text, last.finish_reason) | {"usage": _usage(last)}
+        return await self._serve(request, seq, "completions", body.stream, body.include_usage)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         try:
-            text = self.engine.tokenizer.apply_chat_template(
+            text = self.spec.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.text()} for m in body.messages])
         except ValueError as exc:
             raise APIError(400, str(exc), "chat_template") from exc
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         seq = self._sequence(body, text, None, add_special_tokens=False)
-        rid, now = "chatcmpl-" + seq.seq_id[4:], int(time.time())
+        return await self._serve(request, seq, "chat", body.stream, body.include_usage)
 
-        def chunk(delta, reason):
-            choices = [] if delta is None else [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
-            return {"id": rid, "object": "chat.completion.chunk", "created": now,
-                    "model": self.name, "choices": choices}
-
-        if body.stream:
-            return StreamingResponse(
-                self._stream(seq, "chat", chunk, body.include_usage,
-                             {"role": "assistant", "content": ""}),
-                media_type="text/event-stream")
-        last = await self._collect(request, seq, "chat")
-        return {"id": rid, "object": "chat.completion", "created": now, "model": self.name,
-                "choices": [{"index": 0, "message": {"role": "assistant",
-                                                     "content": last.new_text},
-                             "logprobs": None, "finish_reason": last.finish_reason}],
-                "usage": _usage(last)}
+    async def resume_stream(self, request_id: str, request: Request):
+        """Continue a stream after its last event the client saw (`Last-Event-ID`)."""
+        p = self.backend.find(request_id)
+        if p is None:
+            raise APIError(404, f"no running request {request_id!r} (finished results are "
+                           "returned to a retry with its Idempotency-Key)", "not_found",
+                           param="request_id")
+        after = request.headers.get("last-event-id", "0")
+        if not after.isdigit():
+            raise APIError(400, f"Last-Event-ID must be a token count, got {after!r}",
+                           "invalid_value")
+        outs = self.backend.follow(request_id, int(after))
+        return StreamingResponse(self._stream(outs, request_id, p.endpoint, False, False),
+                                 media_type="text/event-stream",
+                                 headers={"X-Request-Id": request_id})
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.name, "object": "model",
                                             "created": self.created, "owned_by": "phoenixft",
-                                            "max_model_len": self.engine.max_model_len}]}
+                                            "max_model_len": self.spec.max_model_len}]}
 
     async def health(self):
-        body = {"status": "ok" if self.runner.alive else "error",
-                "running": len(self.engine.scheduler.running),
-                "waiting": len(self.engine.scheduler.waiting)}
-        if self.runner.error is not None:
-            body["error"] = repr(self.runner.error)
-        return JSONResponse(status_code=200 if self.runner.alive else 503, content=body)
+        st = self.backend.stats
+        body = {"status": "ok" if self.backend.alive else "error",
+                "running": st.get("running", 0), "waiting": st.get("waiting", 0)}
+        if self.backend.error is not None:
+            body["error"] = self.backend.error
+        return JSONResponse(status_code=200 if self.backend.alive else 503, content=body)
 
     async def prometheus(self):
+        self.metrics.update(self.backend)
         return PlainTextResponse(generate_latest(self.metrics.registry),
                                  media_type=CONTENT_TYPE_LATEST)
 

@@ -1,43 +1,93 @@
-"""OpenAI-compatible HTTP server (fastapi): completions, chat completions, models,
-health, Prometheus metrics. The handlers are in `handlers.py`, the error shape in
-`api_errors.py`; this module only wires them to routes."""
+"""`phoenixft serve`: an OpenAI-compatible HTTP front (fastapi) over supervised engine
+processes. The front validates and tokenizes requests, keeps their connections and their
+request table (`remote.py`); the engines run in child processes, one active and one warm
+standby (`supervisor.py`), the active one keeping a recovery log outside itself
+(`recorder.py`, `log.py`) from which the standby takes its requests over when it dies.
+The handlers are in `handlers.py`, the error shape in `api_errors.py`; this module wires
+them to routes and to the run directory (`status.json`, `events.jsonl`)."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 from fastapi import FastAPI
 
+from phoenixft.observe.events import EventLog, write_json_atomic
+
 from . import api_errors
-from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .engine import LLMEngine
 from .handlers import OpenAIHandlers
 from .metrics import ServeMetrics
+from .remote import RemoteEngine
+from .spec import EngineSpec
+from .supervisor import EngineSupervisor
+
+
+def default_log_dir(run_dir: str | Path | None) -> Path:
+    """Host shared memory; the same directory for the same run directory, so a restarted
+    server finds the log its predecessor left."""
+    tag = (hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+           if run_dir else uuid.uuid4().hex[:12])
+    return Path("/dev/shm") / f"phoenixft-serve-{tag}"
 
 
 def build_app(model_dir: str | Path, config: EngineConfig | None = None,
-              model_name: str | None = None) -> FastAPI:
-    """Load the model and return the app; the engine thread runs while the app lives."""
-    engine = LLMEngine(model_dir, config)
+              model_name: str | None = None, *, run_dir: str | Path | None = None,
+              log_dir: str | Path | None = None, threads: int | None = None,
+              ring_bytes: int = 16 << 20, compact_bytes: int = 256 << 20) -> FastAPI:
+    """Validate the model (config and tokenizer; the engines load the weights) and return
+    the app; the engine processes run while the app lives."""
+    config = config or EngineConfig()
+    spec = EngineSpec(model_dir, config)
     metrics = ServeMetrics()
-    runner = AsyncEngine(engine, on_step=metrics.on_step,
-                         on_step_failure=lambda exc, ids: metrics.step_failures.inc())
-    h = OpenAIHandlers(engine, runner, metrics, model_dir,
+    backend = RemoteEngine(spec, run_dir)
+    work_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="phoenixft-serve-run-"))
+    events = EventLog(work_dir / "events.jsonl", role="front")
+    log = Path(log_dir) if log_dir else default_log_dir(run_dir)
+    supervisor = EngineSupervisor(model_dir, asdict(config), log, work_dir, threads=threads,
+                                  on_message=backend.on_message,
+                                  on_ready=lambda ready, timing: _on_ready(ready, timing),
+                                  emit=events.emit, ring_bytes=ring_bytes,
+                                  compact_bytes=compact_bytes)
+    backend.supervisor = supervisor
+    supervisor.on_change = lambda: status()
+    h = OpenAIHandlers(spec, backend, metrics, model_dir,
                        model_name or Path(model_dir).resolve().name)
+
+    def status() -> None:
+        write_json_atomic(work_dir / "status.json", {
+            "front_pid": os.getpid(), **supervisor.pids(), "crashes": supervisor.crashes,
+            "log_dir": str(log), "model": str(model_dir), "error": supervisor.error})
+
+    def _on_ready(ready: dict, timing: dict) -> None:
+        backend.on_ready(ready, timing)
+        events.emit("engine_ready", pid=ready["pid"], resumed=len(ready["resumed"]),
+                    report=ready["report"], **timing)
+        status()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        runner.start()
+        await asyncio.to_thread(supervisor.start)
         yield
-        runner.shutdown()
+        supervisor.stop()
+        events.emit("stopped", crashes=supervisor.crashes)
+        status()
+        shutil.rmtree(log, ignore_errors=True)  # a clean stop: nothing is left to resume
 
     app = FastAPI(title="phoenixft", lifespan=lifespan)
-    app.state.engine, app.state.runner = engine, runner
+    app.state.spec, app.state.backend, app.state.supervisor = spec, backend, supervisor
     api_errors.install(app)
     app.post("/v1/completions")(h.completions)
     app.post("/v1/chat/completions")(h.chat_completions)
+    app.get("/v1/streams/{request_id}")(h.resume_stream)
     app.get("/v1/models")(h.models)
     app.get("/health")(h.health)
     app.get("/metrics")(h.prometheus)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .engine import LLMEngine
-
 
 class ServeMetrics:
     def __init__(self) -> None:
@@ -24,12 +22,23 @@ class ServeMetrics:
         self.kv_usage = Gauge("phoenixft_kv_cache_usage_ratio", "share of KV blocks in use",
                               registry=r)
         self.preemptions = Gauge("phoenixft_preemptions", "preemptions so far", registry=r)
-        self.step_failures = Counter("phoenixft_engine_step_failures", "engine steps that "
-                                     "raised (their requests failed, serving went on)",
-                                     registry=r)
+        self.crashes = Gauge("phoenixft_engine_crashes", "engine processes that died (each "
+                             "replaced by the standby)", registry=r)
+        self.recomputed = Gauge("phoenixft_prompt_tokens_recomputed", "prompt tokens computed "
+                                "again after a crash (0: every prompt's KV came from the log)",
+                                registry=r)
+        self.log_bytes = Gauge("phoenixft_recovery_log_bytes", "bytes the active engine wrote "
+                               "to its recovery log", registry=r)
 
-    def on_step(self, engine: LLMEngine) -> None:
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_usage.set(engine.block_manager.usage)
-        self.preemptions.set(engine.scheduler.num_preemptions)
+    def update(self, backend) -> None:
+        """Gauges from the front's latest view of the active engine."""
+        st = backend.stats
+        self.running.set(st.get("running", 0))
+        self.waiting.set(st.get("waiting", 0))
+        self.kv_usage.set(st.get("kv_usage", 0.0))
+        self.preemptions.set(st.get("preemptions", 0))
+        log = st.get("log") or {}
+        self.log_bytes.set(log.get("log_bytes", 0))
+        self.recomputed.set(backend.recomputed_prompt_tokens)
+        if backend.supervisor is not None:
+            self.crashes.set(backend.supervisor.crashes)

@@ -37,6 +37,8 @@ class Sequence:
     finish_reason: str | None = None
     output_text: str = ""
     num_emitted_chars: int = 0
+    emitted: list[int] = field(default_factory=list)  # num_emitted_chars after each token
+    prompt_computed: int = 0  # prompt tokens computed for it by this engine (not cached)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

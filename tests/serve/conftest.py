@@ -21,7 +21,7 @@ TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
 ARCHS = ["llama", "qwen2", "qwen3"]
 
 
-def build_hf(arch: str, out: Path, tie: bool = False, seed: int = 0):
+def build_hf(arch: str, out: Path, tie: bool = False, seed: int = 0, **overrides):
     import transformers as tf
 
     cls_cfg, cls_model = {
@@ -30,7 +30,7 @@ def build_hf(arch: str, out: Path, tie: bool = False, seed: int = 0):
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
     }[arch]
     extra = {"attention_bias": True} if arch == "llama" else {}
-    cfg = cls_cfg(**TINY, tie_word_embeddings=tie, **extra)
+    cfg = cls_cfg(**{**TINY, **overrides}, tie_word_embeddings=tie, **extra)
     torch.manual_seed(seed)
     model = cls_model(cfg).eval()
     with torch.no_grad():
@@ -70,3 +70,13 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
         out[arch] = (d, model)
     write_chat_tokenizer(out["qwen2"][0])
     return out
+
+
+@pytest.fixture(scope="session")
+def long_model(tmp_path_factory) -> Path:
+    """The tiny Qwen2 with a 1024-token context and the word-level chat tokenizer: prompts
+    of several hundred tokens for the crash-recovery tests."""
+    d = tmp_path_factory.mktemp("long") / "qwen2-long"
+    build_hf("qwen2", d, seed=7, max_position_embeddings=1024)
+    write_chat_tokenizer(d)
+    return d

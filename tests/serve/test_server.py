@@ -133,7 +133,8 @@ def test_sse_ends_with_done_and_concurrent_requests_agree(server, client):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
         lines = [ln for ln in r.iter_lines() if ln]
-    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith(("data: ", "id: ")) for ln in lines)  # ids count the tokens
 
     def one(seed: int) -> str:
         return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10,

@@ -1,0 +1,311 @@
+"""The front's view of its engine processes: the request table that lets a stream go on
+across an engine crash, and across a restart of the whole server.
+
+Every accepted request is kept here until it finishes: its validated sequence (prompt
+ids, sampling parameters, the resolved seed), how many completion tokens its client has
+been sent (`delivered`), and every output so far (`history`, for clients that reconnect).
+Outputs carry their token index, so after a crash the front passes on only what its
+client has not seen: the new engine regenerates the tokens after its last committed epoch
+(sampling is a pure function of the seed, the index and the logits, so they are the same
+tokens) and those already sent are dropped, with no gap and no duplicate.
+
+When an engine becomes ready (at start or after a failover) it lists the requests it
+resumed from the log; every other unfinished request (it arrived after the last commit)
+is submitted to it again from scratch. With a run directory, each request is also written
+there when accepted (`requests/<id>.json`) and its result when done, so that after the
+whole server died a new front resubmits what no log holds, lets a client reconnect to a
+stream by request id (`Last-Event-ID`), and answers a retried request with the same
+`Idempotency-Key` from its stored result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .async_engine import EngineDead, RequestFailed
+from .config import SamplingParams
+from .engine import RequestOutput
+from .sequence import Sequence
+from .spec import EngineSpec
+
+
+@dataclass
+class Pending:
+    seq: Sequence
+    endpoint: str = "completions"
+    key: str | None = None
+    delivered: int = 0  # completion tokens passed on to the client
+    history: list[RequestOutput] = field(default_factory=list)
+    finished: bool = False
+    error: BaseException | None = None
+    sent_pid: int | None = None  # the engine process it was last submitted to
+    prompt_computed: dict[int, int] = field(default_factory=dict)  # engine pid -> tokens
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=list)
+
+
+class RequestStore:
+    """Requests and results in the run directory (atomic JSON files)."""
+
+    def __init__(self, run_dir: str | Path | None) -> None:
+        self.dir = Path(run_dir) / "requests" if run_dir else None
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, rid: str, record: dict) -> None:
+        if self.dir is None:
+            return
+        tmp = self.dir / f".{rid}.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.dir / f"{rid}.json")
+
+    def accepted(self, p: Pending) -> None:
+        s = p.seq
+        self._write(s.seq_id, {"id": s.seq_id, "endpoint": p.endpoint, "key": p.key,
+                               "prompt": s.prompt_token_ids, "params": asdict(s.params),
+                               "seed": s.seed, "created": time.time()})
+
+    def finished(self, p: Pending, result: dict) -> None:
+        if self.dir is None:
+            return
+        path = self.dir / f"{p.seq.seq_id}.json"
+        record = json.loads(path.read_text()) if path.exists() else {"id": p.seq.seq_id}
+        record["result"] = result
+        self._write(p.seq.seq_id, record)
+
+    def load(self) -> list[dict]:
+        if self.dir is None:
+            return []
+        out = []
+        for f in sorted(self.dir.glob("*.json")):
+            try:
+                out.append(json.loads(f.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+
+def key_id(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class RemoteEngine:
+    """What the HTTP handlers talk to (the same calls as the in-process `AsyncEngine`)."""
+
+    def __init__(self, spec: EngineSpec, run_dir: str | Path | None) -> None:
+        self.spec = spec
+        self.supervisor = None  # set by the app once started
+        self.store = RequestStore(run_dir)
+        self.pending: dict[str, Pending] = {}
+        self.results: dict[str, dict] = {}  # finished requests' results, by id
+        self.keys: dict[str, str] = {}  # idempotency key digest -> request id
+        self.stats: dict = {}
+        self.recomputed_prompt_tokens = 0
+        self._lock = threading.Lock()
+        self._restore_from_store()
+
+    # -- state of the engine ------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.supervisor is not None and self.supervisor.error is None
+
+    @property
+    def error(self) -> str | None:
+        return None if self.supervisor is None else self.supervisor.error
+
+    def start(self) -> None:  # the supervisor runs on its own threads
+        pass
+
+    def shutdown(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
+    # -- requests ---------------------------------------------------------------------------
+    def _submit(self, p: Pending) -> None:
+        s = p.seq
+        sup = self.supervisor
+        p.sent_pid = sup.active.pid if sup is not None and sup.active is not None else None
+        if sup is not None:
+            sup.send({"op": "add", "id": s.seq_id, "prompt": s.prompt_token_ids,
+                      "params": asdict(s.params), "seed": s.seed})
+
+    def admit(self, seq: Sequence, endpoint: str, key: str | None = None) -> Pending:
+        p = Pending(seq, endpoint, key)
+        with self._lock:
+            self.pending[seq.seq_id] = p
+            if key is not None:
+                self.keys[key_id(key)] = seq.seq_id
+        self.store.accepted(p)
+        self._submit(p)
+        return p
+
+    def find(self, rid: str) -> Pending | None:
+        return self.pending.get(rid)
+
+    def by_key(self, key: str) -> str | None:
+        return self.keys.get(key_id(key))
+
+    async def generate(self, seq: Sequence, endpoint: str = "completions",
+                       key: str | None = None) -> AsyncIterator[RequestOutput]:
+        if not self.alive:
+            raise EngineDead(f"the engine stopped: {self.error}")
+        p = self.admit(seq, endpoint, key)
+        async for out in self.follow(p.seq.seq_id, 0):
+            yield out
+
+    async def follow(self, rid: str, after: int) -> AsyncIterator[RequestOutput]:
+        """The outputs of `rid` with an index above `after`: the history first, then live
+        ones as they come. Aborts the request if the consumer stops early."""
+        p = self.pending.get(rid)
+        if p is None:
+            raise KeyError(rid)
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            backlog = [o for o in p.history if o.num_completion_tokens > after]
+            p.waiters.append((loop, q))
+        done = False
+        try:
+            for out in backlog:
+                yield out
+                if out.finished:
+                    done = True
+                    return
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.num_completion_tokens <= after:
+                    continue
+                after = item.num_completion_tokens
+                yield item
+                if item.finished:
+                    done = True
+                    return
+        finally:
+            with self._lock:
+                if (loop, q) in p.waiters:
+                    p.waiters.remove((loop, q))
+            if not done and not p.waiters and not p.finished:
+                self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            p = self.pending.pop(rid, None)
+        if p is not None and self.supervisor is not None:
+            self.supervisor.send({"op": "abort", "id": rid})
+
+    # -- from the engine processes (supervisor threads) -------------------------------------
+    def on_message(self, msg: dict) -> None:
+        op = msg.get("op")
+        if "stats" in msg:
+            self.stats = msg["stats"]
+        if op == "out":
+            for rid, tokens, text, index, finished, reason, computed, n_prompt in msg["outs"]:
+                out = RequestOutput(rid, tokens, text, finished, reason, n_prompt, index, computed)
+                self._deliver(rid, out)
+        elif op == "failed":
+            err = (ValueError if msg.get("client") else RequestFailed)(msg["error"])
+            for rid in msg["ids"]:
+                self._fail(rid, err)
+        elif op == "fatal":
+            for rid in list(self.pending):
+                self._fail(rid, RequestFailed(f"the engine failed: {msg['error']}"))
+
+    def _deliver(self, rid: str, out: RequestOutput) -> None:
+        with self._lock:
+            p = self.pending.get(rid)
+            if p is None:
+                return
+            pid = self.supervisor.active.pid if self.supervisor and self.supervisor.active else 0
+            p.prompt_computed[pid] = out.prompt_computed
+            if out.num_completion_tokens <= p.delivered:
+                return  # regenerated after a recovery: the client has it already
+            p.delivered = out.num_completion_tokens
+            p.history.append(out)
+            if out.finished:
+                p.finished = True
+                self._count_recompute(p)
+            waiters = list(p.waiters)
+        for loop, q in waiters:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _count_recompute(self, p: Pending) -> None:
+        over = sum(p.prompt_computed.values()) - p.seq.num_prompt_tokens
+        if over > 0:
+            self.recomputed_prompt_tokens += over
+
+    def _fail(self, rid: str, err: BaseException) -> None:
+        with self._lock:
+            p = self.pending.pop(rid, None)
+        if p is None:
+            return
+        p.error = err
+        for loop, q in list(p.waiters):
+            loop.call_soon_threadsafe(q.put_nowait, err)
+
+    def on_ready(self, ready: dict, timing: dict) -> None:
+        """An engine took over: requests it did not resume are submitted to it again."""
+        resumed = {r["id"]: r for r in ready["resumed"]}
+        with self._lock:
+            for r in ready["resumed"]:
+                p = self.pending.get(r["id"])
+                if p is None or (not p.history and r["completion"]):
+                    self._adopt(r, p)  # the whole server restarted: its history from the log
+            todo = [p for rid, p in self.pending.items()
+                    if rid not in resumed and not p.finished and p.sent_pid != ready["pid"]]
+        for p in todo:
+            p.history = [o for o in p.history]  # kept: indices dedupe the regenerated ones
+            self._submit(p)
+
+    def _adopt(self, r: dict, p: Pending | None) -> None:
+        """A request the log resumed whose front died with the server: its history from
+        the resumed tokens, so its client can reconnect where it stopped."""
+        if p is None:
+            rec = self._records.get(r["id"], {})
+            params = SamplingParams(**rec["params"]) if "params" in rec else SamplingParams()
+            seq = Sequence(seq_id=r["id"], token_ids=[0] * r["prompt_tokens"] + r["completion"],
+                           num_prompt_tokens=r["prompt_tokens"], params=params,
+                           seed=rec.get("seed", 0))
+            p = Pending(seq, rec.get("endpoint", "completions"), rec.get("key"))
+        text = self.spec.tokenizer.decode(r["completion"])
+        prev = 0
+        for i, (tok, emitted) in enumerate(zip(r["completion"], r["emitted"]), start=1):
+            p.history.append(RequestOutput(r["id"], [tok], text[prev:emitted], False, None,
+                                           r["prompt_tokens"], i))
+            prev = emitted
+        p.delivered = len(r["completion"])
+        self.pending[r["id"]] = p
+        if p.key:
+            self.keys[key_id(p.key)] = r["id"]
+
+    def _restore_from_store(self) -> None:
+        """After a restart: finished results (for idempotent retries) and the unfinished
+        requests no log may hold (they are resubmitted once an engine is ready)."""
+        self._records = {r["id"]: r for r in self.store.load()}
+        for rid, rec in self._records.items():
+            if rec.get("key"):
+                self.keys[key_id(rec["key"])] = rid
+            if "result" in rec:
+                self.results[rid] = rec["result"]
+                continue
+            params = SamplingParams(**rec["params"])
+            seq = Sequence(seq_id=rid, token_ids=list(rec["prompt"]),
+                           num_prompt_tokens=len(rec["prompt"]), params=params, seed=rec["seed"])
+            self.pending[rid] = Pending(seq, rec["endpoint"], rec.get("key"))
+
+    def record_result(self, rid: str, result: dict) -> None:
+        self.results[rid] = result
+        p = self.pending.get(rid) or Pending(Sequence(seq_id=rid, token_ids=[0],
+                                                      num_prompt_tokens=1,
+                                                      params=SamplingParams(), seed=0))
+        self.store.finished(p, result)
+        with self._lock:
+            self.pending.pop(rid, None)

@@ -1,0 +1,223 @@
+"""The engine processes behind the HTTP front: one active, one warm standby (PHOENIX's spare,
+applied to serving).
+
+Both are `engine_proc` processes that load the model and pay their imports and first-call
+costs at start. The active one serves and keeps the recovery log; the standby waits. When
+the active one dies (seen at once through its pidfd), the standby is told to activate: it
+replays the log and takes the crashed engine's requests over; a new standby is started
+behind it. A standby that dies is replaced. If an engine cannot start at all (the model
+does not load), the front reports it on /health and answers 503: nothing waits forever.
+
+Timings go to the run directory's event log: `engine_crash` (detect_s), `engine_recovered`
+(recover_s from detection to the new engine's ready, with the replay report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .wire import Channel
+
+
+@dataclass
+class EngineProc:
+    role: str
+    popen: subprocess.Popen
+    pidfd: int
+    log: Path
+    channel: Channel | None = None
+    ready: dict | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+class EngineSupervisor:
+    def __init__(self, model_dir: str | Path, engine_config: dict, log_dir: str | Path,
+                 work_dir: str | Path, *, threads: int | None = None,
+                 on_message: Callable[[dict], None], on_ready: Callable[[dict, dict], None],
+                 emit: Callable[..., None], ring_bytes: int = 16 << 20,
+                 compact_bytes: int = 256 << 20) -> None:
+        self.model_dir, self.engine_config = str(model_dir), engine_config
+        self.log_dir, self.work_dir = Path(log_dir), Path(work_dir)  # log: outlives engines
+        self.threads, self.ring_bytes, self.compact_bytes = threads, ring_bytes, compact_bytes
+        self.on_message, self.on_ready, self.emit = on_message, on_ready, emit
+        self._sock_dir = tempfile.mkdtemp(prefix="phoenixft-serve-")
+        self.sock_path = os.path.join(self._sock_dir, "engines.sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.sock_path)
+        self._listener.listen(8)
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self.active: EngineProc | None = None
+        self.standby: EngineProc | None = None
+        self.crashes = 0
+        self.error: str | None = None
+        self._stopped = False
+        self._pending_hello: dict[int, EngineProc] = {}
+        self.on_change: Callable[[], None] = lambda: None  # e.g. rewrite status.json
+
+    # -- processes -----------------------------------------------------------------------
+    def _spawn(self, role: str) -> EngineProc:
+        logs = self.work_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "phoenixft.serve.engine_proc", "--socket", self.sock_path,
+               "--model", self.model_dir, "--config", json.dumps(self.engine_config),
+               "--log-dir", str(self.log_dir), "--role", role, "--parent", str(os.getpid()),
+               "--ring-bytes", str(self.ring_bytes), "--compact-bytes", str(self.compact_bytes)]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
+        log = logs / f"engine-{role}-{int(time.time() * 1000)}.log"
+        with log.open("wb") as out:
+            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = EngineProc(role, p, os.pidfd_open(p.pid), log)
+        with self._lock:
+            self._pending_hello[p.pid] = proc
+        return proc
+
+    def start(self, timeout_s: float = 300.0) -> dict:
+        """Start the active engine and its standby; returns the active one's `ready`."""
+        threading.Thread(target=self._accept, daemon=True, name="phoenixft-accept").start()
+        self.active = self._spawn("active")
+        self.standby = self._spawn("standby")
+        threading.Thread(target=self._watch, daemon=True, name="phoenixft-engine-watch").start()
+        ready = self._await_ready(self.active, timeout_s)
+        self.on_ready(ready, {"recover_s": None})
+        return ready
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            ch = Channel(conn)
+            hello = ch.recv()
+            if hello is None or hello.get("op") != "hello":
+                ch.close()
+                continue
+            with self._lock:
+                proc = self._pending_hello.pop(hello["pid"], None)
+            if proc is None:
+                ch.close()
+                continue
+            proc.channel = ch
+            threading.Thread(target=self._read, args=(proc,), daemon=True,
+                             name=f"phoenixft-engine-{proc.pid}").start()
+            with self._lock:
+                self._ready.notify_all()
+            if proc.role == "standby":
+                self.emit("standby_ready", pid=proc.pid)
+                self.on_change()
+
+    def _read(self, proc: EngineProc) -> None:
+        while True:
+            msg = proc.channel.recv()
+            if msg is None:
+                return
+            if msg.get("op") == "ready":
+                with self._lock:
+                    proc.ready = msg
+                    self._ready.notify_all()
+                continue
+            if proc is self.active:
+                self.on_message(msg)
+
+    def _await_ready(self, proc: EngineProc, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while proc.ready is None:
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"the engine process exited with {proc.popen.returncode} "
+                                       f"before it was ready; see {proc.log}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"the engine process was not ready within {timeout_s:.0f}s; "
+                                       f"see {proc.log}")
+                self._ready.wait(min(left, 0.5))
+            return proc.ready
+
+    def _await_channel(self, proc: EngineProc, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while proc.channel is None:
+                if proc.popen.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the standby engine never connected; see {proc.log}")
+                self._ready.wait(0.5)
+
+    # -- failures ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopped:
+            procs = [p for p in (self.active, self.standby) if p is not None]
+            ready, _, _ = select.select([p.pidfd for p in procs], [], [], 0.5)
+            for p in procs:
+                if p.pidfd in ready:
+                    p.popen.wait()
+                    os.close(p.pidfd)
+                    if self._stopped:
+                        return
+                    if p is self.active:
+                        self._failover(p)
+                    elif p is self.standby:
+                        self.emit("standby_lost", pid=p.pid, rc=p.popen.returncode)
+                        self.standby = self._spawn("standby")
+
+    def _failover(self, dead: EngineProc) -> None:
+        t_detect = time.time()
+        self.crashes += 1
+        rc = dead.popen.returncode
+        self.emit("engine_crash", pid=dead.pid, rc=rc, crashes=self.crashes)
+        standby = self.standby
+        try:
+            if standby is None:
+                raise RuntimeError("no standby engine")
+            self._await_channel(standby, 300.0)
+            standby.channel.send({"op": "activate"})
+            self.active, self.standby = standby, None
+            ready = self._await_ready(standby, 300.0)
+        except RuntimeError as exc:
+            self.error = f"engine {dead.pid} died ({rc}) and no engine could take over: {exc}"
+            self.emit("engine_lost", error=self.error)
+            return
+        recover_s = round(time.time() - t_detect, 4)
+        self.emit("engine_recovered", pid=standby.pid, recover_s=recover_s,
+                  activate_s=ready["report"].get("activate_s"), report=ready["report"])
+        self.standby = self._spawn("standby")
+        self.on_ready(ready, {"recover_s": recover_s})
+
+    # -- commands ------------------------------------------------------------------------
+    def send(self, msg: dict) -> bool:
+        a = self.active
+        return a is not None and a.channel is not None and a.channel.send(msg)
+
+    def pids(self) -> dict:
+        s = self.standby
+        return {"engine_pid": self.active.pid if self.active else None,
+                "standby_pid": s.pid if s else None,
+                "standby_warm": s is not None and s.channel is not None}
+
+    def stop(self) -> None:
+        self._stopped = True
+        for p in (self.active, self.standby):
+            if p is not None and p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait()
+        self._listener.close()
+        try:
+            os.unlink(self.sock_path)
+            os.rmdir(self._sock_dir)
+        except OSError:
+            pass

@@ -1,0 +1,276 @@
+"""Serving through crashes with real processes and real SIGKILLs: `phoenixft serve` (a front,
+an engine process, a warm standby, a recovery log in shared memory) against clients that
+must receive exactly the tokens of an uninterrupted run, through engine crashes and
+through the death of the whole server."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from phoenixft.serve import LLM, EngineConfig, SamplingParams
+
+MAX_LEN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`phoenixft serve` in a subprocess; killed by PID (front, engines) when done."""
+
+    def __init__(self, model: Path, run_dir: Path, port: int) -> None:
+        self.run_dir, self.port = run_dir, port
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "phoenixft.serve.cli", "serve", str(model), "--port", str(port),
+             "--max-model-len", str(MAX_LEN), "--threads", "1", "--run-dir", str(run_dir),
+             "--served-model-name", "tiny"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + 120
+        while True:  # readiness is a state: /health answers ok
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server not ready")
+            time.sleep(0.05)  # polling a state with a deadline
+
+    def status(self) -> dict:
+        return json.loads((self.run_dir / "status.json").read_text())
+
+    def events(self, name: str) -> list[dict]:
+        lines = (self.run_dir / "events.jsonl").read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] == name]
+
+    def wait_standby_warm(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self.status().get("standby_warm"):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the standby engine never became warm")
+            time.sleep(0.05)  # polling status.json for a state, bounded
+
+    def kill_engine(self) -> int:
+        """SIGKILL the active engine. A standby that is still starting makes the takeover
+        slower (it is waited for), never wrong."""
+        pid = self.status()["engine_pid"]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def pids(self) -> list[int]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root.pid] + [c.pid for c in root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+        self.proc.stderr.close()
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 128) for _ in range(length + 7 * i)] for i in range(n)]
+
+
+def params(i: int, max_tokens: int) -> dict:
+    """Greedy for even requests, seeded sampling for odd ones."""
+    return ({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "seed": 100 + i}) | {
+        "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def reference(model: Path, ps: list[list[int]], max_tokens: int) -> list[str]:
+    llm = LLM(model, EngineConfig(max_model_len=MAX_LEN))
+    sps = [SamplingParams(**params(i, max_tokens)) for i in range(len(ps))]
+    return [o.text for o in llm.generate(ps, sps)]
+
+
+class SSEClient(threading.Thread):
+    """One streaming request read event by event: its texts, and its event ids."""
+
+    def __init__(self, base: str, body: dict | None = None, *, resume: tuple[str, int] | None = None):
+        super().__init__(daemon=True)
+        self.base, self.body, self.resume = base, body, resume
+        self.texts: list[str] = []
+        self.ids: list[int] = []
+        self.rid: str | None = None
+        self.done = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if self.resume is None:
+                req = ("POST", self.base + "/v1/completions", {"json": self.body})
+            else:
+                rid, after = self.resume
+                req = ("GET", f"{self.base}/v1/streams/{rid}",
+                       {"headers": {"Last-Event-ID": str(after)}})
+            with httpx.stream(req[0], req[1], timeout=120, **req[2]) as r:
+                assert r.status_code == 200, r.read()
+                self.rid = r.headers["x-request-id"]
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        self.ids.append(int(line[4:]))
+                    elif line.startswith("data: {"):
+                        d = json.loads(line[6:])
+                        assert "error" not in d, d
+                        if d["choices"]:
+                            self.texts.append(d["choices"][0]["text"])
+                    elif line == "data: [DONE]":
+                        self.done = True
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            self.error = exc
+
+
+def wait_tokens(clients, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while min(len(c.texts) for c in clients) < n:
+        assert not any(c.done for c in clients), "a stream finished before the fault"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"streams did not reach {n} tokens")
+        time.sleep(0.01)  # polling the clients' progress (a state), bounded
+
+
+@pytest.mark.timeout(420)
+def test_engine_killed_three_times_clients_get_the_uninterrupted_tokens(long_model, tmp_path):
+    max_tokens = 320
+    ps = prompts(8, 300)
+    ref = reference(long_model, ps, max_tokens)
+    server = Server(long_model, tmp_path / "run", free_port())
+    try:
+        clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
+                                           **params(i, max_tokens)}) for i, p in enumerate(ps[:7])]
+        official: dict = {}
+
+        def openai_client() -> None:  # the eighth request: the official client
+            c = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0,
+                              timeout=120)
+            stream = c.completions.create(model="tiny", prompt=ps[7], stream=True,
+                                          extra_body={"ignore_eos": True},
+                                          **{k: v for k, v in params(7, max_tokens).items()
+                                             if k != "ignore_eos"})
+            official["text"] = "".join(ch.choices[0].text for ch in stream if ch.choices)
+
+        t8 = threading.Thread(target=openai_client, daemon=True)
+        server.wait_standby_warm()
+        for c in clients:
+            c.start()
+        t8.start()
+        killed = []
+        for n in (20, 90, 180):
+            wait_tokens(clients, n)
+            killed.append(server.kill_engine())
+        for c in clients:
+            c.join(180)
+        t8.join(180)
+        for i, c in enumerate(clients):
+            assert c.error is None and c.done, (i, c.error)
+            assert "".join(c.texts) == ref[i], f"request {i} differs from the uninterrupted run"
+            assert c.ids == list(range(1, max_tokens + 1))  # no gap, no duplicate
+        assert official["text"] == ref[7]
+        recovered = server.events("engine_recovered")
+        assert [e["report"]["resumed"] for e in recovered] == [8, 8, 8]
+        metrics = httpx.get(server.base + "/metrics").text
+        assert "phoenixft_prompt_tokens_recomputed 0.0" in metrics
+        assert "phoenixft_engine_crashes 3.0" in metrics
+        assert len(set(killed)) == 3 and server.status()["engine_pid"] not in killed
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(420)
+def test_the_whole_server_killed_and_restarted_clients_resume(long_model, tmp_path):
+    max_tokens = 240
+    ps = prompts(5, 250, seed=1)
+    ref = reference(long_model, ps, max_tokens)
+    run_dir, port = tmp_path / "run", free_port()
+    server = Server(long_model, run_dir, port)
+    clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
+                                       **params(i, max_tokens)}) for i, p in enumerate(ps[:4])]
+    key = "retry-me-0001"
+    first_try: dict = {}
+
+    def idempotent() -> None:
+        try:
+            first_try["r"] = httpx.post(server.base + "/v1/completions", timeout=120,
+                                        headers={"Idempotency-Key": key},
+                                        json={"model": "tiny", "prompt": ps[4],
+                                              **params(4, max_tokens)})
+        except httpx.TransportError as exc:
+            first_try["error"] = exc
+
+    try:
+        for c in clients:
+            c.start()
+        t = threading.Thread(target=idempotent, daemon=True)
+        t.start()
+        wait_tokens(clients, 40)
+        pids = server.pids()
+        server.stop()  # front and both engines SIGKILLed
+        t.join(30)
+        assert "error" in first_try  # the client saw the server die
+        for c in clients:
+            c.join(30)
+        assert not any(c.done for c in clients)
+
+        def alive(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids):  # SIGKILLed processes take a moment to go
+            assert time.monotonic() < deadline, "the old server's processes lived on"
+            time.sleep(0.05)
+        server = Server(long_model, run_dir, port)  # the same run dir: the log is found
+        again = [SSEClient(server.base, resume=(c.rid, c.ids[-1])) for c in clients]
+        for c in again:
+            c.start()
+        retry = httpx.post(server.base + "/v1/completions", timeout=180,
+                           headers={"Idempotency-Key": key},
+                           json={"model": "tiny", "prompt": ps[4], **params(4, max_tokens)})
+        for c in again:
+            c.join(180)
+        for i, (c, d) in enumerate(zip(clients, again)):
+            assert d.error is None and d.done, (i, d.error)
+            assert "".join(c.texts + d.texts) == ref[i]
+            assert c.ids + d.ids == list(range(1, max_tokens + 1))
+        assert retry.status_code == 200, retry.text
+        assert retry.json()["choices"][0]["text"] == ref[4]
+        ready = server.events("engine_ready")
+        assert ready[-1]["resumed"] >= 5  # every request came back from the log
+        # asked once more, the finished request is answered from the run directory
+        again_r = httpx.post(server.base + "/v1/completions", timeout=60,
+                             headers={"Idempotency-Key": key},
+                             json={"model": "tiny", "prompt": ps[4], **params(4, max_tokens)})
+        assert again_r.json() == retry.json()
+    finally:
+        server.stop()

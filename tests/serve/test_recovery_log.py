@@ -1,0 +1,138 @@
+"""The recovery log in one process: record while generating, rebuild a fresh engine from
+the log alone, and finish with exactly the tokens of an uninterrupted run; damaged logs
+are cut at their last valid commit; the ring's back-pressure never loses a step."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from phoenixft.serve import LLM, EngineConfig, SamplingParams
+from phoenixft.serve.engine import LLMEngine
+from phoenixft.serve.log import KV, _scan, replay, segments
+from phoenixft.serve.recorder import Recorder
+from phoenixft.serve.recovery import recover
+from phoenixft.serve.ring import Ring
+
+CFG = EngineConfig(block_size=4, num_blocks=96, max_model_len=128)
+PROMPTS = [list(range(3, 40)), list(range(50, 61)), [7, 8, 9, 10, 11] * 6]
+PARAMS = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=30, temperature=0.9, seed=5, ignore_eos=True),
+          SamplingParams(max_tokens=20, temperature=0.7, top_k=20, seed=11, ignore_eos=True)]
+
+
+def reference(path) -> dict[str, list[int]]:
+    outs = LLM(path, CFG).generate(PROMPTS, PARAMS)
+    return {f"r{i}": o.token_ids for i, o in enumerate(outs)}
+
+
+def recording_engine(path, log_dir, **kw) -> LLMEngine:
+    eng = LLMEngine(path, CFG)
+    eng.recorder = Recorder(eng, log_dir, **kw)
+    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
+        eng.add_request(f"r{i}", p, sp)
+    return eng
+
+
+def finish(eng: LLMEngine, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def generated(eng: LLMEngine) -> dict[str, list[int]]:
+    return {sid: list(s.completion_token_ids) for sid, s in eng.seqs.items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_engine_resumes_from_the_log_token_for_token(hf_models, tmp_path):
+    path = hf_models["llama"][0]
+    ref = reference(path)
+    eng = recording_engine(path, tmp_path / "log", compact_bytes=12_000)
+    for _ in range(9):
+        eng.step()
+    assert eng.recorder.drain()
+    assert eng.recorder.stats.checkpoints >= 2  # compaction ran while serving
+    assert len(segments(tmp_path / "log")) == 1  # and dropped the older segments
+    before = generated(eng)
+    eng.recorder.close()  # the process is gone; only the log is left
+    new = LLMEngine(path, CFG)
+    report = recover(new, tmp_path / "log")
+    assert sorted(report.resumed) == sorted(before) and not report.damage
+    assert generated(new) == before
+    tokens = finish(new, {sid: list(t) for sid, t in before.items()})
+    assert tokens == ref
+    assert all(s.prompt_computed == 0 for s in new.scheduler.running)  # no prompt recomputed
+
+
+@pytest.mark.timeout(120)
+def test_torn_tail_and_damaged_record_cut_at_the_last_valid_commit(hf_models, tmp_path):
+    path = hf_models["llama"][0]
+    ref = reference(path)
+    log_dir = tmp_path / "log"
+    eng = recording_engine(path, log_dir, compact_bytes=1 << 30)
+    for _ in range(10):
+        eng.step()
+    assert eng.recorder.drain()
+    eng.recorder.close()
+    seg = segments(log_dir)[-1]
+    full = replay(log_dir)
+    # a flipped byte in the middle of epoch 6's KV record (its payload ends at `end`)
+    end = next(end for rec, end in _scan(seg) if rec.kind == KV and rec.epoch == 6)
+    data = bytearray(seg.read_bytes())
+    data[end - 40] ^= 0x01
+    seg.write_bytes(bytes(data[:-7]))  # and the last record cut short
+    rep = replay(log_dir)
+    assert len(rep.damage) == 2, rep.damage  # both reported
+    assert "checksum mismatch" in rep.damage[0] and "torn" in rep.damage[1]
+    assert rep.last_commit == 5 < full.last_commit
+    new = LLMEngine(path, CFG)
+    report = recover(new, log_dir)
+    assert report.damage and report.last_commit == rep.last_commit
+    resumed = generated(new)
+    tokens = finish(new, {sid: list(t) for sid, t in resumed.items()})
+    assert tokens == ref  # what the lost epochs covered was computed again, identically
+    assert not replay(log_dir).damage  # the log now ends at that commit
+
+
+def test_ring_wraps_and_refuses_when_full_without_losing_anything(tmp_path):
+    ring = Ring(tmp_path / "ring", capacity=256)
+    assert ring.push(1, 0, b"a" * 100) and ring.push(1, 1, b"b" * 100)
+    assert not ring.push(1, 2, b"c" * 100)  # full: refused, not dropped
+    assert ring.full == 1
+    assert ring.pop() == (1, 0, b"a" * 100)
+    assert ring.push(1, 2, b"c" * 100)  # wraps around the end
+    assert ring.pop() == (1, 1, b"b" * 100) and ring.pop() == (1, 2, b"c" * 100)
+    assert ring.pop() is None
+    with pytest.raises(ValueError, match="cannot fit"):
+        ring.push(1, 3, b"x" * 300)
+
+
+@pytest.mark.timeout(120)
+def test_a_full_ring_merges_steps_and_memory_stays_bounded(hf_models, tmp_path):
+    """A tiny ring and a stalled executor: steps are merged into later ones (counted), the
+    ring never grows, and once the executor runs the log still resumes exactly."""
+    path = hf_models["llama"][0]
+    ref = reference(path)
+    eng = recording_engine(path, tmp_path / "log", ring_bytes=2_600, compact_bytes=1 << 30)
+    rec = eng.recorder
+    rec._stop.set()  # the executor stops taking tasks: the ring fills up
+    rec._wake.set()
+    rec._thread.join(5)
+    for _ in range(12):
+        eng.step()
+    assert rec.stats.coalesced > 0 and rec.ring.used <= rec.ring.capacity
+    assert os.path.getsize(tmp_path / "log" / "ring") == 64 + rec.ring.capacity
+    rec._stop.clear()  # the executor comes back and drains what was kept
+    rec._thread = __import__("threading").Thread(target=rec._run, daemon=True)
+    rec._thread.start()
+    eng.step()
+    assert rec.drain()
+    before = generated(eng)
+    rec.close()
+    new = LLMEngine(path, CFG)
+    recover(new, tmp_path / "log")
+    assert generated(new) == before
+    assert finish(new, {k: list(v) for k, v in before.items()}) == ref
