@@ -29,6 +29,14 @@ import xxhash
 from .sequence import Sequence
 
 
+def chain_root(seq: Sequence) -> int | None:
+    """What a sequence's first block hash chains from: a request with an adapter computes
+    different K/V for the same tokens, so its cached prefixes are its adapter version's."""
+    if seq.adapter is None:
+        return None
+    return xxhash.xxh64_intdigest(f"{seq.adapter}\0{seq.adapter_version}".encode())
+
+
 def block_hash(prev: int | None, tokens: list[int] | tuple[int, ...]) -> int:
     """Chained hash of a full block: it identifies the whole prefix, not just the block."""
     data = array("q", [-1 if prev is None else prev - (1 << 63), *tokens]).tobytes()
@@ -87,7 +95,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         if not self.can_allocate(seq):
             raise RuntimeError("allocate called without can_allocate")
-        bs, table, prev, hit = self.block_size, [], None, self.enable_prefix_caching
+        bs, table, prev, hit = self.block_size, [], chain_root(seq), self.enable_prefix_caching
         for i in range(self.blocks_needed(len(seq))):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block = None
@@ -155,7 +163,7 @@ class BlockManager:
                 rng[0], rng[1] = min(rng[0], lo), max(rng[1], hi)
             if (self.enable_prefix_caching and (i + 1) * bs <= end
                     and self.hashes[block] is None):
-                prev = self.hashes[seq.block_table[i - 1]] if i else None
+                prev = self.hashes[seq.block_table[i - 1]] if i else chain_root(seq)
                 if i and prev is None:
                     continue
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .adapters import AdapterStore, read_adapter_file
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .loader import load_model
@@ -60,6 +61,8 @@ class LLMEngine:
         self._last_step: list[Sequence] = []  # what the current or last step computes
         self._before: list[tuple[int, int]] = []  # their (tokens, computed) before it
         self.recorder = None  # the recovery log (recorder.py), when serving keeps one
+        self.adapters = AdapterStore()
+        self.runner.adapters = self.adapters
 
     @property
     def max_model_len(self) -> int:
@@ -72,16 +75,35 @@ class LLMEngine:
         return self.spec.make_sequence(request_id, prompt, params, keep_logits,
                                        add_special_tokens)
 
+    def load_adapter(self, name: str, path: str | Path) -> int:
+        """Load (or replace: a new version) the adapter `name` from a file; returns its
+        version. Requests admitted from now on use it; running ones keep theirs."""
+        tensors, scale = read_adapter_file(path, self.model_config)
+        adapter = self.adapters.load(name, tensors, scale)
+        if self.recorder is not None:
+            self.recorder.log_adapter(adapter)
+        return adapter.version
+
     def add_sequence(self, seq: Sequence) -> None:
         if seq.seq_id in self.seqs:
             raise ValueError(f"request id {seq.seq_id!r} is already in use")
+        if seq.adapter is not None:
+            if seq.adapter not in self.adapters.current:
+                raise ValueError(f"no adapter named {seq.adapter!r} is loaded")
+            if not seq.adapter_version:  # pinned at admission (resumed ones keep theirs)
+                seq.adapter_version = self.adapters.current[seq.adapter]
+            if (seq.adapter, seq.adapter_version) not in self.adapters.versions:
+                raise ValueError(f"adapter {seq.adapter!r} version {seq.adapter_version} is "
+                                 "no longer loaded")
         self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    keep_logits: bool = False, add_special_tokens: bool = True) -> Sequence:
+                    keep_logits: bool = False, add_special_tokens: bool = True,
+                    adapter: str | None = None) -> Sequence:
         """Validate and queue a request (``make_sequence`` then ``add_sequence``)."""
         seq = self.make_sequence(request_id, prompt, params, keep_logits, add_special_tokens)
+        seq.adapter = adapter
         self.add_sequence(seq)
         return seq
 
@@ -101,6 +123,9 @@ class LLMEngine:
         outputs = self._compute(seqs) if seqs else []
         if self.recorder is not None:
             self.recorder.end_step()
+        if len(self.adapters.versions) > len(self.adapters.current):
+            self.adapters.prune({(s.adapter, s.adapter_version) for s in self.seqs.values()
+                                 if s.adapter})
         return outputs
 
     def install(self, waiting: list[Sequence], running: list[Sequence]) -> None:

@@ -72,7 +72,8 @@ class EngineServer:
         resumed = [{"id": s.seq_id, "prompt_tokens": s.num_prompt_tokens,
                     "completion": s.completion_token_ids, "emitted": s.emitted}
                    for s in self.engine.seqs.values()]
-        return {"report": report.as_dict(), "resumed": resumed}
+        return {"report": report.as_dict(), "resumed": resumed,
+                "adapters": dict(self.engine.adapters.current)}
 
     def read(self) -> None:
         """Reader thread: the front's commands; the front gone means this process ends."""
@@ -94,13 +95,21 @@ class EngineServer:
                 try:
                     seq = self.engine.spec.make_sequence(msg["id"], msg["prompt"],
                                                          SamplingParams(**msg["params"]))
-                    seq.seed = msg["seed"]
+                    seq.seed, seq.adapter = msg["seed"], msg.get("adapter")
+                    seq.adapter_version = msg.get("adapter_version") or 0
                     self.engine.add_sequence(seq)
                 except ValueError as exc:
                     self.ch.send({"op": "failed", "ids": [msg["id"]], "error": str(exc),
                                   "client": True})
             elif msg["op"] == "abort":
                 self.engine.abort(msg["id"])
+            elif msg["op"] == "load_adapter":
+                try:
+                    version = self.engine.load_adapter(msg["name"], msg["path"])
+                    self.ch.send({"op": "adapter", "token": msg["token"], "name": msg["name"],
+                                  "version": version})
+                except ValueError as exc:
+                    self.ch.send({"op": "adapter_error", "token": msg["token"], "error": str(exc)})
 
     def _step(self) -> list:
         try:

@@ -32,7 +32,7 @@ from .api_errors import APIError, error_body
 from .async_engine import EngineDead, RequestFailed
 from .engine import RequestOutput
 from .metrics import ServeMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, _Common
+from .protocol import ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, _Common
 from .remote import RemoteEngine
 from .sequence import Sequence
 from .spec import EngineSpec
@@ -57,9 +57,11 @@ class OpenAIHandlers:
     # -- shared steps ---------------------------------------------------------------------
     def _sequence(self, body: _Common, prompt: str | list[int], default_max: int | None,
                   add_special_tokens: bool = True) -> Sequence:
-        if body.model not in self.aliases:
+        adapter = body.model if body.model in self.backend.adapters else None
+        if body.model not in self.aliases and adapter is None:
             raise APIError(404, f"the model {body.model!r} does not exist; this server "
-                           f"serves {self.name!r}", "model_not_found", param="model")
+                           f"serves {self.name!r} and the adapters "
+                           f"{sorted(self.backend.adapters)}", "model_not_found", param="model")
         if not self.backend.alive:
             raise APIError(503, f"the engine stopped: {self.backend.error}", "engine_dead",
                            "server_error")
@@ -70,7 +72,10 @@ class OpenAIHandlers:
             if max_tokens is None:
                 max_tokens = default_max or max(1, self.spec.max_model_len - len(ids))
             params = body.sampling_params(max_tokens)
-            return self.spec.make_sequence(f"req-{uuid.uuid4().hex}", ids, params)
+            seq = self.spec.make_sequence(f"req-{uuid.uuid4().hex}", ids, params)
+            if adapter is not None:  # pinned now: a resubmission after a crash keeps it
+                seq.adapter, seq.adapter_version = adapter, self.backend.adapters[adapter]
+            return seq
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
 
@@ -223,10 +228,22 @@ class OpenAIHandlers:
                                  media_type="text/event-stream",
                                  headers={"X-Request-Id": request_id})
 
+    async def load_lora_adapter(self, body: LoadAdapterRequest):
+        """Load, or replace while serving, a LoRA-style adapter (vLLM's endpoint). Requests
+        name it as their `model`; running requests keep the version they started with."""
+        try:
+            version = await self.backend.load_adapter(body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_adapter", param="lora_path") from exc
+        except (EngineDead, TimeoutError) as exc:
+            raise APIError(503, str(exc), "engine_unavailable", "server_error") from exc
+        return {"lora_name": body.lora_name, "version": version}
+
     async def models(self):
-        return {"object": "list", "data": [{"id": self.name, "object": "model",
-                                            "created": self.created, "owned_by": "phoenixft",
-                                            "max_model_len": self.spec.max_model_len}]}
+        base = {"object": "model", "created": self.created, "owned_by": "phoenixft",
+                "max_model_len": self.spec.max_model_len}
+        return {"object": "list", "data": [{"id": self.name, **base}] + [
+            {"id": a, "parent": self.name, **base} for a in sorted(self.backend.adapters)]}
 
     async def health(self):
         st = self.backend.stats

@@ -88,6 +88,7 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
     app.post("/v1/completions")(h.completions)
     app.post("/v1/chat/completions")(h.chat_completions)
     app.get("/v1/streams/{request_id}")(h.resume_stream)
+    app.post("/v1/load_lora_adapter")(h.load_lora_adapter)
     app.get("/v1/models")(h.models)
     app.get("/health")(h.health)
     app.get("/metrics")(h.prometheus)

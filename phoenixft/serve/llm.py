@@ -38,13 +38,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def load_adapter(self, name: str, path: str | Path) -> int:
+        """Load a LoRA-style adapter (adapters.py) under `name`; returns its version."""
+        return self.engine.load_adapter(name, path)
+
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 keep_logits: bool = False) -> list[CompletionOutput]:
+                 keep_logits: bool = False, adapter: str | None = None) -> list[CompletionOutput]:
         """Generate for every prompt (text or token ids) with continuous batching.
 
         ``keep_logits`` keeps each generated token's logits (what the tests compare with
-        transformers).
+        transformers); ``adapter`` names a loaded adapter to apply.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -57,7 +61,7 @@ class LLM:
         for prompt, p in zip(prompts, plist):
             self._counter += 1
             seqs.append(self.engine.add_request(f"llm-{self._counter}", prompt, p,
-                                                keep_logits=keep_logits))
+                                                keep_logits=keep_logits, adapter=adapter))
         while self.engine.has_unfinished():
             self.engine.step()
         return [CompletionOutput(s.prompt_token_ids, s.completion_token_ids, s.output_text,

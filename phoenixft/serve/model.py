@@ -12,7 +12,7 @@ q and k before RoPE).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,7 @@ class AttentionMetadata:
     cos: torch.Tensor
     sin: torch.Tensor
     groups: list[AttentionGroup]
+    adapters: list = field(default_factory=list)  # (Adapter, token rows) per adapter version
 
 
 class RMSNorm(nn.Module):
@@ -87,8 +88,9 @@ class MLP(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         hd = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, hd)
@@ -105,7 +107,14 @@ class PagedAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        for adapter, rows in meta.adapters:  # LoRA on q and v, for the rows that use it
+            xa = x.index_select(0, rows)
+            aq, bq = adapter.pair(self.layer, "q")
+            av, bv = adapter.pair(self.layer, "v")
+            qkv[rows, :self.q_size] += adapter.scale * ((xa @ aq.T) @ bq.T)
+            qkv[rows, self.q_size + self.kv_size:] += adapter.scale * ((xa @ av.T) @ bv.T)
+        qkv = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -154,9 +163,9 @@ class PagedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = PagedAttention(cfg)
+        self.self_attn = PagedAttention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -171,7 +180,7 @@ class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -71,6 +71,11 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+class LoadAdapterRequest(_Body):
+    lora_name: str
+    lora_path: str
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None

@@ -29,12 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .log import COMMIT, FULL, KV, STATE, LogWriter
+from .log import ADAPTER, COMMIT, FULL, KV, STATE, LogWriter
 from .regions import KVRegion, StateRegion, dirty_ranges
 from .ring import Ring
 
 _TASK = struct.Struct("<II")  # flags, number of KV ranges
-TASK_EPOCH = 1
+TASK_EPOCH, TASK_ADAPTER = 1, 2
+ADAPTER_REGION = 3
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Recorder:
         self.failed: str | None = None
         self._since_checkpoint = 0
         self._want_full = True  # the first epoch of a writer is a full checkpoint
+        self._adapters_pending: list[tuple[str, int]] = []  # loaded, not yet on the ring
         self._wake = threading.Event()
         self._stop = threading.Event()
         engine.block_manager.hold_epoch = self.epoch
@@ -77,11 +79,29 @@ class Recorder:
         self._thread.start()
 
     # -- the decode loop's side ------------------------------------------------------------
+    def log_adapter(self, adapter) -> None:
+        """An adapter version was loaded: it is logged before any epoch that uses it (its
+        tensors are read by the executor: a version never changes once loaded)."""
+        self._adapters_pending.append((adapter.name, adapter.version))
+        self._push_adapters()
+
+    def _push_adapters(self) -> bool:
+        while self._adapters_pending:
+            name, version = self._adapters_pending[0]
+            if not self.ring.push(TASK_ADAPTER, self.epoch, json.dumps([name, version]).encode()):
+                return False
+            self._adapters_pending.pop(0)
+            self._wake.set()
+        return True
+
     def end_step(self) -> None:
         eng, bm = self.engine, self.engine.block_manager
         if self.failed is not None:
             return
         bm.release(self.processed)
+        if not self._push_adapters():  # an epoch may use them: it waits for them
+            self.stats.coalesced += 1
+            return
         full = self._want_full
         waiting = [s.seq_id for s in eng.scheduler.waiting]
         running = [s.seq_id for s in eng.scheduler.running]
@@ -118,7 +138,17 @@ class Recorder:
                 self._fail(f"{type(exc).__name__}: {exc}")
                 return
 
+    def _write_adapter(self, epoch: int, adapter) -> None:
+        meta = json.dumps({"name": adapter.name, "version": adapter.version,
+                           "scale": adapter.scale}).encode()
+        self.writer.append(ADAPTER, epoch, struct.pack("<I", len(meta)) + meta + adapter.to_bytes(),
+                           region=ADAPTER_REGION)
+
     def _write(self, kind: int, epoch: int, payload: bytes) -> None:
+        if kind == TASK_ADAPTER:
+            name, version = json.loads(payload)
+            self._write_adapter(epoch, self.engine.adapters.get(name, version))
+            return
         t0 = time.perf_counter()
         flags, n = _TASK.unpack_from(payload, 0)
         ranges = np.frombuffer(payload, dtype="<i8", count=3 * n, offset=_TASK.size).reshape(n, 3)
@@ -126,6 +156,8 @@ class Recorder:
         full = bool(flags & FULL)
         if full:
             segment = self.writer.rotate()
+            for adapter in list(self.engine.adapters.versions.values()):
+                self._write_adapter(epoch, adapter)  # the new segment stands alone
         before = self.writer.bytes_written
         if n:
             self.writer.append(KV, epoch, self.kv.capture(ranges), region=KVRegion.region_id)

@@ -9,11 +9,14 @@ same). The log is then cut at that commit, so the next writer continues a valid 
 
 from __future__ import annotations
 
+import json
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .log import FULL, KV, STATE, cut_after_commit, replay
+from .adapters import Adapter
+from .log import ADAPTER, FULL, KV, STATE, cut_after_commit, replay
 from .regions import KVRegion, StateTable
 
 
@@ -26,6 +29,7 @@ class RecoveryReport:
     damage: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
     waiting: int = 0
+    adapters: int = 0
     next_seq: int = 0
     seconds: float = 0.0
 
@@ -33,6 +37,7 @@ class RecoveryReport:
         return {"last_commit": self.last_commit, "records": self.records,
                 "kv_records": self.kv_records, "dropped_records": self.dropped_records,
                 "damage": self.damage, "resumed": len(self.resumed), "waiting": self.waiting,
+                "adapters": self.adapters,
                 "seconds": round(self.seconds, 4)}
 
 
@@ -50,6 +55,11 @@ def recover(engine, log_dir: str | Path) -> RecoveryReport:
             out.kv_records += 1
         elif r.kind == STATE:
             table.apply(r.payload, bool(r.flags & FULL))
+        elif r.kind == ADAPTER:
+            (n,) = struct.unpack_from("<I", r.payload, 0)
+            meta = json.loads(r.payload[4:4 + n])
+            engine.adapters.install(Adapter.from_bytes(r.payload[4 + n:], meta))
+            out.adapters += 1
     waiting, running = table.sequences()
     engine.install(waiting, running)
     cut_after_commit(log_dir, rep)

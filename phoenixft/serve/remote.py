@@ -26,6 +26,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,7 +71,8 @@ class RequestStore:
         s = p.seq
         self._write(s.seq_id, {"id": s.seq_id, "endpoint": p.endpoint, "key": p.key,
                                "prompt": s.prompt_token_ids, "params": asdict(s.params),
-                               "seed": s.seed, "created": time.time()})
+                               "seed": s.seed, "adapter": s.adapter,
+                               "adapter_version": s.adapter_version, "created": time.time()})
 
     def finished(self, p: Pending, result: dict) -> None:
         if self.dir is None:
@@ -108,6 +110,8 @@ class RemoteEngine:
         self.keys: dict[str, str] = {}  # idempotency key digest -> request id
         self.stats: dict = {}
         self.recomputed_prompt_tokens = 0
+        self.adapters: dict[str, int] = {}  # name -> current version
+        self._replies: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()
         self._restore_from_store()
 
@@ -134,7 +138,8 @@ class RemoteEngine:
         p.sent_pid = sup.active.pid if sup is not None and sup.active is not None else None
         if sup is not None:
             sup.send({"op": "add", "id": s.seq_id, "prompt": s.prompt_token_ids,
-                      "params": asdict(s.params), "seed": s.seed})
+                      "params": asdict(s.params), "seed": s.seed, "adapter": s.adapter,
+                      "adapter_version": s.adapter_version})
 
     def admit(self, seq: Sequence, endpoint: str, key: str | None = None) -> Pending:
         p = Pending(seq, endpoint, key)
@@ -145,6 +150,24 @@ class RemoteEngine:
         self.store.accepted(p)
         self._submit(p)
         return p
+
+    async def load_adapter(self, name: str, path: str, timeout_s: float = 120.0) -> int:
+        """Ask the active engine to load (or replace) an adapter; its new version."""
+        token = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._replies[token] = (loop, fut)
+        try:
+            if not self.supervisor.send({"op": "load_adapter", "name": name, "path": path,
+                                         "token": token}):
+                raise EngineDead("no engine is running")
+            msg = await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._replies.pop(token, None)
+        if msg["op"] == "adapter_error":
+            raise ValueError(msg["error"])
+        self.adapters[name] = msg["version"]
+        return msg["version"]
 
     def find(self, rid: str) -> Pending | None:
         return self.pending.get(rid)
@@ -215,6 +238,10 @@ class RemoteEngine:
             err = (ValueError if msg.get("client") else RequestFailed)(msg["error"])
             for rid in msg["ids"]:
                 self._fail(rid, err)
+        elif op in ("adapter", "adapter_error"):
+            loop, fut = self._replies.get(msg["token"], (None, None))
+            if fut is not None:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(msg))
         elif op == "fatal":
             for rid in list(self.pending):
                 self._fail(rid, RequestFailed(f"the engine failed: {msg['error']}"))
@@ -254,6 +281,11 @@ class RemoteEngine:
     def on_ready(self, ready: dict, timing: dict) -> None:
         """An engine took over: requests it did not resume are submitted to it again."""
         resumed = {r["id"]: r for r in ready["resumed"]}
+        self.adapters.update(ready.get("adapters", {}))
+        for loop, fut in list(self._replies.values()):  # asked of an engine that died
+            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(
+                {"op": "adapter_error", "error": "the engine restarted before it answered; "
+                 "load the adapter again"}))
         with self._lock:
             for r in ready["resumed"]:
                 p = self.pending.get(r["id"])
@@ -298,7 +330,8 @@ class RemoteEngine:
                 continue
             params = SamplingParams(**rec["params"])
             seq = Sequence(seq_id=rid, token_ids=list(rec["prompt"]),
-                           num_prompt_tokens=len(rec["prompt"]), params=params, seed=rec["seed"])
+                           num_prompt_tokens=len(rec["prompt"]), params=params, seed=rec["seed"],
+                           adapter=rec.get("adapter"), adapter_version=rec.get("adapter_version", 0))
             self.pending[rid] = Pending(seq, rec["endpoint"], rec.get("key"))
 
     def record_result(self, rid: str, result: dict) -> None:

@@ -29,6 +29,7 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape)
         self.cos, self.sin = rope_tables(mc.head_dim, torch.arange(config.max_model_len),
                                          mc.rope_theta)
+        self.adapters = None  # the engine's AdapterStore
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -93,12 +94,26 @@ class ModelRunner:
             slots.append(sl)
             start = g.end
         pos = torch.cat(positions) if len(positions) > 1 else positions[0]
+        q_lens = torch.tensor([len(s) - s.num_computed_tokens for s in seqs])
         meta = AttentionMetadata(
             positions=pos, slot_mapping=torch.cat(slots) if len(slots) > 1 else slots[0],
-            cos=self.cos[pos][:, None, :], sin=self.sin[pos][:, None, :], groups=groups)
-        q_lens = torch.tensor([len(s) - s.num_computed_tokens for s in seqs])
+            cos=self.cos[pos][:, None, :], sin=self.sin[pos][:, None, :], groups=groups,
+            adapters=self._adapter_rows(seqs, q_lens))
         last = torch.cumsum(q_lens, 0) - 1
         return torch.tensor(ids, dtype=torch.long), meta, last
+
+    def _adapter_rows(self, seqs: list[Sequence], q_lens: torch.Tensor) -> list:
+        """(adapter version, its token rows in the flat batch), for sequences using one."""
+        if self.adapters is None or not any(s.adapter for s in seqs):
+            return []
+        ends = torch.cumsum(q_lens, 0).tolist()
+        rows: dict[tuple[str, int], list[int]] = {}
+        start = 0
+        for s, end in zip(seqs, ends):
+            if s.adapter:
+                rows.setdefault((s.adapter, s.adapter_version), []).extend(range(start, end))
+            start = end
+        return [(self.adapters.get(*key), torch.tensor(r)) for key, r in rows.items()]
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], all_logits: bool = False) -> torch.Tensor:

@@ -38,6 +38,8 @@ class Sequence:
     output_text: str = ""
     num_emitted_chars: int = 0
     emitted: list[int] = field(default_factory=list)  # num_emitted_chars after each token
+    adapter: str | None = None  # the LoRA adapter it uses (adapters.py), by name
+    adapter_version: int = 0  # pinned when it is admitted
     prompt_computed: int = 0  # prompt tokens computed for it by this engine (not cached)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
@@ -73,6 +75,7 @@ class Sequence:
                 "num_computed_tokens": self.num_computed_tokens,
                 "finish_reason": self.finish_reason, "output_text": self.output_text,
                 "num_emitted_chars": self.num_emitted_chars,
+                "adapter": self.adapter, "adapter_version": self.adapter_version,
                 "num_preemptions": self.num_preemptions}
 
     @classmethod

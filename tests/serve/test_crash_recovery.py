@@ -274,3 +274,70 @@ def test_the_whole_server_killed_and_restarted_clients_resume(long_model, tmp_pa
         assert again_r.json() == retry.json()
     finally:
         server.stop()
+
+
+def write_adapter(model: Path, out: Path, seed: int, rank: int = 4) -> Path:
+    """Random LoRA tensors of the model's shapes (adapters.py's file format)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model / "config.json").read_text())
+    hidden, hd = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    width = {"q": cfg["num_attention_heads"] * hd, "v": cfg["num_key_value_heads"] * hd}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for p, w in width.items():
+            tensors[f"layers.{i}.{p}.lora_A"] = torch.randn(rank, hidden, generator=g) * 0.3
+            tensors[f"layers.{i}.{p}.lora_B"] = torch.randn(w, rank, generator=g) * 0.3
+    save_file(tensors, str(out), metadata={"scale": "2.0"})
+    return out
+
+
+@pytest.mark.timeout(420)
+def test_an_adapter_replaced_mid_stream_then_a_crash_keeps_each_requests_version(
+        long_model, tmp_path):
+    max_tokens = 200
+    ps = prompts(5, 180, seed=2)
+    a, b = write_adapter(long_model, tmp_path / "a.safetensors", 1), \
+        write_adapter(long_model, tmp_path / "b.safetensors", 2)
+    llm = LLM(long_model, EngineConfig(max_model_len=MAX_LEN))
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    base = llm.generate(ps[:1], greedy)[0].text
+    llm.load_adapter("ad", a)
+    ref_a = [o.text for o in llm.generate(ps[:3], greedy, adapter="ad")]
+    llm.load_adapter("ad", b)
+    ref_b = [o.text for o in llm.generate(ps[3:], greedy, adapter="ad")]
+    assert ref_a[0] != base  # the adapter changes what the model says
+    server = Server(long_model, tmp_path / "run", free_port())
+    try:
+        r = httpx.post(server.base + "/v1/load_lora_adapter", json={"lora_name": "ad",
+                                                                   "lora_path": str(a)})
+        assert r.json() == {"lora_name": "ad", "version": 1}
+        server.wait_standby_warm()
+        body = {"model": "ad", "stream": True, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True}
+        first = [SSEClient(server.base, {**body, "prompt": p}) for p in ps[:3]]
+        for c in first:
+            c.start()
+        wait_tokens(first, 20)
+        r = httpx.post(server.base + "/v1/load_lora_adapter", json={"lora_name": "ad",
+                                                                   "lora_path": str(b)})
+        assert r.json()["version"] == 2
+        second = [SSEClient(server.base, {**body, "prompt": p}) for p in ps[3:]]
+        for c in second:
+            c.start()
+        wait_tokens(second, 10)
+        server.kill_engine()
+        for c in first + second:
+            c.join(180)
+            assert c.error is None and c.done, c.error
+        assert ["".join(c.texts) for c in first] == ref_a
+        assert ["".join(c.texts) for c in second] == ref_b
+        [rec] = server.events("engine_recovered")
+        assert rec["report"]["adapters"] == 2 and rec["report"]["resumed"] == 5
+        bad = httpx.post(server.base + "/v1/load_lora_adapter",
+                         json={"lora_name": "x", "lora_path": str(tmp_path / "nope")})
+        assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+    finally:
+        server.stop()
