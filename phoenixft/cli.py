@@ -26,6 +26,7 @@ _BENCHES = [
     "phoenixft.bench.goodput",
     "phoenixft.bench.serve",
     "phoenixft.bench.checkpoint",
+    "phoenixft.bench.serve_ft",
 ]
 
 

@@ -320,6 +320,8 @@ def _print(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from .harness import print_goals
+
     console = Console(width=max(Console().width, 150))
     step_s = result["step_s"]
     t = Table(title=f"checkpoint cost: {result['preset']} preset, step {1000 * step_s:.0f} ms "
@@ -349,9 +351,4 @@ def _print(result: dict) -> None:
                   f"{r['fixed_bytes_once']:.3g}", f"{r['dcp_bytes']:.3g}",
                   f"{r['dcp_bytes'] / max(1, r['bytes_per_step']):.1f}x")
     console.print(d)
-    g = Table(title="goals")
-    for col in ("goal", "target", "measured", "met"):
-        g.add_column(col)
-    for x in result["goals"]:
-        g.add_row(x["name"], x["goal"], x["measured"], "yes" if x["met"] else "NO")
-    console.print(g)
+    print_goals(console, result["goals"])

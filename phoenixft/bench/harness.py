@@ -47,6 +47,18 @@ def step_times(events: list[dict], skip: int = 5) -> list[float]:
     return out
 
 
+def print_goals(console, goals: list[dict]) -> None:
+    """The goals table every benchmark ends with: name, target, measured, met."""
+    from rich.table import Table
+
+    g = Table(title="goals")
+    for col in ("goal", "target", "measured", "met"):
+        g.add_column(col)
+    for x in goals:
+        g.add_row(x["name"], x["goal"], x["measured"], "yes" if x["met"] else "NO")
+    console.print(g)
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -1,10 +1,20 @@
 """Paged-KV inference engine with an OpenAI-compatible server (``phoenixft serve``).
 
 Public API: ``LLM`` (offline generation) and ``SamplingParams``; ``EngineConfig`` sets the
-engine's limits.
+engine's limits. Names are imported lazily: the recovery log's executor process imports
+modules of this package without paying for torch.
 """
 
-from .config import EngineConfig, SamplingParams
-from .llm import LLM
+from __future__ import annotations
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+import importlib
+
+_EXPORTS = {"LLM": "phoenixft.serve.llm", "EngineConfig": "phoenixft.serve.config",
+            "SamplingParams": "phoenixft.serve.config"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'phoenixft.serve' has no attribute {name!r}")

@@ -117,6 +117,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def warm_up(self) -> None:
+        """Pay first-call costs now (kernels, allocator), not when a request or a takeover
+        is waiting: one short generation, then every block free again."""
+        self.add_request("__warmup__", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0,
+                                                                 ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
+        self.block_manager.rebuild([])
+
     def step(self) -> list[RequestOutput]:
         seqs = self._last_step = self.scheduler.schedule()
         self._before = [(len(s.token_ids), s.num_computed_tokens) for s in seqs]

@@ -6,7 +6,8 @@ the front's socket and says hello with its role. The *active* engine serves at o
 recovering first from the log if one is there (the whole server was restarted); a warm
 *standby* waits for `activate`, then rebuilds the crashed engine's requests from the log it
 left (`recovery.py`) and serves them on. Either way it keeps the recovery log itself
-(`recorder.py`). It dies with the front (parent-death signal).
+(`recorder.py`), through a log executor process started with the engine (`executor.py`).
+It dies with the front (parent-death signal), and its executor with it.
 
 Messages (wire.py), front -> engine: add {id, prompt, params, seed}, abort {id}, activate,
 shutdown. Engine -> front: hello {pid, role}, ready {report, resumed}, out {outs, stats},
@@ -40,34 +41,28 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _warm_up(engine) -> None:
-    """Pay first-call costs now (kernels, allocator), not when taking over."""
-    from .config import SamplingParams
-    engine.add_request("__warmup__", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0,
-                                                               ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    engine.block_manager.rebuild([])
-
-
 class EngineServer:
-    def __init__(self, engine, channel, args: argparse.Namespace) -> None:
-        self.engine, self.ch, self.args = engine, channel, args
+    def __init__(self, engine, channel, args: argparse.Namespace, executor) -> None:
+        self.engine, self.ch, self.args, self.executor = engine, channel, args, executor
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self._consecutive_failures = 0
 
     def start_recording(self) -> dict:
-        from .log import segments
+        from .log import lock_log, segments
         from .recorder import Recorder
         from .recovery import RecoveryReport, recover
 
-        report = recover(self.engine, self.args.log_dir) if segments(self.args.log_dir) \
-            else RecoveryReport()
+        lock = lock_log(self.args.log_dir, wait_s=10.0)  # the crashed engine's executor is gone
+        try:
+            report = recover(self.engine, self.args.log_dir) if segments(self.args.log_dir) \
+                else RecoveryReport()
+        finally:
+            os.close(lock)  # this engine's executor takes it when it starts writing
         self.engine.recorder = Recorder(
             self.engine, self.args.log_dir, first_epoch=report.last_commit + 1,
-            first_seq=report.next_seq, ring_bytes=self.args.ring_bytes,
-            compact_bytes=self.args.compact_bytes,
+            first_seq=report.next_seq, compact_bytes=self.args.compact_bytes,
+            executor=self.executor,
             on_error=lambda msg: self.ch.send({"op": "log_failed", "error": msg}))
         resumed = [{"id": s.seq_id, "prompt_tokens": s.num_prompt_tokens,
                     "completion": s.completion_token_ids, "emitted": s.emitted}
@@ -162,18 +157,20 @@ def main(argv: list[str] | None = None) -> None:
     from . import wire
     from .config import EngineConfig
     from .engine import LLMEngine
+    from .executor import start_executor
 
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = LLMEngine(args.model, EngineConfig(**json.loads(args.config)))
-    _warm_up(engine)
+    executor = start_executor(engine.runner, args.log_dir, args.ring_bytes)  # warm, idle
+    engine.warm_up()
     ch = wire.connect(args.socket)
     ch.send({"op": "hello", "pid": os.getpid(), "role": args.role})
     if args.role == "standby":
         msg = ch.recv()
         if msg is None or msg.get("op") != "activate":
             os._exit(0)
-    server = EngineServer(engine, ch, args)
+    server = EngineServer(engine, ch, args, executor)
     t0 = time.perf_counter()
     ready = server.start_recording()
     ready["report"]["activate_s"] = round(time.perf_counter() - t0, 4)

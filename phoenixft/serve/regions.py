@@ -3,8 +3,10 @@ registered: what to capture for the log, and how to apply a record back at recov
 
 - `KVRegion`: the K and V caches ``[layers, blocks, block_size, kv_heads, head_dim]``.
   A task names the slots written since their last record (block, lo, hi); capture is one
-  vectorised gather of those slots across every layer, apply one scatter. No Python
-  loop over blocks touches tensor data.
+  vectorised gather of those slots across every layer (`kv_slots.HostKV` when the
+  executor is a process reading the cache from shared memory; `KVRegion.capture` when it
+  is a thread, any device), apply one scatter. No Python loop over blocks touches tensor
+  data.
 - `StateRegion`: the requests: for each sequence only what changed since its last record
   (new token ids, with the emitted text length after each, progress, a grown block table),
   new sequences whole, finished ones as gone, and the scheduler's queue order. Encoded by
@@ -18,14 +20,12 @@ reused until the log has processed it (the block manager's quarantine).
 from __future__ import annotations
 
 import json
-import struct
 
 import numpy as np
 import torch
 
+from .kv_slots import KV_HEAD, ranges_header, slots
 from .sequence import Sequence, SequenceStatus
-
-_KVHEAD = struct.Struct("<I")
 
 
 class KVRegion:
@@ -39,35 +39,36 @@ class KVRegion:
         self.slot_shape = (layers, heads, dim)
 
     def slots(self, ranges: np.ndarray) -> torch.Tensor:
-        """Flat slot indices of ranges [n, 3] = (block, lo, hi), vectorised."""
-        r = torch.from_numpy(ranges.astype(np.int64))
-        lens = r[:, 2] - r[:, 1]
-        starts = r[:, 0] * self.block_size + r[:, 1]
-        within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-        return torch.repeat_interleave(starts, lens) + within
+        return torch.from_numpy(slots(ranges, self.block_size))
 
-    def capture(self, ranges: np.ndarray) -> bytes:
-        """Record payload: the ranges, then K and V of those slots in every layer."""
-        idx = self.slots(ranges)
-        k = self.k.index_select(1, idx).contiguous()
-        v = self.v.index_select(1, idx).contiguous()
-        table = ranges.astype("<u4").tobytes()
-        return _KVHEAD.pack(len(ranges)) + table + k.numpy().tobytes() + v.numpy().tobytes()
+    def capture(self, ranges: np.ndarray) -> list:
+        """Record payload as parts (see `kv_slots.HostKV`): a cache on any device, read by
+        the executor when it is a thread of the engine."""
+        idx = self.slots(ranges).to(self.k.device)
+        k = self.k.index_select(1, idx).cpu()
+        v = self.v.index_select(1, idx).cpu()
+        return [ranges_header(ranges), _raw(k), _raw(v)]
 
     def apply(self, payload: bytes) -> None:
-        (n,) = _KVHEAD.unpack_from(payload, 0)
-        off = _KVHEAD.size
+        (n,) = KV_HEAD.unpack_from(payload, 0)
+        off = KV_HEAD.size
         ranges = np.frombuffer(payload, dtype="<u4", count=3 * n, offset=off).reshape(n, 3)
         off += ranges.nbytes
         idx = self.slots(ranges)
         layers, heads, dim = self.slot_shape
         shape = (layers, len(idx), heads, dim)
-        count = layers * len(idx) * heads * dim
-        np_dtype = torch.empty(0, dtype=self.dtype).numpy().dtype
-        k = np.frombuffer(payload, dtype=np_dtype, count=count, offset=off)
-        v = np.frombuffer(payload, dtype=np_dtype, count=count, offset=off + k.nbytes)
-        self.k.index_copy_(1, idx, torch.from_numpy(k.copy()).view(shape))
-        self.v.index_copy_(1, idx, torch.from_numpy(v.copy()).view(shape))
+        size = layers * len(idx) * heads * dim * self.k.element_size()
+        k = torch.frombuffer(bytearray(payload[off:off + size]), dtype=self.dtype).view(shape)
+        v = torch.frombuffer(bytearray(payload[off + size:off + 2 * size]),
+                             dtype=self.dtype).view(shape)
+        idx = idx.to(self.k.device)
+        self.k.index_copy_(1, idx, k.to(self.k.device))
+        self.v.index_copy_(1, idx, v.to(self.v.device))
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, without a copy (any dtype, bfloat16 included)."""
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
 def dirty_ranges(dirty: dict[int, list[int]]) -> np.ndarray:

@@ -1,16 +1,19 @@
 """A bounded single-producer single-consumer ring of variable-size task records in shared
-memory: the decode loop (producer) hands the log executor (consumer) one task per step.
+memory (a memfd): the decode loop (producer) hands the log executor (consumer) one task per
+step; the executor may be a thread of the engine or a process of its own.
 
-Layout of the mapped file::
+Layout of the shared memory::
 
     [0:8) head (bytes consumed, monotonic)  [8:16) tail (bytes produced, monotonic)
-    [64:64+capacity) data: records of  kind u32 | length u32 | epoch u64 | payload
+    [64:64+8*16) control words (int64), written by the executor: progress and counters
+    [1024:4096) the executor's error message (u32 length, utf-8)
+    [4096:4096+capacity) data: records of  kind u32 | length u32 | epoch u64 | payload
     (padded to 8 bytes); a record that would cross the end starts at 0 after a WRAP marker
 
 The producer writes a record, then publishes the new tail; the consumer reads it, then
-publishes the new head. Each index has one writer, so no lock is needed; under CPython the
-two sides are threads and the GIL orders the stores, and the same layout works between
-processes.
+publishes the new head. Each index has one writer, so no lock is needed: between threads
+the GIL orders the stores; between processes, x86-64's total store order keeps the payload
+ahead of the index that publishes it (elsewhere the recorder runs its executor as a thread).
 
 Back-pressure: `push` never blocks and never grows memory: it returns False when the
 record does not fit, and the producer keeps the work for the next attempt (the recorder
@@ -22,13 +25,16 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from pathlib import Path
 
 import numpy as np
 
 _HEAD = struct.Struct("<IIQ")  # kind, length, epoch
 WRAP = 0xFFFFFFFF
-_DATA = 64
+_CONTROL, _ERROR, _DATA = 64, 1024, 4096
+
+# control words (the executor writes them, the decode loop reads them)
+PROCESSED, EPOCHS, LOG_BYTES, KV_SLOTS, CHECKPOINTS, FREED, EXEC_NS, WANT_FULL, FAILED, \
+    STARTED = range(10)
 
 
 def _pad(n: int) -> int:
@@ -36,23 +42,40 @@ def _pad(n: int) -> int:
 
 
 class Ring:
-    def __init__(self, path: str | Path, capacity: int = 8 << 20) -> None:
-        self.path = Path(path)
-        self.capacity = _pad(capacity)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
+    """`Ring(capacity)` creates one; `Ring.attach(fd)` maps an existing one (the executor
+    process, given the fd)."""
+
+    def __init__(self, capacity: int = 8 << 20, *, fd: int | None = None) -> None:
+        if fd is None:
+            self.capacity = _pad(capacity)
+            fd = os.memfd_create("phoenixft-log-ring", 0)
             os.ftruncate(fd, _DATA + self.capacity)
-            self._mm = mmap.mmap(fd, _DATA + self.capacity)
-        finally:
-            os.close(fd)
+            fresh = True
+        else:
+            self.capacity = os.fstat(fd).st_size - _DATA
+            fresh = False
+        self.fd = fd
+        self._mm = mmap.mmap(fd, _DATA + self.capacity)
         self._idx = np.frombuffer(self._mm, dtype=np.uint64, count=2)  # head, tail
-        self._idx[:] = 0
+        self.control = np.frombuffer(self._mm, dtype=np.int64, count=16, offset=_CONTROL)
+        if fresh:
+            self._idx[:] = 0
+            self.control[:] = 0
+            self.control[PROCESSED] = -1
         self.pushed = 0
         self.full = 0  # pushes refused for lack of room
+
+    @classmethod
+    def attach(cls, fd: int) -> Ring:
+        return cls(fd=fd)
 
     @property
     def used(self) -> int:
         return int(self._idx[1] - self._idx[0])
+
+    @property
+    def shared_bytes(self) -> int:
+        return _DATA + self.capacity
 
     def push(self, kind: int, epoch: int, payload: bytes) -> bool:
         need = _pad(_HEAD.size + len(payload))
@@ -94,6 +117,20 @@ class Ring:
         self._idx[0] = head + _pad(_HEAD.size + length)
         return kind, epoch, payload
 
+    # -- the executor's error message ------------------------------------------------------
+    def set_error(self, msg: str) -> None:
+        data = msg.encode()[:_DATA - _ERROR - 4]
+        struct.pack_into("<I", self._mm, _ERROR, len(data))
+        self._mm[_ERROR + 4:_ERROR + 4 + len(data)] = data
+        self.control[FAILED] = 1
+
+    def error(self) -> str | None:
+        if not self.control[FAILED]:
+            return None
+        (n,) = struct.unpack_from("<I", self._mm, _ERROR)
+        return bytes(self._mm[_ERROR + 4:_ERROR + 4 + n]).decode(errors="replace")
+
     def close(self) -> None:
-        del self._idx
+        del self._idx, self.control
         self._mm.close()
+        os.close(self.fd)

@@ -7,6 +7,9 @@ V) allocated once, so a block is a fixed slice that a recovery log can copy by i
 
 from __future__ import annotations
 
+import mmap
+import os
+
 import torch
 
 from phoenixft.models.llama import rope_tables
@@ -27,9 +30,30 @@ class ModelRunner:
                  mc.num_key_value_heads, mc.head_dim)
         self.k_cache = torch.zeros(shape)
         self.v_cache = torch.zeros(shape)
+        self.kv_fd: int | None = None  # the memfd holding K then V, once shared
         self.cos, self.sin = rope_tables(mc.head_dim, torch.arange(config.max_model_len),
                                          mc.rope_theta)
         self.adapters = None  # the engine's AdapterStore
+
+    def share_kv(self) -> int:
+        """Move the host KV cache into one shared-memory file (a memfd: K, then V) that the
+        recovery log's executor process maps to read the slots it logs; returns its fd.
+        Done once, when the engine is loaded (it copies the cache)."""
+        if self.kv_fd is not None:
+            return self.kv_fd
+        if self.k_cache.device.type != "cpu":
+            raise ValueError("only a host KV cache can be shared with an executor process")
+        nbytes = self.k_cache.numel() * self.k_cache.element_size()
+        fd = os.memfd_create("phoenixft-kv-cache", 0)
+        os.ftruncate(fd, 2 * nbytes)
+        self._kv_map = mmap.mmap(fd, 2 * nbytes)
+        flat = torch.frombuffer(self._kv_map, dtype=self.k_cache.dtype)
+        shape = self.k_cache.shape
+        k, v = flat[:self.k_cache.numel()].view(shape), flat[self.k_cache.numel():].view(shape)
+        k.copy_(self.k_cache)
+        v.copy_(self.v_cache)
+        self.k_cache, self.v_cache, self.kv_fd = k, v, fd
+        return fd
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -195,8 +195,8 @@ class EngineSupervisor:
         recover_s = round(time.time() - t_detect, 4)
         self.emit("engine_recovered", pid=standby.pid, recover_s=recover_s,
                   activate_s=ready["report"].get("activate_s"), report=ready["report"])
+        self.on_ready(ready, {"recover_s": recover_s})  # streams go on before anything else
         self.standby = self._spawn("standby")
-        self.on_ready(ready, {"recover_s": recover_s})
 
     # -- commands ------------------------------------------------------------------------
     def send(self, msg: dict) -> bool:

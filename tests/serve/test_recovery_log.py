@@ -5,6 +5,7 @@ are cut at their last valid commit; the ring's back-pressure never loses a step.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -53,7 +54,7 @@ def test_a_fresh_engine_resumes_from_the_log_token_for_token(hf_models, tmp_path
     eng = recording_engine(path, tmp_path / "log", compact_bytes=12_000)
     for _ in range(9):
         eng.step()
-    assert eng.recorder.drain()
+        assert eng.recorder.drain()  # the executor keeps up (it may start after the steps)
     assert eng.recorder.stats.checkpoints >= 2  # compaction ran while serving
     assert len(segments(tmp_path / "log")) == 1  # and dropped the older segments
     before = generated(eng)
@@ -97,8 +98,8 @@ def test_torn_tail_and_damaged_record_cut_at_the_last_valid_commit(hf_models, tm
     assert not replay(log_dir).damage  # the log now ends at that commit
 
 
-def test_ring_wraps_and_refuses_when_full_without_losing_anything(tmp_path):
-    ring = Ring(tmp_path / "ring", capacity=256)
+def test_ring_wraps_and_refuses_when_full_without_losing_anything():
+    ring = Ring(capacity=256)
     assert ring.push(1, 0, b"a" * 100) and ring.push(1, 1, b"b" * 100)
     assert not ring.push(1, 2, b"c" * 100)  # full: refused, not dropped
     assert ring.full == 1
@@ -112,23 +113,25 @@ def test_ring_wraps_and_refuses_when_full_without_losing_anything(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_full_ring_merges_steps_and_memory_stays_bounded(hf_models, tmp_path):
-    """A tiny ring and a stalled executor: steps are merged into later ones (counted), the
-    ring never grows, and once the executor runs the log still resumes exactly."""
+    """A tiny ring and a stalled executor process (SIGSTOP): steps are merged into later
+    ones (counted), the ring never grows, and once the executor runs on (SIGCONT) the log
+    still resumes exactly."""
     path = hf_models["llama"][0]
     ref = reference(path)
-    eng = recording_engine(path, tmp_path / "log", ring_bytes=2_600, compact_bytes=1 << 30)
+    eng = recording_engine(path, tmp_path / "log", ring_bytes=2_600, compact_bytes=1 << 30,
+                           mode="process")
     rec = eng.recorder
-    rec._stop.set()  # the executor stops taking tasks: the ring fills up
-    rec._wake.set()
-    rec._thread.join(5)
-    for _ in range(12):
-        eng.step()
-    assert rec.stats.coalesced > 0 and rec.ring.used <= rec.ring.capacity
-    assert os.path.getsize(tmp_path / "log" / "ring") == 64 + rec.ring.capacity
-    rec._stop.clear()  # the executor comes back and drains what was kept
-    rec._thread = __import__("threading").Thread(target=rec._run, daemon=True)
-    rec._thread.start()
     eng.step()
+    assert rec.drain()
+    os.kill(rec.executor.pid, signal.SIGSTOP)
+    try:
+        for _ in range(12):
+            eng.step()
+        assert rec.stats.coalesced > 0 and rec.ring.used <= rec.ring.capacity
+        assert rec.ring.shared_bytes == 4096 + rec.ring.capacity  # the ring never grew
+    finally:
+        os.kill(rec.executor.pid, signal.SIGCONT)
+    eng.step()  # the merged steps go in now
     assert rec.drain()
     before = generated(eng)
     rec.close()
@@ -136,3 +139,46 @@ def test_a_full_ring_merges_steps_and_memory_stays_bounded(hf_models, tmp_path):
     recover(new, tmp_path / "log")
     assert generated(new) == before
     assert finish(new, {k: list(v) for k, v in before.items()}) == ref
+
+
+@pytest.mark.timeout(120)
+def test_the_thread_executor_writes_the_same_log(hf_models, tmp_path):
+    """The executor as a thread of the engine (an accelerator's cache) resumes the same."""
+    path = hf_models["llama"][0]
+    ref = reference(path)
+    eng = recording_engine(path, tmp_path / "log", compact_bytes=12_000, mode="thread")
+    assert eng.recorder.executor.pid == os.getpid()
+    for _ in range(9):
+        eng.step()
+        assert eng.recorder.drain()
+    assert eng.recorder.stats.checkpoints >= 2
+    before = generated(eng)
+    eng.recorder.close()
+    new = LLMEngine(path, CFG)
+    recover(new, tmp_path / "log")
+    assert finish(new, {k: list(v) for k, v in before.items()}) == ref
+
+
+@pytest.mark.timeout(120)
+def test_a_second_writer_is_refused_and_a_dead_executor_is_reported(hf_models, tmp_path):
+    """One log, one writer: a second engine's executor cannot take a live one's log; an
+    executor process that dies (SIGKILL) stops recording with an error, serving goes on."""
+    path = hf_models["llama"][0]
+    errors: list[str] = []
+    eng = recording_engine(path, tmp_path / "log", on_error=errors.append)
+    eng.step()
+    assert eng.recorder.drain()
+    other = LLMEngine(path, CFG)
+    second = other.recorder = Recorder(other, tmp_path / "log", on_error=errors.append)
+    other.add_request("x", [1, 2, 3], PARAMS[0])
+    other.step()
+    assert not second.drain(5.0) and "held by another writer" in second.failed
+    second.close()
+    os.kill(eng.recorder.executor.pid, signal.SIGKILL)
+    eng.recorder.executor.proc.wait()
+    eng.step()
+    assert eng.recorder.failed and "exited" in eng.recorder.failed
+    assert len(errors) == 2
+    finish(eng, {})  # serving goes on without the log
+    assert not eng.block_manager.quarantine
+    eng.recorder.close()
