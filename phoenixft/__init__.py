@@ -14,6 +14,8 @@ _EXPORTS = {
     "JobAborted": "phoenixft.train.lifecycle",
     "SessionConfig": "phoenixft.train.config",
     "state_digest": "phoenixft.train.digest",
+    "ResumableLoader": "phoenixft.train.loader",
+    "IdBatches": "phoenixft.train.loader",
 }
 __all__ = list(_EXPORTS)
 

@@ -26,6 +26,7 @@ def model_state(tier: FsspecTier, step: int) -> tuple[dict[str, torch.Tensor], d
         shards.append(tensors["param_shard"])
     flat = torch.cat(shards)[:meta["numel"]]
     state: dict[str, torch.Tensor] = {}
+    flat = flat.to(getattr(torch, meta["dtype"]))  # master shards may be fp32 (mixed precision)
     for name, shape, off in meta["params"]:
         n = 1
         for d in shape:

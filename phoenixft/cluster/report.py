@@ -69,7 +69,8 @@ def summary(store: dist.Store, run_dir: Path, last_generation: int, failures: li
         with (run_dir / "audit.jsonl").open("w") as f:
             for s, ids in zip(steps, audit):
                 f.write(json.dumps({"step": s, "microbatches": json.loads(ids)}) + "\n")
-    return {"final_step": final_step, "final_state_digest": digest,
+    job_id = store.get(Keys.JOB_ID).decode() if store.check([Keys.JOB_ID]) else None
+    return {"job_id": job_id, "final_step": final_step, "final_state_digest": digest,
             "first_step": first, "losses": losses,
             "final_loss": losses[-1] if losses else None,
             "failures": [f.__dict__ for f in failures],

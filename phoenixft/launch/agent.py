@@ -127,9 +127,13 @@ class Agent:
                 "snapshots": cfg.snapshots, "policy": cfg.policy,
                 "local_addr": self.access.local_addr, "persist_url": cfg.persist,
                 "persist_every": cfg.persist_every, "persist_keep": cfg.persist_keep}),
-            # torchrun-compatible names; RANK/WORLD_SIZE are set when a generation is joined
+            # torchrun's names; RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ... are set (again)
+            # each time the worker joins a generation
             LOCAL_RANK=str(local), MASTER_ADDR=self.access.public.host,
             MASTER_PORT=str(self.access.public.port), GROUP_RANK=str(cfg.node_rank),
+            NODE_RANK=str(cfg.node_rank), GROUP_WORLD_SIZE=str(cfg.nnodes),
+            LOCAL_WORLD_SIZE=str(cfg.nproc), TORCHELASTIC_RUN_ID=self.job_id,
+            PHOENIXFT_MODULE="1" if cfg.module else "0",
             PYTHONUNBUFFERED="1",
         )
         env.pop("PHOENIXFT_AUTH_TOKEN", None)  # workers reach the store through the agent
@@ -208,7 +212,7 @@ class Agent:
                               f"{cfg.startup_timeout_s:.0f}s: is node 0's agent running?")
         if cfg.node_rank != 0:  # only once node 0 has set the last run aside
             self.events = EventLog(self.run_dir / "events.jsonl", node=cfg.node_rank)
-        job = store.get(Keys.JOB_ID).decode()
+        job = self.job_id = store.get(Keys.JOB_ID).decode()
         self.shm_dir = Path("/dev/shm") / f"phoenixft-{job}" / f"n{cfg.node_rank}"
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         self._start_janitor()

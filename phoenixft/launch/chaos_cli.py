@@ -37,16 +37,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_chaos(args) -> int:
     from phoenixft.launch.agent import Agent
     from phoenixft.launch.config import LaunchError
+    from phoenixft.launch.torchrun import placement
 
     try:
+        nproc, nnodes, _, _ = placement(args)
         specs = schedule(ChaosConfig(seed=args.seed, faults=args.faults, steps=args.steps,
-                                     world_size=args.nproc * args.nnodes, nnodes=args.nnodes,
+                                     world_size=nproc * nnodes, nnodes=nnodes,
                                      microbatches_per_rank=args.microbatches_per_rank))
         if args.inject:
             raise LaunchError("chaos makes its own --inject schedule; use `phoenixft run` to "
                               "choose faults by hand")
         if args.spares is None:
-            args.spares = spares_needed(specs, args.nproc)
+            args.spares = spares_needed(specs, nproc)
         args.inject = [str(s) for s in specs]
         print(f"phoenixft chaos: seed {args.seed}, {len(specs)} faults, {args.spares} spares:",
               flush=True)

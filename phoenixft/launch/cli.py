@@ -28,14 +28,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None = 0) -> None:
     """The options of `phoenixft run` (shared with `phoenixft chaos`)."""
-    run.add_argument("--nproc", type=int, default=1, help="active workers on this node")
+    run.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", default=None,
+                     metavar="N", help="active workers on this node: a number, or gpu / cpu / "
+                                       "auto as torchrun takes them (default 1)")
     run.add_argument("--spares", type=int, default=spares_default,
                      help="warm spare workers on this node")
-    run.add_argument("--nnodes", type=int, default=1)
-    run.add_argument("--node-rank", type=int, default=0)
-    run.add_argument("--store", default=None,
+    run.add_argument("--nnodes", type=int, default=None,
+                     help="nodes of the job (default 1, or SLURM_NNODES under Slurm)")
+    run.add_argument("--node-rank", "--node_rank", type=int, default=None,
+                     help="this node's index (default 0, or SLURM_NODEID under Slurm)")
+    run.add_argument("--store", "--rdzv-endpoint", "--rdzv_endpoint", default=None,
                      help="HOST:PORT or [IPv6]:PORT of the job store (node 0 hosts it; default "
-                          "127.0.0.1 and a free port)")
+                          "127.0.0.1 and a free port; under Slurm the first host of the job's "
+                          "node list)")
+    run.add_argument("--master-addr", "--master_addr", default=None,
+                     help="torchrun's spelling: the store host (with --master-port)")
+    run.add_argument("--master-port", "--master_port", type=int, default=None,
+                     help="torchrun's spelling: the store port (with --master-addr)")
+    run.add_argument("--standalone", action="store_true",
+                     help="a single-node job with a store on 127.0.0.1 (as torchrun's)")
+    run.add_argument("-m", "--module", action="store_true",
+                     help="SCRIPT is a module name, run as `python -m` would (as torchrun -m)")
     run.add_argument("--external-store", action="store_true",
                      help="the store at --store runs on its own (`phoenixft store`): no agent "
                           "hosts it, and another agent takes the lead if the leader's node dies")
@@ -83,10 +96,12 @@ def _lazy(module: str, name: str):
 
 def agent_config_from_args(args):
     from phoenixft.launch.config import AgentConfig
+    from phoenixft.launch.torchrun import placement
     specs = [parse_spec(s) for s in args.inject]
+    nproc, nnodes, node_rank, store = placement(args)
     return AgentConfig(script=args.script, script_args=list(args.script_args),
-                       nproc=args.nproc, spares=args.spares, nnodes=args.nnodes,
-                       node_rank=args.node_rank, store=args.store,
+                       module=args.module, nproc=nproc, spares=args.spares, nnodes=nnodes,
+                       node_rank=node_rank, store=store,
                        external_store=args.external_store, auth_token=args.auth_token,
                        local_addr=args.local_addr, run_dir=args.run_dir,
                        inject=specs, heartbeat_timeout_s=args.heartbeat_timeout,

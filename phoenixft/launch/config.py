@@ -87,8 +87,9 @@ def _finite_positive(name: str, value: float) -> None:
 
 @dataclass(kw_only=True)
 class AgentConfig:
-    script: str
+    script: str  # a path, or a module name with `module`
     script_args: list[str] = field(default_factory=list)
+    module: bool = False  # `-m`: run `script` as a module (python -m), like torchrun -m
     nproc: int = 1
     spares: int = 0
     nnodes: int = 1
@@ -128,7 +129,16 @@ class AgentConfig:
             raise LaunchError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
         if (self.nnodes > 1 or self.external_store) and not self.store:
             raise LaunchError("--nnodes > 1 and --external-store need --store HOST:PORT")
-        if not Path(self.script).is_file():
+        if self.module:
+            import importlib.util
+            try:
+                found = importlib.util.find_spec(self.script) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise LaunchError(f"module {self.script!r} cannot be found (-m takes a module "
+                                  "name importable from here, e.g. mypkg.train)")
+        elif not Path(self.script).is_file():
             raise LaunchError(f"script {self.script!r} does not exist")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
                      "join_timeout_s", "startup_timeout_s", "tick_s", "shutdown_grace_s"):

@@ -1,8 +1,11 @@
 """`python -m phoenixft.launch.worker SCRIPT [ARGS...]`: how an agent runs the user's script.
 
 The script runs as ``__main__``, exactly as ``python SCRIPT ARGS`` would run it (its
-directory first on ``sys.path``, ``sys.argv`` as given). Around it this module:
+directory first on ``sys.path``, ``sys.argv`` as given), or as ``python -m MODULE`` with
+``PHOENIXFT_MODULE=1``. Around it this module:
 
+- stops a script that builds its own process groups (``init_process_group``, DDP) at
+  once, with one line saying what to change;
 - makes the process die with its agent: the kernel sends SIGKILL when the agent exits
   (``PR_SET_PDEATHSIG``), so a killed agent leaves no orphan spinning on a dead store;
 - reports the outcome to the job store before the process ends: an uncaught exception's
@@ -36,13 +39,52 @@ def exit_code(code: object) -> int:
     return 1
 
 
-def run_script(script: str, args: list[str]) -> tuple[int, str | None]:
-    """Run `script` as __main__; returns (exit code, traceback text of an uncaught
-    exception or None)."""
+class ScriptNeedsChange(RuntimeError):
+    """The script does something phoenixft does for it; the message says what to change."""
+
+
+def refuse_own_process_groups() -> None:
+    """Under `phoenixft run` the process groups are phoenixft's (rebuilt each generation):
+    a script that builds its own would hang or collide with them, so it stops at once
+    with one line saying what to change (docs/migrating.md)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def init_process_group(*_a, **_k):
+        raise ScriptNeedsChange(
+            "this script calls torch.distributed.init_process_group(): under phoenixft run "
+            "remove it (phoenixft builds the process groups, and rebuilds them after a "
+            "failure) and drive the loop with phoenixft.Session: sess.setup(model, "
+            "optimizer factory), for step in sess.steps(N), step.backward(loss); see "
+            "docs/migrating.md")
+
+    def ddp_init(self, *_a, **_k):
+        raise ScriptNeedsChange(
+            "this script wraps its model in DistributedDataParallel: under phoenixft run "
+            "pass the plain model to sess.setup() (phoenixft reduces the gradients); see "
+            "docs/migrating.md")
+
+    dist.init_process_group = init_process_group
+    dist.distributed_c10d.init_process_group = init_process_group
+    DistributedDataParallel.__init__ = ddp_init
+
+
+def run_script(script: str, args: list[str], module: bool = False) -> tuple[int, str | None]:
+    """Run `script` (a path, or a module name) as __main__; returns (exit code, traceback
+    text of an uncaught exception or None)."""
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if not module:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except ScriptNeedsChange as exc:
+        text = f"phoenixft: {exc}"
+        print(text, file=sys.stderr)
+        return 1, text
     except SystemExit as exc:
         return exit_code(exc.code), None
     except KeyboardInterrupt:
@@ -72,7 +114,9 @@ def main() -> None:
     env = os.environ
     if "PHOENIXFT_AGENT_PID" in env:
         die_with_parent(int(env["PHOENIXFT_AGENT_PID"]))
-    code, error = run_script(sys.argv[1], sys.argv[2:])
+    if "PHOENIXFT_STORE" in env:
+        refuse_own_process_groups()
+    code, error = run_script(sys.argv[1], sys.argv[2:], module=env.get("PHOENIXFT_MODULE") == "1")
     try:
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - a failing handler must not hide the outcome

@@ -191,7 +191,12 @@ class Member:
         watcher.start()
         self._watchers = [w for w in self._watchers if w.is_alive()] + [watcher]
         self.rank, self.world_size = plan.rank_of(self.wid), plan.world_size
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
+        # torchrun's names, for code that reads them; they change with the generation
+        local = sum(1 for n in plan.nodes.values() if n == self.cfg.node)
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
+                          ROLE_RANK=str(self.rank), ROLE_WORLD_SIZE=str(self.world_size),
+                          LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(self.cfg.node),
+                          NODE_RANK=str(self.cfg.node), TORCHELASTIC_RESTART_COUNT=str(g))
 
     def _build_groups(self, plan: Plan, state: RankState, t0: float) -> dict[str, float]:
         """Each build gets its own store connection: an abandoned build (a member died
@@ -216,13 +221,13 @@ class Member:
         state.flat.layout(self.world_size)
         opt = state.opt
         if first or opt.rank != self.rank or opt.world_size != self.world_size:
-            state.opt = ShardedOptimizer(state.flat, state.factory, self.rank)
+            state.opt = ShardedOptimizer(state.flat, state.factory, self.rank, state.scheduler)
             state.opt.inner.register_step_pre_hook(lambda *_: self.snap.wait_copied())
         # A fresh gradient buffer per generation: an abandoned all-reduce of the old
         # generation may still complete into the old one.
         max_m = max(state.m, state.m_for(self.world_size))
         state.grad = torch.zeros(ReduceLayout.capacity(state.flat.buf.numel(), max_m),
-                                 dtype=state.flat.dtype, device=state.flat.device)
+                                 dtype=state.flat.master_dtype, device=state.flat.device)
 
     def _restore(self, ctx: JoinContext, state: RankState, point: RestorePoint,
                  in_flight: Step | None, first: bool) -> tuple[str, Step | None]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from phoenixft.train import quota
 from phoenixft.train.tracked import Tracked
-from phoenixft.train.zero import FlatParams, ShardedOptimizer
+from phoenixft.train.zero import FlatParams, SchedulerFactory, ShardedOptimizer
 
 
 @dataclass(kw_only=True)
@@ -26,6 +26,7 @@ class RankState:
     flat: FlatParams
     factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
     tracked: Tracked
+    scheduler: SchedulerFactory | None = None  # LR scheduler factory, rebuilt with the optimizer
     policy: str = "constant"
     opt: ShardedOptimizer | None = None  # built when a generation is joined
     step: int = 0  # optimizer steps completed

@@ -179,7 +179,7 @@ def _same_world(ctx: JoinContext, state: RankState, point: RestorePoint,
     state.opt.load_state(tensors, hdr["opt"])
     if load_rank_state:
         state.load_rank_local(tensors, hdr)
-    ctx.ops.all_gather_into(state.flat.buf, state.opt.shard.detach(),
+    ctx.ops.all_gather_into(state.flat.buf, state.opt.gathered(),
                             "parameter all-gather (restore)")
     return source
 
@@ -225,6 +225,7 @@ def _resume_step(ctx: JoinContext, state: RankState, index: int, in_flight: Step
         st = in_flight
         st.ids = list(st.done) + mine
     st.phase, st.retry = StepPhase.COMPUTE, True
+    st.reduced, st.failure, st.grads, st.loss = False, None, None, None
     ctx.events.emit("in_step_recovery", step=index, rank=ctx.rank, kept=sorted(st.done),
                     recompute=mine, gen=ctx.generation)
     return st

@@ -33,7 +33,7 @@ from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
 from phoenixft.comm.collectives import CommFailure
 from phoenixft.observe.events import EventLog
-from phoenixft.train import quota
+from phoenixft.train import model_io, quota
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
@@ -42,7 +42,7 @@ from phoenixft.train.rank_state import RankState
 from phoenixft.train.reduce_layout import ReduceLayout
 from phoenixft.train.step import Step, StepPhase
 from phoenixft.train.tracked import Tracked
-from phoenixft.train.zero import FlatParams
+from phoenixft.train.zero import FlatParams, SchedulerFactory
 
 __all__ = ["JobAborted", "Session"]
 
@@ -101,23 +101,34 @@ class Session:
         return self.state.opt.inner
 
     @property
+    def scheduler(self):
+        """The LR scheduler built by `setup(scheduler=...)` on this rank's optimizer, or None."""
+        if self.state is None or self.state.opt is None:
+            raise RuntimeError("call Session.setup() first")
+        return self.state.opt.sched
+
+    @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     def setup(self, model: nn.Module,
               optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-              *, track: dict[str, object] | None = None, microbatches: int | None = None) -> None:
-        """Register the model, the optimizer factory and any extra per-rank state
-        (data samplers, generators, LR schedulers). `microbatches` is M, the microbatches
-        of every step (default: the starting world size, one per rank). Spares block here
-        until activated."""
+              *, scheduler: SchedulerFactory | None = None,
+              track: dict[str, object] | None = None, microbatches: int | None = None) -> None:
+        """Register the model, the optimizer factory, an optional LR scheduler factory
+        (`lambda opt: CosineAnnealingLR(opt, T_max=...)`, stepped after every optimizer
+        step; its state is snapshotted and restored with the optimizer's) and any extra
+        per-rank state (data loaders, samplers, generators). `microbatches` is M, the
+        microbatches of every step (default: the starting world size, one per rank).
+        Spares block here until activated."""
         if microbatches is not None and microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         tracked = Tracked()
         for name, obj in (track or {}).items():
             tracked.add(name, obj)
         self.state = RankState(model=model, flat=FlatParams(model), factory=optimizer,
-                               tracked=tracked, policy=self.cfg.policy, m=microbatches or 0)
+                               scheduler=scheduler, tracked=tracked, policy=self.cfg.policy,
+                               m=microbatches or 0)
         self._warm_up()
         self._pending = self.member.start(self.state)
         m = self.state.m_for(self.world_size)
@@ -127,7 +138,7 @@ class Session:
         """Pay lazy imports and first-call costs now, not on activation: constructing and
         stepping a torch optimizer the first time imports torch._dynamo (~2 s here)."""
         flat = self.state.flat
-        p = nn.Parameter(torch.zeros(8, dtype=flat.dtype, device=flat.device))
+        p = nn.Parameter(torch.zeros(8, dtype=flat.master_dtype, device=flat.device))
         opt = self.state.factory([p])
         p.grad = torch.zeros_like(p)
         opt.step()
@@ -177,6 +188,32 @@ class Session:
                 out[f"optim.{name[4:]}.{k}"] = v
         return out
 
+    def load_state(self, source, *, strict: bool = True) -> None:
+        """Start from existing weights: a Hugging Face directory (model.safetensors or a
+        sharded index), a .safetensors file, or a state dict. Call it on every worker,
+        before or after `setup` (not once steps run); `model` is the one given to setup,
+        or pass it before setup with `load_state((model, source))`."""
+        if isinstance(source, tuple):
+            model, source = source
+        elif self.state is not None:
+            model = self.state.model
+        else:
+            raise RuntimeError("before setup(), call load_state((model, source))")
+        model_io.load_weights(model, source, strict=strict)
+        if self.state is not None and self.state.opt is not None:
+            self.state.opt.reload_shard_from_params()
+
+    def save_pretrained(self, out_dir: str | Path, *, tokenizer=None) -> Path | None:
+        """Write the trained model as a Hugging Face directory (config.json when the model
+        has a config, model.safetensors, and the tokenizer's files when one is given).
+        Every rank holds the full parameters, so rank 0 writes and the others return None."""
+        if self.state is None:
+            raise RuntimeError("call Session.setup() first")
+        if self.rank != 0:
+            return None
+        return model_io.save_pretrained(self.state.model, out_dir, tokenizer=tokenizer,
+                                        aliases=self.state.aliases())
+
     def close(self) -> None:
         """Stop this session's background threads and, standalone, its private store
         (also done at process exit): nothing of it runs while the interpreter tears down."""
@@ -190,14 +227,17 @@ class Session:
 
     # -- the step -------------------------------------------------------------------
     def _new_step(self, index: int, ids: list[int], m: int) -> Step:
-        return Step(index, ids, m, on_backward=self._on_backward)
+        return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip)
 
     def _on_backward(self, st: Step) -> None:
         self.store.add(Keys.MB_COUNT, 1)
         self.member.injector.at_microbatch(self.rank, st.index, len(st.done) - 1)
 
-    def _complete(self, st: Step) -> None:
-        """All-reduce, check the audit, update, all-gather, publish, snapshot."""
+    def _reduce(self, st: Step) -> None:
+        """The step's one all-reduce (gradients, audit, loss), checked and averaged; run
+        by `_complete`, or earlier by `Step.clip_grad_norm_`."""
+        if st.reduced:
+            return
         state, ops = self.state, self.member.ops
         lay = ReduceLayout(state.flat.buf.numel(), st.m)
         g = state.grad[:lay.total]
@@ -212,17 +252,42 @@ class Session:
         self.member.injector.at_step(self.rank, st.index, "reduce")
         st.phase = StepPhase.REDUCE
         ops.allreduce(g, f"gradient all-reduce (step {st.index})")
-        st.phase = StepPhase.UPDATE
         counts = g[lay.mask].tolist()
         if int(g[lay.count]) != st.m or any(c != 1.0 for c in counts):
             raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
                                f"cover each of the {st.m} microbatches exactly once")
-        self.member.injector.at_step(self.rank, st.index, "update")
         self._grow_requested = bool(g[lay.grow] > 0)
-        loss = float(g[lay.loss]) / st.m
+        st.loss = float(g[lay.loss]) / st.m
         g[lay.grads].div_(st.m)
-        state.opt.step(g[lay.grads])  # its pre-hook waits for the previous snapshot copy
-        ops.all_gather_into(state.flat.buf, state.opt.shard.detach(),
+        st.grads, st.audit, st.reduced = g[lay.grads], counts, True
+
+    def _clip(self, st: Step, max_norm: float, norm_type: float) -> torch.Tensor:
+        """`Step.clip_grad_norm_`: the global norm of the averaged gradient, computed and
+        applied per parameter exactly as `torch.nn.utils.clip_grad_norm_` does."""
+        if len(st.done) < len(st.ids):
+            raise RuntimeError(f"step {st.index}: clip_grad_norm_ must come after every "
+                               "microbatch's backward (it reduces the step's gradients)")
+        try:
+            self._reduce(st)
+        except CommFailure as exc:  # recovered when the loop body returns; the step reruns
+            st.failure = exc
+            return torch.tensor(float("nan"))
+        views = list(self.state.flat.unflatten(st.grads[:self.state.flat.numel]).values())
+        norm = torch.nn.utils.get_total_norm(views, norm_type)
+        # torch's clip coefficient, applied to the whole flat gradient at once
+        st.grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    def _complete(self, st: Step) -> None:
+        """All-reduce (unless clipping did it), update, all-gather, publish, snapshot."""
+        if st.failure is not None:
+            raise st.failure
+        state, ops = self.state, self.member.ops
+        self._reduce(st)
+        st.phase = StepPhase.UPDATE
+        self.member.injector.at_step(self.rank, st.index, "update")
+        state.opt.step(st.grads)  # its pre-hook waits for the previous snapshot copy
+        ops.all_gather_into(state.flat.buf, state.opt.gathered(),
                             f"parameter all-gather (step {st.index})")
         state.zero_grad()
         state.step = st.index
@@ -230,9 +295,9 @@ class Session:
             # one round trip on the critical path, not three
             self.store.multi_set(
                 [Keys.loss(state.step), Keys.audit(state.step), Keys.PROGRESS],
-                [repr(loss), json.dumps([j for j, c in enumerate(counts) if c > 0]),
+                [repr(st.loss), json.dumps([j for j, c in enumerate(st.audit) if c > 0]),
                  str(state.step)])
-            self.events.emit("step", step=state.step, loss=loss, gen=self.generation,
+            self.events.emit("step", step=state.step, loss=st.loss, gen=self.generation,
                              world_size=self.world_size)
         self.member.snapshot(state)
 

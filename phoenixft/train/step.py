@@ -28,7 +28,8 @@ class Step:
     are kept."""
 
     def __init__(self, index: int, ids: list[int], m: int,
-                 on_backward: Callable[[Step], None] | None = None) -> None:
+                 on_backward: Callable[[Step], None] | None = None,
+                 on_clip: Callable[[Step, float, float], torch.Tensor] | None = None) -> None:
         self.index = index
         self.ids = ids
         self.m = m  # microbatches in this step, over all ranks
@@ -36,7 +37,14 @@ class Step:
         self.done: list[int] = []
         self.phase = StepPhase.COMPUTE
         self.retry = False
+        self.loss: float | None = None  # the step's mean loss over all ranks, once reduced
+        # set by the all-reduce: the averaged gradient, the audit, and whether it ran
+        self.grads: torch.Tensor | None = None
+        self.audit: list[float] = []
+        self.reduced = False
+        self.failure: BaseException | None = None  # a collective failed inside the loop body
         self._on_backward = on_backward
+        self._on_clip = on_clip
         self._current: int | None = None
 
     def microbatches(self) -> Iterator[int]:
@@ -56,3 +64,15 @@ class Step:
         self.done.append(j)
         if self._on_backward is not None:
             self._on_backward(self)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the step's gradient by its global norm, like
+        `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` on a DDP model, and
+        return the total norm (before clipping). Call it after the last microbatch's
+        `backward`: it runs the step's gradient all-reduce then, so the norm is that of the
+        gradient averaged over every rank's microbatches (the same on every rank). If a
+        failure interrupts that all-reduce it returns nan, and the step is run again after
+        recovery (its loop body too)."""
+        if self._on_clip is None:
+            raise RuntimeError("clip_grad_norm_ needs a step made by Session.steps()")
+        return self._on_clip(self, float(max_norm), float(norm_type))

@@ -1,14 +1,20 @@
 """ZeRO-1: parameters as views of one flat buffer, optimizer state sharded over ranks.
 
 Every rank holds all parameters (identical, so never snapshotted whole: any survivor
-serves them), but only rank r keeps the optimizer state and the fp32 master copy of its
+serves them), but only rank r keeps the optimizer state and the master copy of its
 contiguous shard ``[r*S, (r+1)*S)`` of the flat parameter vector. That shard is exactly
 the state that would be lost with the rank, so it is what the snapshot and its replica
 protect. After the step, an all-gather of the shards rebuilds the full parameters.
+
+Mixed precision: when the model's parameters are bf16 or fp16, the master shard, the
+optimizer state and the gradient all-reduce are fp32 (`master_dtype`); the shard is
+rounded to the model's dtype only for the all-gather. With fp32 parameters (and bf16
+autocast in the forward pass) everything is fp32.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import torch
@@ -36,6 +42,11 @@ class FlatParams:
             off += p.numel()
         self.buf = torch.empty(0)
         self.world_size = 0
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of master weights, optimizer state and the gradient all-reduce."""
+        return torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else self.dtype
 
     def shard_size(self, world_size: int) -> int:
         return -(-self.numel // world_size)
@@ -76,25 +87,47 @@ class FlatParams:
                 for (off, n), (name, p) in zip(self.offsets, self.named)}
 
 
+SchedulerFactory = Callable[[torch.optim.Optimizer], object]
+
+
 class ShardedOptimizer:
-    """Runs the user's torch optimizer on this rank's shard only."""
+    """Runs the user's torch optimizer (and LR scheduler, if any) on this rank's shard."""
 
     def __init__(self, flat: FlatParams, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 rank: int) -> None:
+                 rank: int, scheduler: SchedulerFactory | None = None) -> None:
         self.flat = flat
         self.rank = rank
         self.world_size = flat.world_size
         self.start, self.end = flat.shard_range(rank)
-        self.shard = nn.Parameter(flat.buf[self.start:self.end].detach().clone())
+        self.shard = nn.Parameter(flat.buf[self.start:self.end].detach().to(flat.master_dtype,
+                                                                            copy=True))
         self.inner = factory([self.shard])
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise TypeError("optimizer factory must return a torch.optim.Optimizer built on "
                             "the parameters it is given, e.g. lambda p: torch.optim.AdamW(p, lr=3e-4)")
+        self.sched = scheduler(self.inner) if scheduler is not None else None
+        if self.sched is not None and not (hasattr(self.sched, "step") and
+                                           hasattr(self.sched, "state_dict")):
+            raise TypeError("scheduler factory must return an LR scheduler built on the "
+                            "optimizer it is given, e.g. lambda opt: "
+                            "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)")
+        if self.sched is not None:
+            try:
+                json.dumps(self.sched.state_dict())
+            except TypeError as exc:
+                raise TypeError(f"the LR scheduler's state_dict() must be JSON-serialisable to "
+                                f"be snapshotted without pickle ({exc})") from None
 
     def step(self, flat_grad: torch.Tensor) -> None:
         self.shard.grad = flat_grad[self.start:self.end]
         self.inner.step()
         self.shard.grad = None
+        if self.sched is not None:
+            self.sched.step()
+
+    def gathered(self) -> torch.Tensor:
+        """The shard as the all-gather into the model's parameters takes it."""
+        return self.shard.detach().to(self.flat.dtype)
 
     def reload_shard_from_params(self) -> None:
         with torch.no_grad():
@@ -112,7 +145,10 @@ class ShardedOptimizer:
         scalars = {k: v for k, v in self.inner.state.get(self.shard, {}).items()
                    if not torch.is_tensor(v)}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
-        return {"opt_scalars": scalars, "param_groups": groups, "shard": [self.start, self.end]}
+        meta = {"opt_scalars": scalars, "param_groups": groups, "shard": [self.start, self.end]}
+        if self.sched is not None:
+            meta["scheduler"] = self.sched.state_dict()
+        return meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         with torch.no_grad():
@@ -124,3 +160,5 @@ class ShardedOptimizer:
             self.inner.state[self.shard] = state
         for g, saved in zip(self.inner.param_groups, meta.get("param_groups", [])):
             g.update({k: v for k, v in saved.items() if k in g})
+        if self.sched is not None and "scheduler" in meta:
+            self.sched.load_state_dict(meta["scheduler"])
