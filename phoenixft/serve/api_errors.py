@@ -9,6 +9,7 @@ engine failed on 500 ``server_error``. Nothing reaches a client as FastAPI's def
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from fastapi import FastAPI, Request
@@ -69,6 +70,20 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unexpected error in %s", request.url.path)
     return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error",
                           "server_error")
+
+
+def require_key(app: FastAPI, key: str) -> None:
+    """`Authorization: Bearer KEY` on /v1/* (as vLLM's --api-key); 401 in OpenAI's shape."""
+    want = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def check(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, want):
+                return error_response(401, "a valid API key is needed: send the header "
+                                      "`Authorization: Bearer <key>`", "invalid_api_key")
+        return await call_next(request)
 
 
 def install(app: FastAPI) -> None:

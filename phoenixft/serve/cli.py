@@ -19,28 +19,101 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                   help="tokens computed in one step (prefill chunks and decodes)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; this engine computes in float32 (auto), the others "
+                        "are refused rather than ignored")
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                   help="KV-cache memory per engine, e.g. 512MiB or 2GB (default 256MiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="share (0-1] of the device's memory (a GPU's, or this host's RAM on "
+                        "CPU) one engine may use for weights + KV cache; the KV cache gets "
+                        "what the weights leave. phoenixft serve runs two engines (active + "
+                        "standby): keep F <= 0.45 on one device")
+    p.add_argument("--tokenizer", default=None,
+                   help="a directory with tokenizer.json (default: the model directory's)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, replacing the "
+                        "tokenizer's")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    import re
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--kv-cache-memory: cannot read {text!r} (e.g. 512MiB, 2GB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _device_bytes() -> int:
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError("--gpu-memory-utilization: cannot read this host's memory size")
+
+
+def _kv_bytes(args: argparse.Namespace) -> int:
+    from pathlib import Path
+    if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
+        raise ValueError("give --kv-cache-memory or --gpu-memory-utilization, not both")
+    if args.kv_cache_memory is not None:
+        return parse_bytes(args.kv_cache_memory)
+    if args.gpu_memory_utilization is None:
+        return 256 * 2**20
+    f = args.gpu_memory_utilization
+    if not 0 < f <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {f}")
+    weights = sum(p.stat().st_size for p in Path(args.model_dir).glob("*.safetensors"))
+    kv = int(f * _device_bytes()) - weights
+    if kv <= 0:
+        raise ValueError(f"--gpu-memory-utilization {f}: the weights ({weights / 2**20:.0f} "
+                         "MiB) leave no memory for the KV cache; raise it")
+    return kv
 
 
 def _engine_config(args: argparse.Namespace):
+    from pathlib import Path
+
     import torch
 
     from .config import EngineConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    if args.dtype not in ("auto", "float32"):
+        raise ValueError(f"--dtype {args.dtype}: this engine computes in float32 (its KV cache "
+                         "and kernels are float32); use --dtype auto or float32")
+    template = args.chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
+    return EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        block_size=args.block_size, kv_cache_bytes=_kv_bytes(args),
+                        tokenizer=args.tokenizer, chat_template=template)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+
     import uvicorn
 
-    from .config import EngineConfig
     from .http import build_app
     try:
-        app = build_app(args.model_dir, EngineConfig(max_model_len=args.max_model_len,
-                                                     max_num_seqs=args.max_num_seqs),
+        app = build_app(args.model_dir, _engine_config(args),
                         model_name=args.served_model_name, run_dir=args.run_dir,
-                        log_dir=args.log_dir, threads=args.threads)
+                        log_dir=args.log_dir, threads=args.threads,
+                        api_key=args.api_key or os.environ.get("PHOENIXFT_API_KEY")
+                        or os.environ.get("VLLM_API_KEY"))
     except ValueError as exc:
         print(f"phoenixft serve: {exc}", file=sys.stderr)
         return 2
@@ -86,6 +159,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the `model` clients send (default: the directory's name)")
     s.add_argument("--log-level", default="warning")
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (or set "
+                        "PHOENIXFT_API_KEY / VLLM_API_KEY); /health and /metrics stay open")
     s.add_argument("--run-dir", default=None,
                    help="status.json, events.jsonl and accepted requests; restarting on the "
                         "same run dir resumes the requests a crash interrupted")

@@ -127,6 +127,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    tokenizer: str | None = None  # a directory with tokenizer.json (default: the model's)
+    chat_template: str | None = None  # a Jinja template replacing the tokenizer's
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -156,7 +158,8 @@ class EngineConfig:
                             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=max(self.max_num_batched_tokens, max_len),
                             max_model_len=max_len,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            tokenizer=self.tokenizer, chat_template=self.chat_template)
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
@@ -182,6 +185,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often it was generated
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt or generated tokens / by it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logits
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -204,6 +212,31 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > 16:
             raise ValueError("at most 16 stop strings are supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        try:  # JSON gives the keys as strings
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias must map token ids to numbers") from None
+        if len(self.logit_bias) > 300:
+            raise ValueError("logit_bias may name at most 300 tokens")
+        for k, v in self.logit_bias.items():
+            if k < 0 or not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in "
+                                 f"[-100, 100], got {k}: {v}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (integers >= 0)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs/top_logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

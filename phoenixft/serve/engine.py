@@ -25,7 +25,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .loader import load_model
 from .runner import ModelRunner
-from .sampler import sample
+from .sampler import logprobs, penalize, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec import EngineSpec
@@ -43,6 +43,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_completion_tokens: int
     prompt_computed: int = 0  # prompt tokens this engine computed for the request so far
+    # per new token, when the request asked: (its logprob, [(token, logprob)] top-k)
+    logprobs: list | None = None
 
 
 class LLMEngine:
@@ -156,7 +158,8 @@ class LLMEngine:
             self.block_manager.mark_computed(s, start, len(s))
             s.prompt_computed += max(0, min(len(s), s.num_prompt_tokens) - start)
             s.num_computed_tokens = len(s)
-        tokens = sample(logits, seqs)
+        tokens = sample(penalize(logits, seqs), seqs)
+        lps = logprobs(logits, seqs, tokens)
         now = time.monotonic()
         outputs = []
         for i, (s, tok) in enumerate(zip(seqs, tokens)):
@@ -166,7 +169,10 @@ class LLMEngine:
                 s.first_token_time = now
             s.token_ids.append(tok)
             self.num_generated_tokens += 1
-            outputs.append(self._postprocess(s, tok))
+            out = self._postprocess(s, tok)
+            if lps[i] is not None:
+                out.logprobs = [lps[i]]
+            outputs.append(out)
         return outputs
 
     def isolate_failed_step(self) -> tuple[list[RequestOutput], list[str]]:

@@ -141,7 +141,8 @@ class EngineServer:
             outs = self._step()
             msg = {"op": "out", "outs": [[o.request_id, o.new_token_ids, o.new_text,
                                           o.num_completion_tokens, o.finished, o.finish_reason,
-                                          o.prompt_computed, o.num_prompt_tokens] for o in outs]}
+                                          o.prompt_computed, o.num_prompt_tokens, o.logprobs]
+                                         for o in outs]}
             if time.monotonic() - last_stats > 0.5:
                 msg["stats"] = self.stats()
                 last_stats = time.monotonic()

@@ -55,8 +55,23 @@ class OpenAIHandlers:
         self.created = int(time.time())
 
     # -- shared steps ---------------------------------------------------------------------
-    def _sequence(self, body: _Common, prompt: str | list[int], default_max: int | None,
-                  add_special_tokens: bool = True) -> Sequence:
+    def _checked(self, body: _Common) -> None:
+        """400 for fields we do not honour (named) and values no request may have."""
+        bad = body.unsupported_fields()
+        if bad:
+            raise APIError(400, f"unsupported field{'s' if len(bad) > 1 else ''}: "
+                           f"{', '.join(bad)} (this server would not honour "
+                           f"{'them' if len(bad) > 1 else 'it'}; remove "
+                           f"{'them' if len(bad) > 1 else 'it'})", "unsupported_field",
+                           param=bad[0])
+        try:
+            body.check()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from exc
+
+    def _sequences(self, body: _Common, prompts: list[str | list[int]], default_max: int | None,
+                   add_special_tokens: bool = True) -> list[Sequence]:
+        """One sequence per prompt and choice (choice index = prompt index * n + i)."""
         adapter = body.model if body.model in self.backend.adapters else None
         if body.model not in self.aliases and adapter is None:
             raise APIError(404, f"the model {body.model!r} does not exist; this server "
@@ -65,143 +80,256 @@ class OpenAIHandlers:
         if not self.backend.alive:
             raise APIError(503, f"the engine stopped: {self.backend.error}", "engine_dead",
                            "server_error")
+        seqs = []
         try:
-            ids = (self.spec.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-                   if isinstance(prompt, str) else prompt)
-            max_tokens = body.max_tokens
-            if max_tokens is None:
-                max_tokens = default_max or max(1, self.spec.max_model_len - len(ids))
-            params = body.sampling_params(max_tokens)
-            seq = self.spec.make_sequence(f"req-{uuid.uuid4().hex}", ids, params)
-            if adapter is not None:  # pinned now: a resubmission after a crash keeps it
-                seq.adapter, seq.adapter_version = adapter, self.backend.adapters[adapter]
-            return seq
+            for prompt in prompts:
+                ids = (self.spec.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+                       if isinstance(prompt, str) else prompt)
+                max_tokens = body.max_tokens
+                if max_tokens is None:
+                    max_tokens = default_max or max(1, self.spec.max_model_len - len(ids))
+                for i in range(body.n):
+                    seq = self.spec.make_sequence(f"req-{uuid.uuid4().hex}", ids,
+                                                  body.sampling_params(max_tokens, i))
+                    if adapter is not None:  # pinned now: a resubmission after a crash keeps it
+                        seq.adapter = adapter
+                        seq.adapter_version = self.backend.adapters[adapter]
+                    seqs.append(seq)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
+        return seqs
+
+    def _token_text(self, tok: int) -> str:
+        return self.spec.tokenizer.token_text(tok)
+
+    def _logprobs(self, endpoint: str, outs: list[RequestOutput], offset: int = 0):
+        """OpenAI's logprobs object for these outputs' tokens (None if not asked)."""
+        pairs = [(t, lp) for o in outs if o.logprobs for t, lp in zip(o.new_token_ids, o.logprobs)]
+        if not pairs:
+            return None
+        if endpoint == "chat":
+            def entry(tok: int, logprob: float) -> dict:
+                text = self._token_text(tok)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in top]}
+                                for t, (lp, top) in pairs]}
+        tokens = [self._token_text(t) for t, _ in pairs]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
+                "top_logprobs": [{self._token_text(a): b for a, b in top} for _, (_, top) in pairs],
+                "text_offset": offsets}
 
     def _chunker(self, endpoint: str, rid: str) -> Callable:
         now = int(time.time())
         if endpoint == "chat":
-            def chunk(delta, reason):
+            def chunk(delta, reason, index=0, logprobs=None):
                 choices = [] if delta is None else [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+                    {"index": index, "delta": delta, "logprobs": logprobs,
+                     "finish_reason": reason}]
                 return {"id": "chatcmpl-" + rid[4:], "object": "chat.completion.chunk",
                         "created": now, "model": self.name, "choices": choices}
         else:
-            def chunk(text, reason):
+            def chunk(text, reason, index=0, logprobs=None):
                 choices = [] if text is None else [
-                    {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
+                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]
                 return {"id": "cmpl-" + rid[4:], "object": "text_completion", "created": now,
                         "model": self.name, "choices": choices}
         return chunk
 
-    def _result(self, endpoint: str, rid: str, text: str, last: RequestOutput) -> dict:
+    def _choice(self, endpoint: str, index: int, outs: list[RequestOutput], echo: str) -> dict:
+        text = echo + "".join(o.new_text for o in outs)
+        lp = self._logprobs(endpoint, outs, len(echo))
+        reason = outs[-1].finish_reason
+        if endpoint == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": lp, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    def _result(self, endpoint: str, rid: str, choices: list[dict],
+                lasts: list[RequestOutput], n: int) -> dict:
+        prompt = sum(o.num_prompt_tokens for o in lasts[::n])  # once per prompt
+        completion = sum(o.num_completion_tokens for o in lasts)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion}
         if endpoint == "chat":
             return {"id": "chatcmpl-" + rid[4:], "object": "chat.completion",
-                    "created": int(time.time()), "model": self.name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": last.finish_reason}],
-                    "usage": _usage(last)}
-        return self._chunker(endpoint, rid)(text, last.finish_reason) | {"usage": _usage(last)}
+                    "created": int(time.time()), "model": self.name, "choices": choices,
+                    "usage": usage}
+        return {"id": "cmpl-" + rid[4:], "object": "text_completion",
+                "created": int(time.time()), "model": self.name, "choices": choices,
+                "usage": usage}
 
-    async def _collect(self, request: Request, outs: AsyncIterator[RequestOutput], rid: str,
-                       endpoint: str) -> dict:
-        """Run to the end (non-streaming); abort if the client goes away meanwhile."""
-        parts: list[str] = []
-        got: list[RequestOutput] = []
+    async def _collect(self, request: Request, streams: list[AsyncIterator[RequestOutput]],
+                       endpoint: str, t0: float) -> list[list[RequestOutput]]:
+        """Run every choice to its end (non-streaming); abort all if the client goes away."""
+        got: list[list[RequestOutput]] = [[] for _ in streams]
 
-        async def consume() -> None:
+        async def consume(i: int, outs: AsyncIterator[RequestOutput]) -> None:
+            t_first = None
             async for out in outs:
-                parts.append(out.new_text)
-                got.append(out)
+                t_first = t_first or time.monotonic()
+                got[i].append(out)
+            if got[i]:
+                self.metrics.finished(endpoint, got[i][-1], t0, t_first, time.monotonic())
 
-        consumer = asyncio.ensure_future(consume())
+        consumer = asyncio.ensure_future(asyncio.gather(
+            *(consume(i, s) for i, s in enumerate(streams))))
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         watcher.cancel()
-        if not consumer.done():  # the client left: cancelling aborts the request
+        if not consumer.done():  # the client left: cancelling aborts the requests
             consumer.cancel()
             await asyncio.gather(consumer, return_exceptions=True)
-            self.metrics.requests.labels(endpoint, "aborted").inc()
+            self.metrics.outcome(endpoint, "aborted")
             raise APIError(499, "client disconnected", "client_closed")
         try:
             consumer.result()
         except _ENGINE_ERRORS as exc:
-            self.metrics.requests.labels(endpoint, "error").inc()
+            self.metrics.outcome(endpoint, "error")
             raise APIError(500, str(exc), "engine_error", "server_error") from exc
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
-        last = got[-1]
-        self._record(last, endpoint)
-        result = self._result(endpoint, rid, "".join(parts), last)
-        self.backend.record_result(rid, result)
-        return result
-
-    def _record(self, last: RequestOutput, endpoint: str) -> None:
-        m = self.metrics
-        m.requests.labels(endpoint, "ok").inc()
-        m.prompt_tokens.inc(last.num_prompt_tokens)
-        m.gen_tokens.inc(last.num_completion_tokens)
+        return got
 
     async def _stream(self, outs: AsyncIterator[RequestOutput], rid: str, endpoint: str,
-                      include_usage: bool, opening: bool) -> AsyncIterator[str]:
+                      include_usage: bool, opening: bool, t0: float, index: int = 0,
+                      echo: str = "", ids: bool = True,
+                      record: str | None = None) -> AsyncIterator[str]:
+        """One choice's events (with `id:` token counts when it is the only choice)."""
         chunk = self._chunker(endpoint, rid)
         chat = endpoint == "chat"
-        last, failed, parts = None, False, []
+        last, failed, got, t_first = None, False, [], None
         try:
             if opening and chat:
-                yield f"data: {json.dumps(chunk({'role': 'assistant', 'content': ''}, None))}\n\n"
+                yield f"data: {json.dumps(chunk({'role': 'assistant', 'content': ''}, None, index))}\n\n"
+            if echo:
+                yield f"data: {json.dumps(chunk(echo, None, index))}\n\n"
             async for out in outs:  # one event per token (its id counts them), text or not
+                t_first = t_first or time.monotonic()
                 last = out
-                parts.append(out.new_text)
+                got.append(out)
                 payload = chunk({"content": out.new_text} if chat else out.new_text,
-                                out.finish_reason)
-                yield f"id: {out.num_completion_tokens}\ndata: {json.dumps(payload)}\n\n"
+                                out.finish_reason, index,
+                                self._logprobs(endpoint, [out], len(echo)))
+                tag = f"id: {out.num_completion_tokens}\n" if ids else ""
+                yield f"{tag}data: {json.dumps(payload)}\n\n"
             if last is not None:
-                self._record(last, endpoint)
-                self.backend.record_result(rid, self._result(endpoint, rid, "".join(parts), last))
+                self.metrics.finished(endpoint, last, t0, t_first, time.monotonic())
+                self.backend.record_result(record or rid, self._result(
+                    endpoint, rid, [self._choice(endpoint, 0, got, echo)], [last], 1))
                 if include_usage:
                     yield f"data: {json.dumps(chunk(None, None) | {'usage': _usage(last)})}\n\n"
         except (*_ENGINE_ERRORS, ValueError) as exc:
             failed = True
-            self.metrics.requests.labels(endpoint, "error").inc()
+            self.metrics.outcome(endpoint, "error")
             code, kind = (("invalid_value", "invalid_request_error") if isinstance(exc, ValueError)
                           else ("engine_error", "server_error"))
             yield f"data: {json.dumps(error_body(str(exc), code, kind))}\n\n"
         finally:
             await outs.aclose()  # aborts the request if the client went away mid-stream
             if not failed and (last is None or not last.finished):
-                self.metrics.requests.labels(endpoint, "aborted").inc()
+                self.metrics.outcome(endpoint, "aborted")
+
+    async def _sse(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for e in events:
+            yield e
         yield "data: [DONE]\n\n"
 
-    async def _serve(self, request: Request, seq: Sequence, endpoint: str, stream: bool,
-                     include_usage: bool):
+    async def _merged(self, streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+        """The events of several choices as they come, then one [DONE]."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(s: AsyncIterator[str]) -> None:
+            try:
+                async for e in s:
+                    await q.put(e)
+            finally:
+                await q.put(None)
+
+        tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+        try:
+            left = len(tasks)
+            while left:
+                e = await q.get()
+                if e is None:
+                    left -= 1
+                else:
+                    yield e
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        yield "data: [DONE]\n\n"
+
+    async def _serve(self, request: Request, seqs: list[Sequence], endpoint: str,
+                     body: _Common, echoes: list[str] | None = None):
+        t0 = time.monotonic()
         key = request.headers.get("idempotency-key")
+        echoes = echoes or [""] * len(seqs)
+        if len(seqs) > 1:
+            if key is not None:
+                raise APIError(400, "Idempotency-Key is supported for requests with one choice "
+                               "(one prompt, n=1)", "unsupported_header", param="Idempotency-Key")
+            return await self._serve_many(request, seqs, endpoint, body, echoes, t0)
         if key is not None:
             rid = self.backend.by_key(key)
-            if rid is not None and rid in self.backend.results and not stream:
+            if rid is not None and rid in self.backend.results and not body.stream:
                 return JSONResponse(self.backend.results[rid], headers={"X-Request-Id": rid})
             if rid is not None and self.backend.find(rid) is not None:
                 outs = self.backend.follow(rid, 0)
-                return await self._respond(request, outs, rid, endpoint, stream, include_usage)
-        rid = seq.seq_id
-        outs = self.backend.generate(seq, endpoint, key)
-        return await self._respond(request, outs, rid, endpoint, stream, include_usage)
+                return await self._respond(request, outs, rid, endpoint, body, echoes[0], t0)
+        rid = seqs[0].seq_id
+        outs = self.backend.generate(seqs[0], endpoint, key)
+        return await self._respond(request, outs, rid, endpoint, body, echoes[0], t0)
 
-    async def _respond(self, request: Request, outs, rid: str, endpoint: str, stream: bool,
-                       include_usage: bool):
+    async def _respond(self, request: Request, outs, rid: str, endpoint: str, body: _Common,
+                       echo: str, t0: float):
         headers = {"X-Request-Id": rid}
-        if stream:
-            return StreamingResponse(self._stream(outs, rid, endpoint, include_usage, True),
-                                     media_type="text/event-stream", headers=headers)
-        return JSONResponse(await self._collect(request, outs, rid, endpoint), headers=headers)
+        if body.stream:
+            return StreamingResponse(
+                self._sse(self._stream(outs, rid, endpoint, body.include_usage, True, t0,
+                                       echo=echo)),
+                media_type="text/event-stream", headers=headers)
+        got = (await self._collect(request, [outs], endpoint, t0))[0]
+        result = self._result(endpoint, rid, [self._choice(endpoint, 0, got, echo)], got[-1:], 1)
+        self.backend.record_result(rid, result)
+        return JSONResponse(result, headers=headers)
+
+    async def _serve_many(self, request: Request, seqs: list[Sequence], endpoint: str,
+                          body: _Common, echoes: list[str], t0: float):
+        rid = seqs[0].seq_id
+        headers = {"X-Request-Ids": ",".join(s.seq_id for s in seqs)}
+        streams = [self.backend.generate(s, endpoint) for s in seqs]
+        if body.stream:
+            events = [self._stream(o, rid, endpoint, False, True, t0, index=i, echo=echoes[i],
+                                   ids=False, record=seqs[i].seq_id)
+                      for i, o in enumerate(streams)]
+            return StreamingResponse(self._merged(events), media_type="text/event-stream",
+                                     headers=headers)
+        got = await self._collect(request, streams, endpoint, t0)
+        result = self._result(endpoint, rid, [self._choice(endpoint, i, g, echoes[i])
+                                              for i, g in enumerate(got)],
+                              [g[-1] for g in got], body.n)
+        for s in seqs:
+            self.backend.record_result(s.seq_id, result)
+        return JSONResponse(result, headers=headers)
 
     # -- endpoints ------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
-        seq = self._sequence(body, body.prompt, 16)
-        return await self._serve(request, seq, "completions", body.stream, body.include_usage)
+        self._checked(body)
+        prompts = body.prompts()
+        seqs = self._sequences(body, prompts, 16)
+        echoes = None
+        if body.echo:
+            echoes = [p if isinstance(p, str) else self.spec.tokenizer.decode(p)
+                      for p in prompts for _ in range(body.n)]
+        return await self._serve(request, seqs, "completions", body, echoes)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._checked(body)
         try:
             text = self.spec.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.text()} for m in body.messages])
@@ -209,8 +337,8 @@ class OpenAIHandlers:
             raise APIError(400, str(exc), "chat_template") from exc
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        seq = self._sequence(body, text, None, add_special_tokens=False)
-        return await self._serve(request, seq, "chat", body.stream, body.include_usage)
+        seqs = self._sequences(body, [text], None, add_special_tokens=False)
+        return await self._serve(request, seqs, "chat", body)
 
     async def resume_stream(self, request_id: str, request: Request):
         """Continue a stream after its last event the client saw (`Last-Event-ID`)."""
@@ -224,7 +352,8 @@ class OpenAIHandlers:
             raise APIError(400, f"Last-Event-ID must be a token count, got {after!r}",
                            "invalid_value")
         outs = self.backend.follow(request_id, int(after))
-        return StreamingResponse(self._stream(outs, request_id, p.endpoint, False, False),
+        return StreamingResponse(self._sse(self._stream(outs, request_id, p.endpoint, False, False,
+                                                        time.monotonic())),
                                  media_type="text/event-stream",
                                  headers={"X-Request-Id": request_id})
 

@@ -42,12 +42,13 @@ def default_log_dir(run_dir: str | Path | None) -> Path:
 def build_app(model_dir: str | Path, config: EngineConfig | None = None,
               model_name: str | None = None, *, run_dir: str | Path | None = None,
               log_dir: str | Path | None = None, threads: int | None = None,
-              ring_bytes: int = 16 << 20, compact_bytes: int = 256 << 20) -> FastAPI:
+              ring_bytes: int = 16 << 20, compact_bytes: int = 256 << 20,
+              api_key: str | None = None) -> FastAPI:
     """Validate the model (config and tokenizer; the engines load the weights) and return
     the app; the engine processes run while the app lives."""
     config = config or EngineConfig()
     spec = EngineSpec(model_dir, config)
-    metrics = ServeMetrics()
+    metrics = ServeMetrics(model_name or Path(model_dir).resolve().name)
     backend = RemoteEngine(spec, run_dir)
     work_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="phoenixft-serve-run-"))
     events = EventLog(work_dir / "events.jsonl", role="front")
@@ -85,6 +86,8 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
     app = FastAPI(title="phoenixft", lifespan=lifespan)
     app.state.spec, app.state.backend, app.state.supervisor = spec, backend, supervisor
     api_errors.install(app)
+    if api_key:
+        api_errors.require_key(app, api_key)
     app.post("/v1/completions")(h.completions)
     app.post("/v1/chat/completions")(h.chat_completions)
     app.get("/v1/streams/{request_id}")(h.resume_stream)

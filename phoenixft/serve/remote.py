@@ -231,8 +231,9 @@ class RemoteEngine:
         if "stats" in msg:
             self.stats = msg["stats"]
         if op == "out":
-            for rid, tokens, text, index, finished, reason, computed, n_prompt in msg["outs"]:
-                out = RequestOutput(rid, tokens, text, finished, reason, n_prompt, index, computed)
+            for rid, tokens, text, index, finished, reason, computed, n_prompt, lps in msg["outs"]:
+                out = RequestOutput(rid, tokens, text, finished, reason, n_prompt, index, computed,
+                                    lps)
                 self._deliver(rid, out)
         elif op == "failed":
             err = (ValueError if msg.get("client") else RequestFailed)(msg["error"])

@@ -24,8 +24,53 @@ def uniform(seed: int, index: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
+def penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The logits after each request's repetition, presence and frequency penalties and
+    logit bias (a copy when any applies; the raw logits stay for logprobs). Penalties look
+    at the tokens generated so far (repetition: the prompt's too), as vLLM's do."""
+    rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        s, p, row = seqs[i], seqs[i].params, out[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(s.token_ids)), dtype=torch.long)
+            v = row[seen]
+            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            gen = torch.tensor(s.completion_token_ids, dtype=torch.long)
+            counts = torch.bincount(gen, minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+    return out
+
+
+def logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
+    """For each row whose request asked for logprobs: (the chosen token's log-probability,
+    [(token, log-probability)] of the k most likely), from the model's own distribution
+    (the raw logits, before temperature and penalties, as OpenAI and vLLM report them);
+    None for the other rows."""
+    out: list = [None] * len(seqs)
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    k = max(seqs[i].params.logprobs for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    for n, i in enumerate(rows):
+        kk = seqs[i].params.logprobs
+        out[i] = (float(lp[n, tokens[i]]),
+                  list(zip(top_i[n, :kk].tolist(), top_v[n, :kk].tolist())))
+    return out
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [batch, vocab] (row i belongs to seqs[i]) -> one token id per row."""
+    """logits [batch, vocab] (row i belongs to seqs[i], penalties applied) -> one token id
+    per row."""
     out = logits.argmax(dim=-1).tolist()
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if not rows:

@@ -20,8 +20,13 @@ class EngineSpec:
         if not self.model_dir.is_dir():
             raise ValueError(f"model directory {self.model_dir} does not exist")
         self.model_config = model_config or ModelConfig.from_hf(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir, self.model_config)
         self.config = (config or EngineConfig()).resolve(self.model_config)
+        tok_dir = Path(self.config.tokenizer) if self.config.tokenizer else self.model_dir
+        if not (tok_dir / "tokenizer.json").is_file() and self.config.tokenizer:
+            raise ValueError(f"--tokenizer {tok_dir}: no tokenizer.json there")
+        self.tokenizer = load_tokenizer(tok_dir, self.model_config)
+        if self.config.chat_template is not None:
+            self.tokenizer.chat_template = self.config.chat_template
 
     @property
     def max_model_len(self) -> int:
@@ -39,6 +44,10 @@ class EngineSpec:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        for name, toks in (("logit_bias", params.logit_bias), ("stop_token_ids",
+                                                               params.stop_token_ids)):
+            if any(t >= vocab for t in toks):
+                raise ValueError(f"{name}: token ids must be below the vocabulary size {vocab}")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "

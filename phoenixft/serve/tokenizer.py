@@ -36,6 +36,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    def token_text(self, tok: int) -> str:
+        """One token as logprobs show it (special tokens by name)."""
+        return self.decode([tok])
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
                             ) -> str:
         """Render ``messages`` with the model's template; ValueError if there is none."""
@@ -112,6 +116,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, tok: int) -> str:
+        return self._tok.decode([tok], skip_special_tokens=False)
 
 
 def load_tokenizer(model_dir: str | Path, model_config: ModelConfig) -> Tokenizer:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -128,3 +129,62 @@ def test_a_request_the_engine_fails_on_fails_alone(hf_models):
         assert again == expected["a"]
     finally:
         runner.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_vllm_serve_flags(hf_models, tmp_path):
+    """The flags `vllm serve` users type: each takes effect or is refused by name."""
+    import os
+    import signal
+    import socket
+
+    import httpx
+
+    path, _ = hf_models["qwen2"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "t.jinja").write_text(
+        "{% for m in messages %}<|system|> <|user|> {{ m['content'] }} {% endfor %}"
+        "<|assistant|> ")
+    cmd = [sys.executable, "-m", "phoenixft.serve.cli", "serve", str(path), "--port", str(port),
+           "--max-model-len", "128", "--threads", "1", "--served-model-name", "tiny",
+           "--api-key", "sk-test", "--block-size", "8", "--kv-cache-memory", "128KiB",
+           "--max-num-batched-tokens", "256", "--chat-template", str(tmp_path / "t.jinja"),
+           "--tokenizer", str(path)]
+    bad = subprocess.run(cmd + ["--dtype", "bfloat16"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--dtype bfloat16" in bad.stderr
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        # 128 KiB of float32 KV, 512 bytes per token (2 layers x 2 heads x 16 dims x K,V):
+        # 256 tokens = 32 blocks of 8 (one 128-token sequence needs 16)
+        assert "32 KV blocks of 8" in line, line
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server not ready"
+            time.sleep(0.05)  # polling interval
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}],
+                "max_tokens": 2}
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=30,
+                       headers={"Authorization": "Bearer sk-test"})
+        assert r.status_code == 200, r.text
+        # the template's tokens: <|system|> <|user|> w1 w2 <|assistant|>
+        assert r.json()["usage"]["prompt_tokens"] == 5
+        assert httpx.get(base + "/metrics", timeout=5).status_code == 200  # stays open
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
