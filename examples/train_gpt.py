@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--microbatches", type=int, default=None,
                     help="microbatches per step, over all ranks (default: one per rank)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="parameter dtype; with bfloat16 the session keeps fp32 master weights "
+                         "and optimizer state in each rank's shard")
     ap.add_argument("--data", default="rank", choices=["rank", "ids"],
                     help="rank: per-rank sampler state; ids: data is a function of the microbatch id")
     args = ap.parse_args()
@@ -39,7 +42,7 @@ def main() -> None:
     sess = phoenixft.Session()
     cfg = preset(args.preset)
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(getattr(torch, args.dtype))
     corpus = stdlib_corpus(EOS_ID, max_bytes=2_000_000 if args.preset == "tiny" else None)
     # Each rank draws from its own stream, seeded at the first draw once the rank is
     # known; after a failure the replacement gets the generator state from the snapshot.

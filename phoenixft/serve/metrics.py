@@ -43,6 +43,9 @@ class ServeMetrics:
                                 m, registry=r)
         self.log_bytes = Gauge("phoenixft_recovery_log_bytes", "bytes the active engine wrote "
                                "to its recovery log", m, registry=r)
+        self.log_epochs = Gauge("phoenixft_recovery_log_epochs", "epochs the active engine's "
+                                "log executor has committed (what a crash now would resume)",
+                                m, registry=r)
 
     def outcome(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(self.model_name, endpoint, outcome).inc()
@@ -70,6 +73,7 @@ class ServeMetrics:
         self.preemptions.labels(name).set(st.get("preemptions", 0))
         log = st.get("log") or {}
         self.log_bytes.labels(name).set(log.get("log_bytes", 0))
+        self.log_epochs.labels(name).set(log.get("epochs", 0))
         self.recomputed.labels(name).set(backend.recomputed_prompt_tokens)
         if backend.supervisor is not None:
             self.crashes.labels(name).set(backend.supervisor.crashes)

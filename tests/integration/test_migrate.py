@@ -165,3 +165,15 @@ def test_slurm_node_lists():
     assert first_host("node7,node8") == "node7"
     assert first_host("a-b.example.org") == "a-b.example.org"
     assert first_host("n[12]") == "n12"
+
+
+@pytest.mark.timeout(240)
+def test_bf16_parameters_on_fp32_master_shards_survive_a_sigkill(tmp_path, tmp_path_factory):
+    from jobs import failure_free, run
+    ref = failure_free(tmp_path_factory, 2, 10, "--dtype", "bfloat16")
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--inject", "kill:rank=0:step=6",
+              steps=10, script_args=("--dtype", "bfloat16"))
+    assert job.rc == 0, job.out
+    assert len(job.summary["recoveries"]) == 1
+    assert job.summary["final_state_digest"] == ref["final_state_digest"]
+    assert job.summary["losses"] == ref["losses"]

@@ -72,6 +72,23 @@ class Server:
                 raise TimeoutError("the standby engine never became warm")
             time.sleep(0.05)  # polling status.json for a state, bounded
 
+    def log_epochs(self) -> int:
+        m = re.search(r"phoenixft_recovery_log_epochs\{[^}]*\} ([0-9.e+]+)",
+                      httpx.get(self.base + "/metrics", timeout=5).text)
+        return int(float(m.group(1))) if m else 0
+
+    def wait_logged(self, running: int, timeout: float = 120) -> None:
+        """Wait for a state worth a crash: `running` requests in the engine, and the log
+        executor committed two epochs after that was seen (so the log holds them all)."""
+        deadline = time.monotonic() + timeout
+        while httpx.get(self.base + "/health", timeout=5).json().get("running", 0) < running:
+            assert time.monotonic() < deadline, f"{running} requests never ran together"
+            time.sleep(0.05)  # polling the engine's state, bounded
+        seen = self.log_epochs()
+        while self.log_epochs() < seen + 2:
+            assert time.monotonic() < deadline, "the recovery log made no progress"
+            time.sleep(0.05)  # polling the log's progress, bounded
+
     def kill_engine(self) -> int:
         """SIGKILL the active engine. A standby that is still starting makes the takeover
         slower (it is waited for), never wrong."""
@@ -187,6 +204,7 @@ def test_engine_killed_three_times_clients_get_the_uninterrupted_tokens(long_mod
         killed = []
         for n in (20, 90, 180):
             wait_tokens(clients, n)
+            server.wait_logged(8)
             killed.append(server.kill_engine())
         for c in clients:
             c.join(180)
@@ -233,6 +251,7 @@ def test_the_whole_server_killed_and_restarted_clients_resume(long_model, tmp_pa
         t = threading.Thread(target=idempotent, daemon=True)
         t.start()
         wait_tokens(clients, 40)
+        server.wait_logged(5)
         pids = server.pids()
         server.stop()  # front and both engines SIGKILLed
         t.join(30)
