@@ -18,6 +18,7 @@ _COMMANDS = [
     "phoenixft.launch.chaos_cli",  # chaos
     "phoenixft.checkpoint.cli",    # ckpt
     "phoenixft.serve.cli",       # serve, generate
+    "phoenixft.bench.simulate",  # simulate
 ]
 # modules whose register(subparsers) adds `phoenixft bench <name>`.
 _BENCHES = [

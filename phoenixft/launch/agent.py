@@ -68,6 +68,7 @@ class Agent:
         self._final: Plan | None = None
         self._signal: int | None = None
         self._lost_store: str | None = None
+        self._metrics = None  # the Prometheus exporter's server (--metrics-port)
         self.lease: LeaderLease | None = None
         self._started = False  # the leader published generation 0
         self.persisted_step = -1  # newest step committed to persistent storage, as last seen
@@ -190,6 +191,7 @@ class Agent:
             if cfg.node_rank == 0:
                 set_aside_previous_run(self.run_dir)
                 self.events = EventLog(self.run_dir / "events.jsonl", node=0)
+            self._start_metrics()
             store = self._open_store()
             self._join_job(store)
             final = self._loop(store)
@@ -199,11 +201,25 @@ class Agent:
             self._stop_workers()
             for s, h in previous.items():
                 signal.signal(s, h)
+            if self._metrics is not None:
+                self._metrics.shutdown()
         rc = self._finish(store, final, time.time() - t_start)
         if self.access is not None:
             self.access.close()
         lock.release()
         return rc
+
+    def _start_metrics(self) -> None:
+        cfg = self.cfg
+        if cfg.metrics_port is None:
+            return
+        from phoenixft.observe.train_metrics import serve_metrics
+        try:
+            self._metrics, _ = serve_metrics(self.run_dir, cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:
+            raise LaunchError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
+                              f"{cfg.metrics_host}:{cfg.metrics_port} ({exc.strerror})") from None
+        self._say(f"phoenixft: metrics on http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
 
     def _join_job(self, store) -> None:
         cfg = self.cfg

@@ -23,7 +23,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     st = sub.add_parser("status", help="print a run directory's status.json")
     st.add_argument("run_dir", nargs="?", default="runs/latest")
+    st.add_argument("--watch", action="store_true",
+                    help="follow the running job: members, step, loss, failures, until it ends")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     st.set_defaults(func=cmd_status)
+
+    plot = sub.add_parser("plot", help="a PNG timeline of a run: throughput over time, "
+                                       "failures and recoveries marked")
+    plot.add_argument("run_dir", nargs="?", default="runs/latest")
+    plot.add_argument("-o", "--out", default=None, help="PNG file (default RUN_DIR/timeline.png)")
+    plot.set_defaults(func=_lazy("phoenixft.bench.plot", "cmd_plot"))
 
 
 def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None = 0) -> None:
@@ -82,6 +91,11 @@ def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None =
     run.add_argument("--resume", action="store_true",
                      help="continue the job whose checkpoints are in --persist URL from its "
                           "newest committed step")
+    run.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                     help="serve Prometheus metrics of the run (steps, step time, failures, "
+                          "recovery time, spares, snapshots) on this port")
+    run.add_argument("--metrics-host", default="127.0.0.1",
+                     help="address for --metrics-port (default 127.0.0.1)")
     run.add_argument("--quiet", action="store_true", help="no progress lines (errors still show)")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -108,7 +122,8 @@ def agent_config_from_args(args):
                        replicas=args.replicas, echo=not args.quiet, min_nproc=args.min_nproc,
                        policy=args.policy, respawn=args.respawn, persist=args.persist,
                        persist_every=args.persist_every, persist_keep=args.persist_keep,
-                       resume=args.resume)
+                       resume=args.resume, metrics_port=args.metrics_port,
+                       metrics_host=args.metrics_host)
 
 
 def cmd_run(args) -> int:
@@ -123,8 +138,11 @@ def cmd_run(args) -> int:
 
 def cmd_status(args) -> int:
     p = Path(args.run_dir) / "status.json"
-    if not p.exists():
-        print(f"phoenixft status: no status.json in {args.run_dir}", file=sys.stderr)
-        return 2
-    print(json.dumps(json.loads(p.read_text()), indent=2))
-    return 0
+    if not args.watch:
+        if not p.exists():
+            print(f"phoenixft status: no status.json in {args.run_dir}", file=sys.stderr)
+            return 2
+        print(json.dumps(json.loads(p.read_text()), indent=2))
+        return 0
+    from phoenixft.launch.watch import watch
+    return watch(Path(args.run_dir), args.interval)

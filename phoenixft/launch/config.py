@@ -115,6 +115,8 @@ class AgentConfig:
     persist_every: int = 10  # a base record every K steps
     persist_keep: int = 2  # bases kept
     resume: bool = False  # continue the job persisted at `persist`
+    metrics_port: int | None = None  # serve Prometheus metrics of the run here
+    metrics_host: str = "127.0.0.1"
     tick_s: float = 0.02
     shutdown_grace_s: float = 5.0  # workers' time to leave on their own at the end
     python: str = sys.executable
@@ -161,6 +163,8 @@ class AgentConfig:
             raise LaunchError(f"--replicas must be >= 0, got {self.replicas}")
         if self.persist_every < 1 or self.persist_keep < 1:
             raise LaunchError("--persist-every and --persist-keep must be >= 1")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise LaunchError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.resume and not self.persist:
             raise LaunchError("--resume needs --persist URL (where the job's checkpoints are)")
         for spec in self.inject:

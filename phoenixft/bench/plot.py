@@ -1,0 +1,113 @@
+"""`phoenixft plot RUN_DIR [-o FILE]`: a PNG timeline of a run from its event log.
+
+Training: throughput (steps/s over a sliding window) and loss against wall time, each
+failure a red line labelled with its worker and kind, each recovery a green line labelled
+with where the state came from (local snapshot, peer replica, persistent storage) and how
+long it took. Serving: the engine's crashes and the takeovers that resumed its requests.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from phoenixft.observe.events import read_events
+
+
+def _sources(run_dir: Path) -> dict[int, str]:
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {r["gen"]: r.get("source") or "?" for r in s.get("recoveries", [])}
+
+
+def _throughput(steps: list[dict], window: int = 5) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for i in range(window, len(steps)):
+        dt = steps[i]["t"] - steps[i - window]["t"]
+        if dt > 0:
+            xs.append(steps[i]["t"])
+            ys.append(window / dt)
+    return xs, ys
+
+
+def plot_training(run_dir: Path, events: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e for e in events if e["event"] == "step"]
+    t0 = min(e["t"] for e in events)
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True,
+                                  gridspec_kw={"height_ratios": [2, 1]})
+    xs, ys = _throughput(steps)
+    ax.plot([x - t0 for x in xs], ys, color="tab:blue", lw=1.5)
+    ax.set_ylabel("steps / s (5-step window)")
+    ax2.plot([e["t"] - t0 for e in steps], [e["loss"] for e in steps], color="tab:gray", lw=1)
+    ax2.set_ylabel("loss")
+    ax2.set_xlabel("wall time since the job started (s)")
+    sources = _sources(run_dir)
+    ax.set_ylim(0, 1.15 * max(ys) if ys else 1.0)
+    for e in events:
+        x = e["t"] - t0
+        if e["event"] == "failure":
+            for a in (ax, ax2):
+                a.axvline(x, color="tab:red", lw=1, ls="--")
+            ax.text(x, 0.98, f" {e.get('wid')} {e.get('kind')}", color="tab:red", fontsize=8,
+                    rotation=90, va="top", transform=ax.get_xaxis_transform())
+        elif e["event"] == "recovered":
+            for a in (ax, ax2):
+                a.axvline(x, color="tab:green", lw=1)
+            ax.text(x, 0.02, f" gen {e['gen']}: {sources.get(e['gen'], '?')}, "
+                    f"{e.get('recover_s', 0):.2f} s", color="tab:green", fontsize=8,
+                    rotation=90, va="bottom", transform=ax.get_xaxis_transform())
+    n_fail = sum(1 for e in events if e["event"] == "failure")
+    ax.set_title(f"{run_dir}: {len(steps)} steps, {n_fail} failures "
+                 "(red: failure, green: recovered, with the restore source)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_serving(run_dir: Path, events: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(e["t"] for e in events)
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    ready = [e for e in events if e["event"] == "engine_ready"]
+    ax.bar([e["t"] - t0 for e in ready], [e.get("resumed", 0) for e in ready], width=0.4,
+           color="tab:green", label="requests resumed by the new engine")
+    for e in events:
+        if e["event"] in ("engine_crash", "engine_lost"):
+            ax.axvline(e["t"] - t0, color="tab:red", ls="--", lw=1)
+    ax.set_xlabel("wall time since the server started (s)")
+    ax.set_ylabel("requests resumed")
+    ax.set_title(f"{run_dir}: {len(ready)} engine takeovers (red: an engine died)")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def cmd_plot(args) -> int:
+    run_dir = Path(args.run_dir)
+    events = list(read_events(run_dir / "events.jsonl"))
+    if not events:
+        print(f"phoenixft plot: no events in {run_dir / 'events.jsonl'}", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("phoenixft plot needs matplotlib: pip install 'phoenixft[bench]'", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else run_dir / "timeline.png"
+    if any(e["event"] == "step" for e in events):
+        plot_training(run_dir, events, out)
+    else:
+        plot_serving(run_dir, events, out)
+    print(f"wrote {out}")
+    return 0
