@@ -28,6 +28,7 @@ _BENCHES = [
     "phoenixft.bench.serve",
     "phoenixft.bench.checkpoint",
     "phoenixft.bench.serve_ft",
+    "phoenixft.bench.all",
 ]
 
 

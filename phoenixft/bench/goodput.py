@@ -197,7 +197,7 @@ def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
 
     faulted = mode not in ("clean", "restart-clean")
     cfg = FaultConfig(failures=args.failures if faulted else 0, interval_s=interval_s,
-                      at_steps=tuple(args.fault_steps) if faulted else (),
+                      at_steps=tuple(args.fault_steps or ()) if faulted else (),
                       timeout_s=args.timeout, seed=args.seed)
     step_faults = cfg.step_faults(args.nproc, shrinking=mode == "shrink")
     job = make_job(mode, root / mode, work, args)

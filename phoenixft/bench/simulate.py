@@ -178,9 +178,8 @@ def measured_costs(recovery_json: str | None, overhead_json: str | None, base: C
                         lost_steps=max(r["lost_steps"] for r in rows))
     if overhead_json and Path(overhead_json).is_file():
         ov = json.loads(Path(overhead_json).read_text())
-        frac = ov.get("overhead_fraction")
-        if frac is not None:
-            c = replace(c, snapshot_overhead=max(0.0, frac))
+        if ov.get("ratio") is not None:  # step time with snapshots over without
+            c = replace(c, snapshot_overhead=max(0.0, ov["ratio"] - 1.0))
     return c
 
 
@@ -202,54 +201,62 @@ def _replay(kills_s: list[float], steps: int, step_s: float, cost, slow) -> floa
     return t + max(0.0, steps - done) * step_s * slow(len(kills_s))
 
 
+def _base_step_s(row: dict) -> float:
+    """The run's own failure-free step time: the median gap between consecutive steps
+    before its first fault (the machine's speed during that run, an input)."""
+    first_kill = min((k["t_rel"] for k in row.get("kills", [])), default=float("inf"))
+    prog = row.get("progress", [])
+    gaps = [b[0] - a[0] for a, b in zip(prog, prog[1:])
+            if b[1] == a[1] + 1 and b[3] == a[3] and b[0] < first_kill]
+    if not gaps:
+        return row.get("median_step_s") or 1 / row["eff_steps_s"]
+    return sorted(gaps)[len(gaps) // 2]
+
+
+def _fault_cost(mode: str, goodput: dict, row: dict, rec: list[dict], step_s: float):
+    """Seconds one fault costs, as a function of the steps done (for lost work)."""
+    if mode in ("spares", "shrink"):
+        per = sum(r["detect_s"] + r["recover_s"] for r in rec) / len(rec)
+        lost = 0.0 if mode == "shrink" else sum(r["lost_steps"] for r in rec) / len(rec)
+        return lambda done: per + lost * step_s
+    restarts = [x - step_s for x in row.get("kill_to_next_step_s", [])]
+    restart_s = sum(restarts) / len(restarts) if restarts else 0.0
+    every = goodput.get("ckpt_every") or 1
+    return lambda done: restart_s + (done % every) * step_s
+
+
 def validate(goodput: dict, recovery: dict | None) -> list[dict]:
     """Predict each faulted mode's goodput ratio (its effective steps/s over the
-    failure-free run's) from the failure-free step time, the fault schedule, and the
-    measured per-fault costs: phoenixft's detect + recover + lost steps from `bench
-    recovery` (a separate run), torchrun's restart time (the run's own kill-to-next-step
-    less one step: no other benchmark measures it), and the machine model (throughput
-    follows min(workers, cores)). Returns predicted vs measured rows."""
+    failure-free run's) from: the run's own step time before its first fault, the fault
+    schedule, phoenixft's per-fault cost from `bench recovery` (detect + recover + lost
+    steps: a separate run), torchrun's restart time (the run's kill-to-next-step less a
+    step: no other benchmark measures it) and work lost since its last checkpoint, and the
+    machine model (throughput follows min(workers, cores) after a shrink)."""
     modes, n = goodput["modes"], goodput["nproc"]
-    clean = modes["clean"]
-    step_s = 1 / clean["eff_steps_s"]
+    clean_eff = modes["clean"]["eff_steps_s"]
     cores = goodput.get("cpu_count") or 1
     rec = [r for r in (recovery or {}).get("rows", []) if r["fault"].startswith("kill")]
-    rec_n = [r for r in rec if r["nproc"] == n] or rec
+    rec = [r for r in rec if r["nproc"] == n] or rec
     out = []
     for mode in ("spares", "shrink", "restart"):
         row = modes.get(mode)
         if not row or not row.get("completed") or not row.get("kills"):
             continue
+        if mode != "restart" and not rec:
+            continue
+        step_s = _base_step_s(row)
         first = row["first_step_after_launch_s"]
         kills = [k["t_rel"] - first for k in row["kills"]]
         steps = row["final_step"] - 1
-        if mode in ("spares", "shrink") and rec_n:
-            per = (sum(r["detect_s"] + r["recover_s"] for r in rec_n) / len(rec_n))
-            lost = 0.0 if mode == "shrink" else sum(r["lost_steps"] for r in rec_n) / len(rec_n)
-            def cost(done, per=per, lost=lost):
-                return (per + lost * step_s)
-        elif mode == "restart":
-            base = modes.get("restart-clean", clean)
-            step_s_r = 1 / base["eff_steps_s"]
-            restarts = [x - step_s_r for x in row.get("kill_to_next_step_s", [])]
-            restart_s = sum(restarts) / len(restarts) if restarts else 0.0
-            every = goodput.get("ckpt_every") or 1
-            def cost(done, r=restart_s, k=every, s=step_s_r):
-                return (r + (done % k) * s)
-        else:
-            continue
-        if mode == "shrink":
-            def slow(k: int) -> float:
-                return min(n, cores) / max(1, min(n - k, cores))
-        else:
-            def slow(k: int) -> float:
-                return 1.0
-        s = step_s if mode != "restart" else 1 / modes.get("restart-clean", clean)["eff_steps_s"]
-        wall = _replay(kills, steps, s, cost, slow)
-        predicted = (steps / wall) / clean["eff_steps_s"]
-        measured = row["eff_steps_s"] / clean["eff_steps_s"]
+        cost = _fault_cost(mode, goodput, row, rec, step_s)
+        shrink = mode == "shrink"
+        wall = _replay(kills, steps, step_s, cost,
+                       lambda k, shrink=shrink: min(n, cores) / max(1, min(n - k, cores)) if shrink else 1.0)
+        predicted = (steps / wall) / clean_eff
+        measured = row["eff_steps_s"] / clean_eff
         out.append({"mode": mode, "predicted_ratio": round(predicted, 4),
-                    "measured_ratio": round(measured, 4),
+                    "measured_ratio": round(measured, 4), "predicted_wall_s": round(wall, 3),
+                    "measured_wall_s": round(row["wall_s"], 3),
                     "error": round(abs(predicted - measured) / measured, 4)})
     return out
 

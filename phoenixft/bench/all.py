@@ -1,0 +1,230 @@
+"""`phoenixft bench all [--quick] [--out FILE]`: every benchmark, one report.
+
+Runs each benchmark in its own process, one after another (they would disturb each other's
+timings side by side on a small machine), then `phoenixft simulate` fed with the measured
+figures. Writes FILE (JSON: each benchmark's result with a `goals` list of
+{"name", "goal", "measured", "met"}) and BENCHMARKS.md beside it (a table per benchmark,
+the command, the machine, processes and threads). `--quick` uses the smallest sizes that
+still measure something (about 10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name -> (arguments, quick arguments, processes and threads in words)
+PLAN = {
+    "overhead": ([], ["--pairs", "1", "--steps", "20", "--preset", "tiny"],
+                 "2 workers x 1 torch thread, snapshots on and off in turn"),
+    "recovery": ([], ["--steps", "20", "--preset", "tiny"],
+                 "2 or 4 workers + 1 spare, 1 torch thread each"),
+    "goodput": ([], ["--quick"], "4 workers x 1 torch thread per mode; torchrun DDP for restart"),
+    "checkpoint": ([], ["--preset", "tiny", "--steps", "8", "--every", "4"],
+                   "1 process x 2 torch threads"),
+    "serve": (["--out"], ["--concurrency", "1", "8", "--rounds", "2", "--repeats", "1"],
+              "1 process x 2 torch threads, engine and transformers in turn"),
+    "serve-ft": ([], ["--contexts", "256,1024", "--blocks", "20"],
+                 "engine 1 torch thread + log executor process; front + 2 engines end to end"),
+}
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} CPU cores ({model}), Linux {platform.release()}, no GPU" \
+        if not _has_cuda() else f"{os.cpu_count()} CPU cores ({model}) + CUDA GPU"
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _goal(name: str, goal: str, measured, met: bool) -> dict:
+    return {"name": name, "goal": goal, "measured": measured, "met": bool(met)}
+
+
+def goals_of(name: str, d: dict) -> list[dict]:
+    """Each benchmark's goals, from the issues it measures, in one shape."""
+    if isinstance(d.get("goals"), list):
+        return d["goals"]
+    if name == "overhead":
+        out = [_goal("failure-free step time with snapshots", "<= 1.01x without",
+                     round(d["ratio"], 4), d["ratio"] <= 1.01),
+               _goal("same final state with snapshots on and off", "identical",
+                     d["same_final_state"], d["same_final_state"])]
+        return out
+    if name == "recovery":
+        kills = [r for r in d["rows"] if r["fault"].startswith("kill")]
+        worst = max((r["recover_s"] for r in kills), default=float("nan"))
+        lost = max((r["lost_steps"] for r in d["rows"]), default=0)
+        return [_goal("recovery after a SIGKILL (worst case)", f"<= {d['goal_recover_s']} s",
+                      worst, worst <= d["goal_recover_s"]),
+                _goal("steps lost per failure", "<= 1", lost, lost <= 1)]
+    if name == "goodput":
+        m = d["modes"]
+        shrink, restart = m.get("shrink", {}), m.get("restart", {})
+        out = []
+        if shrink.get("vs_restart") is not None:
+            out.append(_goal("ReCoVer vs checkpoint-and-restart", ">= 2.23x",
+                             round(shrink["vs_restart"], 3), shrink["vs_restart"] >= 2.23))
+        if shrink.get("vs_clean_scaled") is not None:
+            out.append(_goal("ReCoVer vs failure-free scaled by survivors", ">= 0.9x",
+                             round(shrink["vs_clean_scaled"], 3), shrink["vs_clean_scaled"] >= 0.9))
+        if restart.get("completed") is not None:
+            out.append(_goal("every mode completed", "yes",
+                             all(r.get("completed") for r in m.values()),
+                             all(r.get("completed") for r in m.values())))
+        return out
+    if name == "serve":
+        return [_goal(f"engine vs transformers at {r['concurrency']} concurrent", ">= 2x",
+                      round(r["speedup"], 2), r["speedup"] >= 2)
+                for r in d["results"] if r["concurrency"] >= 8]
+    return []
+
+
+def headline(name: str, d: dict) -> str:
+    """One line per benchmark for the README's first screen."""
+    try:
+        if name == "overhead":
+            return f"step time with snapshots + replicas: {d['ratio']:.3f}x without"
+        if name == "recovery":
+            k = [r for r in d["rows"] if r["fault"].startswith("kill")]
+            return (f"SIGKILL -> training again: detect {max(r['detect_s'] for r in k):.2f} s, "
+                    f"recover {max(r['recover_s'] for r in k):.2f} s, "
+                    f"next step {max(r['kill_to_next_step_s'] for r in k):.2f} s (worst of "
+                    f"{len(k)})")
+        if name == "goodput":
+            m = d["modes"]
+            parts = [f"{k} {m[k]['eff_steps_s'] / m['clean']['eff_steps_s']:.2f}"
+                     for k in ("spares", "shrink", "restart") if k in m and m[k].get("eff_steps_s")]
+            return "goodput vs failure-free, " + ", ".join(parts) + \
+                f" ({d['failures']} SIGKILLs)"
+        if name == "checkpoint":
+            return "; ".join(f"{g['name']}: {g['measured']}" for g in d["goals"][:2])
+        if name == "serve":
+            return ", ".join(f"{r['speedup']:.2f}x transformers at {r['concurrency']}"
+                             for r in d["results"])
+        if name == "serve-ft":
+            return "; ".join(f"{g['name']}: {g['measured']}" for g in d["goals"])
+        if name == "simulate":
+            return "; ".join(f"{g['name']}: {g['measured']}" for g in d["goals"])
+    except (KeyError, ValueError, ZeroDivisionError, IndexError, TypeError):
+        pass
+    return "(see the JSON)"
+
+
+def _markdown(report: dict) -> str:
+    lines = ["# Benchmarks", "",
+             f"`phoenixft bench all{' --quick' if report['quick'] else ''}` on "
+             f"{report['machine']}; {report['wall_s'] / 60:.1f} minutes in all. Every figure "
+             "is a ratio against the alternative run in the same invocation, or a time "
+             "measured here; the JSON beside this file has every number.", "",
+             "| benchmark | headline | goals met |", "|---|---|---|"]
+    for name, b in report["benchmarks"].items():
+        met = sum(g["met"] for g in b["goals"])
+        lines.append(f"| {name} | {b['headline']} | {met}/{len(b['goals'])} |")
+    for name, b in report["benchmarks"].items():
+        lines += ["", f"## {name}", "", f"`{b['command']}` ({b['processes']}; "
+                  f"{b['wall_s']:.0f} s, exit {b['rc']})", ""]
+        if b["goals"]:
+            lines += ["| goal | target | measured | met |", "|---|---|---|---|"]
+            lines += [f"| {g['name']} | {g['goal']} | {g['measured']} | "
+                      f"{'yes' if g['met'] else '**no**'} |" for g in b["goals"]]
+        extra = b.get("table")
+        if extra:
+            lines += [""] + extra
+    return "\n".join(lines) + "\n"
+
+
+def _simulate_tables(d: dict) -> list[str]:
+    rows = ["| rate | GPUs | job MTBF | restart | spares | ReCoVer | spares + tiers | "
+            "tiers / restart |", "|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        rows.append(f"| {r['rate']} | {r['gpus']:,} | {r['mtbf_min']:.1f} min | "
+                    f"{r['restart']:.3f} | {r['spares']:.3f} | {r['recover']:.3f} | "
+                    f"{r['tiers']:.3f} | {r['tiers_vs_restart']}x |")
+    c = d["crossover_2_23x"]
+    rows += ["", f"ReCoVer reaches {c['target_ratio']}x checkpoint-and-restart at "
+             f"{c['gpus']:,} GPUs when the job's MTBF is {c['job_mtbf_min']:.1f} minutes "
+             f"({c['per_gpu_hour']:.2e} failures per GPU-hour)."]
+    if d.get("validation"):
+        rows += ["", "| validation | predicted ratio | measured ratio | error |",
+                 "|---|---|---|---|"]
+        rows += [f"| {v['mode']} | {v['predicted_ratio']:.3f} | {v['measured_ratio']:.3f} | "
+                 f"{100 * v['error']:.1f}% |" for v in d["validation"]]
+    return rows
+
+
+def cmd_all(args) -> int:
+    out = Path(args.out)
+    work = out.parent / "all"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    report = {"benchmark": "all", "quick": args.quick, "machine": _machine(),
+              "benchmarks": {}}
+    names = [n for n in PLAN if not args.only or n in args.only.split(",")]
+    for name in names:
+        full, quick, procs = PLAN[name]
+        argv = [sys.executable, "-m", "phoenixft.cli", "bench", name,
+                *(quick if args.quick else []), "--out", str(work / f"{name}.json")]
+        shown = "phoenixft bench " + " ".join([name, *(quick if args.quick else [])])
+        print(f"[all] {shown}", flush=True)
+        t = time.time()
+        with (work / f"{name}.log").open("w") as log:
+            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
+        entry = {"command": shown, "processes": procs, "rc": rc, "wall_s": time.time() - t,
+                 "log": str(work / f"{name}.log")}
+        path = work / f"{name}.json"
+        data = json.loads(path.read_text()) if path.exists() else {}
+        entry.update(result=data, goals=goals_of(name, data) if data else [],
+                     headline=headline(name, data) if data else f"failed (exit {rc}): see "
+                     f"{entry['log']}")
+        report["benchmarks"][name] = entry
+        print(f"[all] {name}: {entry['headline']} ({entry['wall_s']:.0f} s)", flush=True)
+    sim = ["--out", str(work / "simulate.json"), "--validate", str(work / "goodput.json"),
+           "--recovery-json", str(work / "recovery.json"),
+           "--overhead-json", str(work / "overhead.json")]
+    t = time.time()
+    with (work / "simulate.log").open("w") as log:
+        rc = subprocess.run([sys.executable, "-m", "phoenixft.cli", "simulate", *sim],
+                            stdout=log, stderr=subprocess.STDOUT).returncode
+    data = json.loads((work / "simulate.json").read_text()) if rc == 0 else {}
+    report["benchmarks"]["simulate"] = {
+        "command": "phoenixft simulate (fed with the figures above)",
+        "processes": "1 process", "rc": rc, "wall_s": time.time() - t, "result": data,
+        "goals": data.get("goals", []), "headline": headline("simulate", data),
+        "table": _simulate_tables(data) if data else None}
+    report["wall_s"] = time.time() - t0
+    out.write_text(json.dumps(report, indent=2))
+    md = Path(args.markdown)
+    md.write_text(_markdown(report))
+    print(f"wrote {out} and {md} ({report['wall_s'] / 60:.1f} min)")
+    return 0 if all(b["rc"] == 0 for b in report["benchmarks"].values()) else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("all", help="every benchmark and the simulator: one JSON report and "
+                                   "BENCHMARKS.md", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smallest sizes (~10 min on 2 cores)")
+    p.add_argument("--out", default="runs/bench/all.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="the report (default ./BENCHMARKS.md)")
+    p.add_argument("--only", default=None, help="comma-separated benchmarks to run")
+    p.set_defaults(func=cmd_all)

@@ -1,0 +1,64 @@
+"""The failure simulator: its limits (no failures, failures faster than a restart), the
+Young/Daly interval, and the validation arithmetic on a run whose costs are known."""
+
+from __future__ import annotations
+
+import math
+
+from phoenixft.bench.simulate import (
+    RATES,
+    Costs,
+    _replay,
+    mean_effective,
+    simulate,
+    validate,
+    young_daly,
+)
+
+
+def test_without_failures_only_the_overheads_remain():
+    c = Costs(outage_per_day=0.0, snapshot_overhead=0.02)
+    for strategy in ("spares", "tiers"):
+        o = simulate(strategy, 1024, 1e-12, c, horizon_h=24)
+        spare_gpus = math.ceil(c.spare_frac * 1024 / 8) * 8
+        assert abs(o.effective - 0.98 * 1024 / (1024 + spare_gpus)) < 1e-6
+    assert abs(simulate("recover", 1024, 1e-12, c, horizon_h=24).effective - 1.0) < 1e-6
+
+
+def test_checkpoint_restart_stops_progressing_when_failures_outpace_restarts():
+    c = Costs(restart_s=600, outage_per_day=0.0)
+    rate = 1 / (5 * 60) / 100_000 * 3600  # a failure every 5 minutes at 100k GPUs
+    assert simulate("restart", 100_000, rate, c, horizon_h=24).effective < 0.01
+    assert mean_effective("tiers", 100_000, rate, c, 2, 24).effective > 0.8
+
+
+def test_young_daly_and_published_rates():
+    assert abs(young_daly(60, 3600) - math.sqrt(2 * 60 * 3600)) < 1e-9
+    # Llama 3: 419 interruptions in 54 days on 16,384 GPUs -> about one every 3.1 hours
+    assert abs(1 / (RATES["llama3"] * 16384) - 54 * 24 / 419) < 1e-9
+
+
+def test_replay_charges_each_fault_and_the_slowdown_after_it():
+    wall = _replay([5.0, 10.0], steps=100, step_s=0.1, cost=lambda done: 1.0,
+                   slow=lambda k: 1.0)
+    assert abs(wall - (100 * 0.1 + 2 * 1.0)) < 1e-9
+    shrink = _replay([5.0], steps=100, step_s=0.1, cost=lambda done: 0.0,
+                     slow=lambda k: 2.0 if k else 1.0)
+    assert abs(shrink - (5.0 + 50 * 0.2)) < 1e-9
+
+
+def test_validation_of_a_run_whose_costs_are_known():
+    step = 0.1
+    clean = {"eff_steps_s": 1 / step, "completed": True, "final_step": 101,
+             "first_step_after_launch_s": 0.0, "kills": []}
+    spares_wall = 100 * step + 2 * (0.2 + 0.3 + 1 * step)
+    run = {"nproc": 2, "cpu_count": 2, "ckpt_every": 10,
+           "modes": {"clean": clean,
+                     "spares": {"eff_steps_s": 100 / spares_wall, "completed": True,
+                                "final_step": 101, "first_step_after_launch_s": 1.0,
+                                "median_step_s": step, "wall_s": spares_wall,
+                                "kills": [{"t_rel": 3.0}, {"t_rel": 6.0}]}}}
+    rec = {"rows": [{"nproc": 2, "fault": "kill:rank=1:step=5", "detect_s": 0.2,
+                     "recover_s": 0.3, "lost_steps": 1}]}
+    (row,) = validate(run, rec)
+    assert row["mode"] == "spares" and row["error"] < 1e-3
