@@ -26,7 +26,7 @@ PLAN = {
     "recovery": ([], ["--steps", "20", "--preset", "tiny"],
                  "2 or 4 workers + 1 spare, 1 torch thread each"),
     "goodput": ([], ["--quick"], "4 workers x 1 torch thread per mode; torchrun DDP for restart"),
-    "checkpoint": ([], ["--preset", "tiny", "--steps", "8", "--every", "4"],
+    "checkpoint": ([], ["--steps", "8", "--every", "4"],
                    "1 process x 2 torch threads"),
     "serve": (["--out"], ["--concurrency", "1", "8", "--rounds", "2", "--repeats", "1"],
               "1 process x 2 torch threads, engine and transformers in turn"),
@@ -124,7 +124,12 @@ def headline(name: str, d: dict) -> str:
         if name == "serve-ft":
             return "; ".join(f"{g['name']}: {g['measured']}" for g in d["goals"])
         if name == "simulate":
-            return "; ".join(f"{g['name']}: {g['measured']}" for g in d["goals"])
+            rows = {(r["rate"], r["gpus"]): r for r in d["rows"]}
+            a, b = rows[("llama3", 16384)], rows[("projected", 100000)]
+            errs = ", ".join(f"{v['mode']} {100 * v['error']:.0f}%" for v in d["validation"])
+            return (f"phoenixft + tiers {a['tiers']:.3f} of failure-free at 16k GPUs (Llama 3 "
+                    f"rate; restart {a['restart']:.3f}), {b['tiers']:.3f} at 100k (projected; "
+                    f"restart {b['restart']:.3f}); validation error {errs}")
     except (KeyError, ValueError, ZeroDivisionError, IndexError, TypeError):
         pass
     return "(see the JSON)"

@@ -389,7 +389,8 @@ def cmd_simulate(args) -> int:
                       "met": by["projected", 100000]["tiers"] >= 0.9})
     for c in checks:
         goals.append({"name": f"simulator predicts the {c['mode']} goodput ratio",
-                      "goal": "error <= 10%", "measured": c["error"], "met": c["error"] <= 0.1})
+                      "goal": "error <= 10%", "measured": f"{100 * c['error']:.1f}%",
+                      "met": c["error"] <= 0.1})
     out = {"benchmark": "simulate", "costs": asdict(costs), "rates": _rates(args.rates),
            "mix": MIX, "rows": rows, "crossover_2_23x": cross, "validation": checks,
            "goals": goals, "runs": args.runs, "horizon_h": args.horizon_h}
