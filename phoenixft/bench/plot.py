@@ -93,6 +93,14 @@ def plot_serving(run_dir: Path, events: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def register(sub) -> None:
+    p = sub.add_parser("plot", help="a PNG timeline of a run: throughput over time, "
+                                    "failures and recoveries marked")
+    p.add_argument("run_dir", nargs="?", default="runs/latest")
+    p.add_argument("-o", "--out", default=None, help="PNG file (default RUN_DIR/timeline.png)")
+    p.set_defaults(func=cmd_plot)
+
+
 def cmd_plot(args) -> int:
     run_dir = Path(args.run_dir)
     events = list(read_events(run_dir / "events.jsonl"))

@@ -32,6 +32,9 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--preset", default="small", choices=["tiny", "small", "ref"])
     p.add_argument("--repeat", type=int, default=1, help="runs of each trial")
+    p.add_argument("--trials", default=None, metavar="I,J",
+                   help="run only these of the trials (0-based: " + "; ".join(
+                       f"{i}: {n} workers, {f}" for i, (n, f) in enumerate(TRIALS)) + ")")
     p.add_argument("--heartbeat-timeout", type=float, default=2.0)
     p.add_argument("--out", default="runs/bench/recovery.json")
     p.set_defaults(func=cmd_recovery)
@@ -51,7 +54,14 @@ def cmd_recovery(args) -> int:
     root = Path(args.out).parent / "recovery-runs"
     rows = []
     t0 = time.time()
-    for nproc, fault in TRIALS:
+    trials = TRIALS
+    if args.trials:
+        try:
+            trials = [TRIALS[int(i)] for i in args.trials.split(",")]
+        except (ValueError, IndexError):
+            raise SystemExit(f"phoenixft bench recovery: --trials takes indices in "
+                             f"0..{len(TRIALS) - 1}, got {args.trials!r}") from None
+    for nproc, fault in trials:
         for i in range(args.repeat):
             s = run_job(root / f"{nproc}-{fault.replace(':', '_')}-{i}", nproc=nproc, spares=1,
                         inject=[fault], heartbeat_timeout_s=args.heartbeat_timeout,
@@ -65,7 +75,7 @@ def cmd_recovery(args) -> int:
     for col in ("workers", "fault", "detect s", "recover s", "fault -> next step s",
                 "lost steps", "restored from"):
         table.add_column(col)
-    for nproc, fault in TRIALS:
+    for nproc, fault in trials:
         rs = [r for r in rows if r["nproc"] == nproc and r["fault"] == fault]
         table.add_row(str(nproc), fault, f"{median([r['detect_s'] for r in rs]):.3f}",
                       f"{median([r['recover_s'] for r in rs]):.3f}",

@@ -42,6 +42,7 @@ class ServeBenchConfig:
     rounds: int = 4
     repeats: int = 3
     threads: int = 2
+    size: str = "tiny"  # the random model: tiny (2.9M params) or medium (~54M)
     prompt_len: tuple[int, int] = (16, 64)
     output_len: tuple[int, int] = (16, 128)
     model_dir: str | None = None
@@ -59,18 +60,29 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be 1 <= low <= high, got {(lo, hi)}")
 
 
-def build_bench_model(out: Path) -> str:
-    """A random byte-vocab Llama (4 layers, d=256, GQA 8/2 heads, 512 positions)."""
+SIZES = {
+    # 4 layers, d=256, GQA 8/2 heads: overheads (scheduling, Python) matter as much as FLOPs
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2),
+    # 12 layers, d=640, GQA 10/2 heads: compute dominates
+    "medium": dict(hidden_size=640, intermediate_size=1728, num_hidden_layers=12,
+                   num_attention_heads=10, num_key_value_heads=2),
+}
+
+
+def build_bench_model(out: Path, size: str = "tiny") -> str:
+    """A random byte-vocab Llama of the given size (512 positions)."""
     import torch
 
     from phoenixft.models.llama import LlamaConfig, LlamaForCausalLM, save_hf
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    shape = SIZES[size]
+    cfg = LlamaConfig(**shape, max_position_embeddings=512)
     model = LlamaForCausalLM(cfg)
     save_hf(model, out)
-    return f"random Llama, {model.num_params() / 1e6:.1f}M params, 4x256"
+    return (f"random Llama ({size}), {model.num_params() / 1e6:.1f}M params, "
+            f"{shape['num_hidden_layers']}x{shape['hidden_size']}")
 
 
 def _workload(n: int, cfg: ServeBenchConfig, rng: random.Random, vocab: int
@@ -152,7 +164,7 @@ def run(cfg: ServeBenchConfig) -> dict:
         model_dir, desc = cfg.model_dir, f"model from {cfg.model_dir}"
         if model_dir is None:
             model_dir = str(Path(tmp) / "model")
-            desc = build_bench_model(Path(model_dir))
+            desc = build_bench_model(Path(model_dir), cfg.size)
         llm = LLM(model_dir, EngineConfig(max_num_seqs=max(64, max(cfg.concurrency))))
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
         hf.generation_config.pad_token_id = 0
@@ -215,7 +227,7 @@ def _print(result: dict) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    cfg = ServeBenchConfig(concurrency=args.concurrency, rounds=args.rounds,
+    cfg = ServeBenchConfig(concurrency=args.concurrency, rounds=args.rounds, size=args.size,
                            repeats=args.repeats,
                            threads=args.threads, model_dir=args.model)
     result = run(cfg)
@@ -232,6 +244,9 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "serve", help="paged engine vs transformers generate: tokens/s, TTFT, KV bytes")
     p.add_argument("--model", default=None,
                    help="model directory (default: build a random 4-layer Llama)")
+    p.add_argument("--size", default="tiny", choices=list(SIZES),
+                   help="the random model when --model is not given: tiny (2.9M params) or "
+                        "medium (~54M, compute-bound)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=4,
                    help="requests per client in one repeat (default 4)")

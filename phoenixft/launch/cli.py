@@ -28,11 +28,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     st.set_defaults(func=cmd_status)
 
-    plot = sub.add_parser("plot", help="a PNG timeline of a run: throughput over time, "
-                                       "failures and recoveries marked")
-    plot.add_argument("run_dir", nargs="?", default="runs/latest")
-    plot.add_argument("-o", "--out", default=None, help="PNG file (default RUN_DIR/timeline.png)")
-    plot.set_defaults(func=_lazy("phoenixft.bench.plot", "cmd_plot"))
 
 
 def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None = 0) -> None:

@@ -85,7 +85,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: (..., T, head_dim); cos/sin broadcastable to it."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)  # fp32 tables keep a bf16 model bf16
 
 
 class MLP(nn.Module):

@@ -121,7 +121,8 @@ class EngineServer:
 
     def stats(self) -> dict:
         e = self.engine
-        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+        return {"pid": os.getpid(),
+                "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "kv_usage": e.block_manager.usage, "preemptions": e.scheduler.num_preemptions,
                 "generated": e.num_generated_tokens,
                 "log": e.recorder.summary() if e.recorder is not None else None}

@@ -376,10 +376,14 @@ class OpenAIHandlers:
 
     async def health(self):
         st = self.backend.stats
+        log = st.get("log") or {}
         body = {"status": "ok" if self.backend.alive else "error",
-                "running": st.get("running", 0), "waiting": st.get("waiting", 0)}
+                "running": st.get("running", 0), "waiting": st.get("waiting", 0),
+                "engine_pid": st.get("pid"), "log_epochs": log.get("epochs", 0)}
         if self.backend.error is not None:
             body["error"] = self.backend.error
+        if self.backend.log_errors:
+            body["log_errors"] = self.backend.log_errors[-3:]
         return JSONResponse(status_code=200 if self.backend.alive else 503, content=body)
 
     async def prometheus(self):

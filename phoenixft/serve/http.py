@@ -52,6 +52,7 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
     backend = RemoteEngine(spec, run_dir)
     work_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="phoenixft-serve-run-"))
     events = EventLog(work_dir / "events.jsonl", role="front")
+    backend.on_event = events.emit
     log = Path(log_dir) if log_dir else default_log_dir(run_dir)
     supervisor = EngineSupervisor(model_dir, asdict(config), log, work_dir, threads=threads,
                                   on_message=backend.on_message,

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -110,6 +110,8 @@ class RemoteEngine:
         self.keys: dict[str, str] = {}  # idempotency key digest -> request id
         self.stats: dict = {}
         self.recomputed_prompt_tokens = 0
+        self.log_errors: list[str] = []  # the active engine's recovery log stopped working
+        self.on_event: Callable[..., None] = lambda name, **fields: None
         self.adapters: dict[str, int] = {}  # name -> current version
         self._replies: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()
@@ -243,6 +245,9 @@ class RemoteEngine:
             loop, fut = self._replies.get(msg["token"], (None, None))
             if fut is not None:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(msg))
+        elif op == "log_failed":  # the engine serves on, but a crash now would lose work
+            self.log_errors.append(msg["error"])
+            self.on_event("log_failed", error=msg["error"])
         elif op == "fatal":
             for rid in list(self.pending):
                 self._fail(rid, RequestFailed(f"the engine failed: {msg['error']}"))
@@ -280,8 +285,11 @@ class RemoteEngine:
             loop.call_soon_threadsafe(q.put_nowait, err)
 
     def on_ready(self, ready: dict, timing: dict) -> None:
-        """An engine took over: requests it did not resume are submitted to it again."""
+        """An engine took over: tokens the log holds that no client got yet are delivered
+        (the dead engine may have committed a step it never sent), and requests it did not
+        resume are submitted to it again."""
         resumed = {r["id"]: r for r in ready["resumed"]}
+        self.stats = {}  # the dead engine's figures are not the new one's
         self.adapters.update(ready.get("adapters", {}))
         for loop, fut in list(self._replies.values()):  # asked of an engine that died
             loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(
@@ -289,32 +297,36 @@ class RemoteEngine:
                  "load the adapter again"}))
         with self._lock:
             for r in ready["resumed"]:
-                p = self.pending.get(r["id"])
-                if p is None or (not p.history and r["completion"]):
-                    self._adopt(r, p)  # the whole server restarted: its history from the log
+                if r["id"] not in self.pending:
+                    self._adopt(r)  # the whole server restarted: its history from the log
             todo = [p for rid, p in self.pending.items()
                     if rid not in resumed and not p.finished and p.sent_pid != ready["pid"]]
+        for r in ready["resumed"]:
+            self._catch_up(r)
         for p in todo:
             p.history = [o for o in p.history]  # kept: indices dedupe the regenerated ones
             self._submit(p)
 
-    def _adopt(self, r: dict, p: Pending | None) -> None:
-        """A request the log resumed whose front died with the server: its history from
-        the resumed tokens, so its client can reconnect where it stopped."""
-        if p is None:
-            rec = self._records.get(r["id"], {})
-            params = SamplingParams(**rec["params"]) if "params" in rec else SamplingParams()
-            seq = Sequence(seq_id=r["id"], token_ids=[0] * r["prompt_tokens"] + r["completion"],
-                           num_prompt_tokens=r["prompt_tokens"], params=params,
-                           seed=rec.get("seed", 0))
-            p = Pending(seq, rec.get("endpoint", "completions"), rec.get("key"))
+    def _catch_up(self, r: dict) -> None:
+        """Deliver the resumed request's logged tokens beyond what its clients got (the
+        indices dedupe the rest), with the text the engine emitted for each."""
         text = self.spec.tokenizer.decode(r["completion"])
         prev = 0
         for i, (tok, emitted) in enumerate(zip(r["completion"], r["emitted"]), start=1):
-            p.history.append(RequestOutput(r["id"], [tok], text[prev:emitted], False, None,
-                                           r["prompt_tokens"], i))
+            self._deliver(r["id"], RequestOutput(r["id"], [tok], text[prev:emitted], False, None,
+                                                 r["prompt_tokens"], i))
             prev = emitted
-        p.delivered = len(r["completion"])
+
+    def _adopt(self, r: dict) -> None:
+        """A request the log resumed whose front died with the server: registered again
+        (`_catch_up` then fills its history from the log), so its client can reconnect
+        where it stopped."""
+        rec = self._records.get(r["id"], {})
+        params = SamplingParams(**rec["params"]) if "params" in rec else SamplingParams()
+        seq = Sequence(seq_id=r["id"], token_ids=[0] * r["prompt_tokens"] + r["completion"],
+                       num_prompt_tokens=r["prompt_tokens"], params=params,
+                       seed=rec.get("seed", 0))
+        p = Pending(seq, rec.get("endpoint", "completions"), rec.get("key"))
         self.pending[r["id"]] = p
         if p.key:
             self.keys[key_id(p.key)] = r["id"]

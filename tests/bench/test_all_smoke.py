@@ -1,6 +1,6 @@
-"""`phoenixft bench all` end to end on the two benchmarks no other smoke test runs
-(overhead, recovery), then the simulator fed with their JSON: what each reports and the
-report's shape; never how fast anything was."""
+"""The benchmarks no other smoke test runs, end to end at their smallest sizes: `bench
+all` on overhead (in-run blocks and separate runs), `bench recovery` on a kill and a
+hang, and `simulate` fed with their JSON; what each reports, never how fast."""
 
 import json
 import subprocess
@@ -11,28 +11,43 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
+def _phoenixft(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "phoenixft.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
 @pytest.mark.timeout(400)
 def test_bench_all_overhead_recovery_and_simulate(tmp_path):
     out, md = tmp_path / "all.json", tmp_path / "BENCHMARKS.md"
-    r = subprocess.run([sys.executable, "-m", "phoenixft.cli", "bench", "all", "--quick",
-                        "--only", "overhead,recovery", "--out", str(out), "--markdown", str(md)],
-                       capture_output=True, text=True, timeout=380, cwd=tmp_path)
+    r = _phoenixft("bench", "all", "--quick", "--only", "overhead", "--out", str(out),
+                   "--markdown", str(md), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
-    assert set(report["benchmarks"]) == {"overhead", "recovery", "simulate"}
+    assert set(report["benchmarks"]) == {"overhead", "simulate"}
     for name, b in report["benchmarks"].items():
         assert b["rc"] == 0 and b["goals"], name
         for g in b["goals"]:
             assert set(g) == {"name", "goal", "measured", "met"}
     ov = report["benchmarks"]["overhead"]["result"]
     assert ov["same_final_state"] is True and ov["ratio"] > 0
-    rows = report["benchmarks"]["recovery"]["result"]["rows"]
-    assert {r["fault"].split(":")[0] for r in rows} == {"kill", "stop"}
+    assert ov["in_run"]["pair_ratios"] and ov["in_run"]["ratio"] > 0
+    for section in ("## overhead", "## simulate", "| rate | GPUs |"):
+        assert section in md.read_text()
+
+    rec = tmp_path / "recovery.json"
+    r = _phoenixft("bench", "recovery", "--trials", "0,3", "--steps", "16", "--preset", "tiny",
+                   "--out", str(rec), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(rec.read_text())["rows"]
+    assert [r["fault"].split(":")[0] for r in rows] == ["kill", "stop"]
     assert all(r["source"] == "local_snapshot" and r["lost_steps"] <= 1 for r in rows)
-    sim = report["benchmarks"]["simulate"]["result"]
-    assert {r["gpus"] for r in sim["rows"]} == {1024, 16384, 100000, 131072}
-    assert sim["costs"]["recover_s"] == max(r["recover_s"] for r in rows
-                                            if r["fault"].startswith("kill"))
-    text = md.read_text()
-    for section in ("## overhead", "## recovery", "## simulate", "| rate | GPUs |"):
-        assert section in text
+
+    sim = tmp_path / "sim.json"
+    r = _phoenixft("simulate", "--recovery-json", str(rec), "--runs", "2", "--horizon-h", "24",
+                   "--out", str(sim), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads(sim.read_text())
+    assert {x["gpus"] for x in s["rows"]} == {1024, 16384, 100000, 131072}
+    assert s["costs"]["recover_s"] == rows[0]["recover_s"]
+    assert [g["name"] for g in s["goals"]][:1] == [
+        "phoenixft + tiers at 16k GPUs, Llama 3 failure rate"]
