@@ -178,7 +178,7 @@ def measured_costs(recovery_json: str | None, overhead_json: str | None, base: C
                         lost_steps=max(r["lost_steps"] for r in rows))
     if overhead_json and Path(overhead_json).is_file():
         ov = json.loads(Path(overhead_json).read_text())
-        ratio = (ov.get("in_run") or {}).get("ratio", ov.get("ratio"))
+        ratio = ov.get("ratio")
         if ratio is not None:  # step time with snapshots over without
             c = replace(c, snapshot_overhead=max(0.0, ratio - 1.0))
     return c

@@ -107,7 +107,6 @@ class AgentConfig:
     startup_timeout_s: float = 120.0
     replicas: int = 1
     snapshots: bool = True  # False only for the overhead benchmark's baseline
-    snapshot_blocks: int = 0  # benchmark only: snapshots on for K steps, off for K, ...
     min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
     policy: str = "constant"  # microbatches per step after a shrink: constant | shrink-batch
     respawn: int = 0  # replacement workers this agent may start for dead ones (they grow

@@ -27,7 +27,6 @@ class SessionConfig:
     spare_wait_s: float = 24 * 3600.0  # how long a spare waits to be activated
     replicas: int = 1  # peers that hold a copy of each rank's snapshot
     snapshots: bool = True  # off only to measure what snapshots cost (no recovery then)
-    snapshot_blocks: int = 0  # benchmark only: snapshots on for K steps, then off for K, ...
     policy: str = "constant"  # microbatches per step when the world shrinks: constant | shrink-batch
     persist_url: str | None = None  # a directory or s3://bucket/prefix for persistent records
     persist_every: int = 10  # a base record every K steps, deltas between

@@ -1,5 +1,5 @@
 """The benchmarks no other smoke test runs, end to end at their smallest sizes: `bench
-all` on overhead (in-run blocks and separate runs), `bench recovery` on a kill and a
+all` on overhead, `bench recovery` on a kill and a
 hang, and `simulate` fed with their JSON; what each reports, never how fast."""
 
 import json
@@ -30,7 +30,6 @@ def test_bench_all_overhead_recovery_and_simulate(tmp_path):
             assert set(g) == {"name", "goal", "measured", "met"}
     ov = report["benchmarks"]["overhead"]["result"]
     assert ov["same_final_state"] is True and ov["ratio"] > 0
-    assert ov["in_run"]["pair_ratios"] and ov["in_run"]["ratio"] > 0
     for section in ("## overhead", "## simulate", "| rate | GPUs |"):
         assert section in md.read_text()
 
