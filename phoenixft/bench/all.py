@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -192,9 +193,16 @@ def cmd_all(args) -> int:
     if args.only and out.exists():  # refresh some benchmarks of an existing report
         report["benchmarks"] = json.loads(out.read_text()).get("benchmarks", {})
     names = [n for n in PLAN if not args.only or n in args.only.split(",")]
+    overrides = {}
+    for spec in args.with_args:
+        name, _, rest = spec.partition(":")
+        if name not in PLAN:
+            raise SystemExit(f"phoenixft bench all: --with {spec!r}: unknown benchmark {name!r}")
+        overrides[name] = shlex.split(rest)
     for name in names:
         bench, quick, procs = PLAN[name]
         extra = quick if args.quick else FULL.get(name, [])
+        extra = overrides.get(name, extra)
         argv = [sys.executable, "-m", "phoenixft.cli", "bench", bench, *extra,
                 "--out", str(work / f"{name}.json")]
         shown = "phoenixft bench " + " ".join([bench, *extra])
@@ -239,6 +247,9 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="smallest sizes (~10 min on 2 cores)")
     p.add_argument("--out", default="runs/bench/all.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="the report (default ./BENCHMARKS.md)")
+    p.add_argument("--with", dest="with_args", action="append", default=[],
+                   metavar="NAME:ARGS", help="run benchmark NAME with these arguments instead, "
+                   "e.g. --with 'overhead:--pairs 1 --preset tiny'")
     p.add_argument("--only", default=None, help="comma-separated benchmarks to run; the "
                                                 "others keep their figures from --out")
     p.set_defaults(func=cmd_all)

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .wire import Channel
@@ -38,6 +38,9 @@ class EngineProc:
     log: Path
     channel: Channel | None = None
     ready: dict | None = None
+    # set once the front has taken this engine over (caught its clients up from the log):
+    # the engine's outputs are read only then, so none can overtake the catch-up
+    settled: threading.Event = field(default_factory=threading.Event)
 
     @property
     def pid(self) -> int:
@@ -95,7 +98,10 @@ class EngineSupervisor:
         self.standby = self._spawn("standby")
         threading.Thread(target=self._watch, daemon=True, name="phoenixft-engine-watch").start()
         ready = self._await_ready(self.active, timeout_s)
-        self.on_ready(ready, {"recover_s": None})
+        try:
+            self.on_ready(ready, {"recover_s": None})
+        finally:
+            self.active.settled.set()
         return ready
 
     def _accept(self) -> None:
@@ -132,6 +138,9 @@ class EngineSupervisor:
                 with self._lock:
                     proc.ready = msg
                     self._ready.notify_all()
+                while not proc.settled.wait(1.0):  # outputs wait for on_ready (see settled)
+                    if self._stopped or proc.popen.poll() is not None:
+                        return
                 continue
             if proc is self.active:
                 self.on_message(msg)
@@ -191,11 +200,16 @@ class EngineSupervisor:
         except RuntimeError as exc:
             self.error = f"engine {dead.pid} died ({rc}) and no engine could take over: {exc}"
             self.emit("engine_lost", error=self.error)
+            if standby is not None:
+                standby.settled.set()
             return
         recover_s = round(time.time() - t_detect, 4)
         self.emit("engine_recovered", pid=standby.pid, recover_s=recover_s,
                   activate_s=ready["report"].get("activate_s"), report=ready["report"])
-        self.on_ready(ready, {"recover_s": recover_s})  # streams go on before anything else
+        try:
+            self.on_ready(ready, {"recover_s": recover_s})  # streams go on before anything else
+        finally:
+            standby.settled.set()
         self.standby = self._spawn("standby")
 
     # -- commands ------------------------------------------------------------------------

@@ -19,7 +19,8 @@ def _phoenixft(*args, cwd) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(400)
 def test_bench_all_overhead_recovery_and_simulate(tmp_path):
     out, md = tmp_path / "all.json", tmp_path / "BENCHMARKS.md"
-    r = _phoenixft("bench", "all", "--quick", "--only", "overhead", "--out", str(out),
+    r = _phoenixft("bench", "all", "--quick", "--only", "overhead", "--with",
+                   "overhead:--pairs 1 --steps 12 --preset tiny", "--out", str(out),
                    "--markdown", str(md), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
@@ -28,6 +29,7 @@ def test_bench_all_overhead_recovery_and_simulate(tmp_path):
         assert b["rc"] == 0 and b["goals"], name
         for g in b["goals"]:
             assert set(g) == {"name", "goal", "measured", "met"}
+    assert report["benchmarks"]["overhead"]["command"].endswith("--preset tiny")
     ov = report["benchmarks"]["overhead"]["result"]
     assert ov["same_final_state"] is True and ov["ratio"] > 0
     for section in ("## overhead", "## simulate", "| rate | GPUs |"):
