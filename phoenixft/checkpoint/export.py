@@ -5,13 +5,12 @@ serves (config.json + model.safetensors)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save_file
 
+from phoenixft.checkpoint.hf_dir import write_hf_dir
 from phoenixft.checkpoint.slots import blob_tensors
 from phoenixft.checkpoint.tiers import FsspecTier
 
@@ -46,10 +45,5 @@ def export_hf(tier: FsspecTier, step: int, out_dir: str | Path) -> Path:
     if config is None:
         raise ValueError(f"step {step} of {tier.url} has no model config (the job's model has no "
                          "Hugging Face config), so it cannot be written as a Hugging Face model")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt", "phoenixft_step": str(step),
-                        "phoenixft_job": manifest["job_id"]})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+    return write_hf_dir(out_dir, state, config, {"phoenixft_step": str(step),
+                                                 "phoenixft_job": manifest["job_id"]})

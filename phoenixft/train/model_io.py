@@ -10,8 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
+
+from phoenixft.checkpoint.hf_dir import write_hf_dir
 
 
 def _config_dict(model: nn.Module) -> dict | None:
@@ -34,12 +36,8 @@ def save_pretrained(model: nn.Module, out_dir: str | Path, *, tokenizer=None,
         model.save_pretrained(str(out), safe_serialization=True)
     else:
         skip = set(aliases or {})
-        tensors = {k: v.detach().to("cpu").contiguous().clone()
-                   for k, v in model.state_dict().items() if k not in skip}
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        config = _config_dict(model)
-        if config is not None:
-            (out / "config.json").write_text(json.dumps(config, indent=2))
+        write_hf_dir(out, {k: v for k, v in model.state_dict().items() if k not in skip},
+                     _config_dict(model))
     if tokenizer is not None:
         if not hasattr(tokenizer, "save_pretrained"):
             raise TypeError("tokenizer must have save_pretrained(dir) (a transformers tokenizer)")
