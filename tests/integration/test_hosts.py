@@ -70,10 +70,13 @@ print("HANDSHAKE PASSED")
 """
 
 
-@pytest.mark.skipif(can_make_namespaces() is not None, reason=str(can_make_namespaces()))
 @pytest.mark.timeout(420)
 def test_two_hosts_with_a_token_survive_a_worker_and_then_the_leaders_node(
         tmp_path, tmp_path_factory):
+    why = can_make_namespaces()
+    if why is not None:  # a failure, not a skip: CI (root) must never pass without it
+        pytest.fail(f"{why} (CI runs as root); deselect with -k 'not two_hosts' to run the "
+                    "rest unprivileged")
     ref = failure_free(tmp_path_factory, 2, STEPS)
     token = secrets.token_hex(16)
     run_dir = tmp_path / "run"
