@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,10 +58,13 @@ def read_events(path: str | os.PathLike) -> Iterator[dict]:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON so a reader sees the old or the new file, never half of one."""
+    """Write JSON so a reader sees the old or the new file, never half of one. The temporary
+    file is per process *and thread*: two threads of one process (the serving front's
+    failover and its standby watcher both rewrite status.json) must not share it, or one
+    truncates what the other is about to rename and the second rename fails."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with tmp.open("w") as f:
         json.dump(obj, f, indent=2, default=str)
         f.flush()

@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -64,10 +65,15 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
     h = OpenAIHandlers(spec, backend, metrics, model_dir,
                        model_name or Path(model_dir).resolve().name)
 
+    status_lock = threading.Lock()
+
     def status() -> None:
-        write_json_atomic(work_dir / "status.json", {
-            "front_pid": os.getpid(), **supervisor.pids(), "crashes": supervisor.crashes,
-            "log_dir": str(log), "model": str(model_dir), "error": supervisor.error})
+        # Two threads rewrite it (a failover, a standby saying hello): under one lock, so
+        # the file ends with the state read last, never with an older one written later.
+        with status_lock:
+            write_json_atomic(work_dir / "status.json", {
+                "front_pid": os.getpid(), **supervisor.pids(), "crashes": supervisor.crashes,
+                "log_dir": str(log), "model": str(model_dir), "error": supervisor.error})
 
     def _on_ready(ready: dict, timing: dict) -> None:
         backend.on_ready(ready, timing)

@@ -179,7 +179,10 @@ class EngineSupervisor:
                     if self._stopped:
                         return
                     if p is self.active:
-                        self._failover(p)
+                        try:
+                            self._failover(p)
+                        except Exception as exc:  # noqa: BLE001 - the watcher must outlive it
+                            self.emit("failover_error", pid=p.pid, error=repr(exc))
                     elif p is self.standby:
                         self.emit("standby_lost", pid=p.pid, rc=p.popen.returncode)
                         self.standby = self._spawn("standby")
@@ -208,9 +211,9 @@ class EngineSupervisor:
                   activate_s=ready["report"].get("activate_s"), report=ready["report"])
         try:
             self.on_ready(ready, {"recover_s": recover_s})  # streams go on before anything else
-        finally:
+        finally:  # a failing hook must not leave the job without its next standby
             standby.settled.set()
-        self.standby = self._spawn("standby")
+            self.standby = self._spawn("standby")
 
     # -- commands ------------------------------------------------------------------------
     def send(self, msg: dict) -> bool:
