@@ -29,6 +29,7 @@ _BENCHES = [
     "phoenixft.bench.serve",
     "phoenixft.bench.checkpoint",
     "phoenixft.bench.serve_ft",
+    "phoenixft.bench.torchft_side",
     "phoenixft.bench.all",
 ]
 

@@ -8,8 +8,10 @@ session's optimizer step-pre-hook calls `wait_copied()`, so step t+1 never mutat
 that is still being copied.
 
 Guarantees:
-- Slot s % 2 is only rewritten once snapshot s-1 is committed, so the newest committed
-  snapshot is always intact on every rank and every replica holder.
+- Slot s % 2 is only rewritten once the previous snapshot (s-1, or the last one taken
+  before a gap of an even number of steps) is committed, so the newest committed
+  snapshot is always intact on every rank and every replica holder. A gap of odd length
+  would put s in the slot of the newest committed snapshot: `begin` refuses it.
 - Snapshot t is committed when every rank's local copy and every replica are
   acknowledged in the store (``ack/{g}/{t}`` reaches its target); the acker that
   completes it sets ``commit/{t}`` and raises ``committed`` (monotonic).
@@ -85,6 +87,7 @@ class Snapshotter:
         self._tasks: queue.Queue = queue.Queue()
         self._copied_step = -1
         self._begun_step = -1
+        self._prev_step: dict[int, int] = {}  # snapshot -> the one before it (a gap is allowed)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._stopped = False
@@ -98,6 +101,11 @@ class Snapshotter:
     # -- training thread ------------------------------------------------------------
     def begin(self, step: int, tensors: dict[str, torch.Tensor], header: dict) -> None:
         self._raise_error()
+        if self._begun_step >= 0 and (step - self._begun_step) % 2 == 0:
+            raise ValueError(f"snapshot {step} after snapshot {self._begun_step}: both would use "
+                             f"slot {step % 2}, overwriting the newest committed snapshot; skip "
+                             f"an even number of steps between snapshots")
+        self._prev_step[step] = self._begun_step if self._begun_step >= 0 else step - 1
         self._begun_step = step
         self._tasks.put((step, tensors, header))
 
@@ -180,7 +188,7 @@ class Snapshotter:
 
     def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict) -> None:
         # The other slot must hold a committed snapshot before this one may be overwritten.
-        self._wait_committed(store, step - 1)
+        self._wait_committed(store, self._prev_step.pop(step, step - 1))
         cpu0 = time.thread_time()
         self._copy_and_replicate(store, step, tensors, header)
         self.stats["thread_cpu_s"] += time.thread_time() - cpu0

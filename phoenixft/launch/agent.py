@@ -125,7 +125,8 @@ class Agent:
                 "heartbeat_interval_s": cfg.heartbeat_interval_s,
                 "collective_timeout_s": cfg.collective_timeout_s,
                 "join_timeout_s": cfg.join_timeout_s, "replicas": cfg.replicas,
-                "snapshots": cfg.snapshots, "policy": cfg.policy,
+                "snapshots": cfg.snapshots, "snapshot_blocks": cfg.snapshot_blocks,
+                "policy": cfg.policy,
                 "local_addr": self.access.local_addr, "persist_url": cfg.persist,
                 "persist_every": cfg.persist_every, "persist_keep": cfg.persist_keep}),
             # torchrun's names; RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ... are set (again)

@@ -107,6 +107,7 @@ class AgentConfig:
     startup_timeout_s: float = 120.0
     replicas: int = 1
     snapshots: bool = True  # False only for the overhead benchmark's baseline
+    snapshot_blocks: int = 0  # benchmark only: snapshots on for K steps, off for K (K even)
     min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
     policy: str = "constant"  # microbatches per step after a shrink: constant | shrink-batch
     respawn: int = 0  # replacement workers this agent may start for dead ones (they grow
@@ -142,6 +143,8 @@ class AgentConfig:
                                   "name importable from here, e.g. mypkg.train)")
         elif not Path(self.script).is_file():
             raise LaunchError(f"script {self.script!r} does not exist")
+        if self.snapshot_blocks < 0 or self.snapshot_blocks % 2:
+            raise LaunchError(f"snapshot_blocks must be 0 or even, got {self.snapshot_blocks}")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
                      "join_timeout_s", "startup_timeout_s", "tick_s", "shutdown_grace_s"):
             _finite_positive(f"--{name.removesuffix('_s').replace('_', '-')}", getattr(self, name))

@@ -27,6 +27,9 @@ class SessionConfig:
     spare_wait_s: float = 24 * 3600.0  # how long a spare waits to be activated
     replicas: int = 1  # peers that hold a copy of each rank's snapshot
     snapshots: bool = True  # off only to measure what snapshots cost (no recovery then)
+    # benchmark only: snapshots on for K steps, then off for K, ... (K even: a snapshot must
+    # not land in the slot of the newest committed one, see checkpoint/snapshot.py)
+    snapshot_blocks: int = 0
     policy: str = "constant"  # microbatches per step when the world shrinks: constant | shrink-batch
     persist_url: str | None = None  # a directory or s3://bucket/prefix for persistent records
     persist_every: int = 10  # a base record every K steps, deltas between
@@ -42,6 +45,10 @@ class SessionConfig:
                              f"got {self.policy!r}")
         if self.replicas < 0:
             raise ValueError(f"SessionConfig.replicas must be >= 0, got {self.replicas}")
+        if self.snapshot_blocks < 0 or self.snapshot_blocks % 2:
+            raise ValueError(f"SessionConfig.snapshot_blocks must be 0 or even, got "
+                             f"{self.snapshot_blocks} (an odd gap between snapshots would "
+                             f"overwrite the newest committed one)")
         if self.persist_every < 1 or self.persist_keep < 1:
             raise ValueError("SessionConfig.persist_every and persist_keep must be >= 1")
 

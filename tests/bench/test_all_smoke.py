@@ -1,6 +1,6 @@
 """The benchmarks no other smoke test runs, end to end at their smallest sizes: `bench
-all` on overhead, `bench recovery` on a kill and a
-hang, and `simulate` fed with their JSON; what each reports, never how fast."""
+all` on overhead (on/off blocks in one run and separate runs), `bench recovery` on a kill
+and a hang, and `simulate` fed with their JSON; what each reports, never how fast."""
 
 import json
 import subprocess
@@ -20,7 +20,7 @@ def _phoenixft(*args, cwd) -> subprocess.CompletedProcess:
 def test_bench_all_overhead_recovery_and_simulate(tmp_path):
     out, md = tmp_path / "all.json", tmp_path / "BENCHMARKS.md"
     r = _phoenixft("bench", "all", "--quick", "--only", "overhead", "--with",
-                   "overhead:--pairs 1 --steps 12 --preset tiny", "--out", str(out),
+                   "overhead:--pairs 1 --steps 12 --preset tiny --block 2 --blocks 3", "--out", str(out),
                    "--markdown", str(md), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
@@ -29,9 +29,10 @@ def test_bench_all_overhead_recovery_and_simulate(tmp_path):
         assert b["rc"] == 0 and b["goals"], name
         for g in b["goals"]:
             assert set(g) == {"name", "goal", "measured", "met"}
-    assert report["benchmarks"]["overhead"]["command"].endswith("--preset tiny")
+    assert report["benchmarks"]["overhead"]["command"].endswith("--blocks 3")
     ov = report["benchmarks"]["overhead"]["result"]
     assert ov["same_final_state"] is True and ov["ratio"] > 0
+    assert len(ov["in_run"]["pair_ratios"]) >= 2 and ov["in_run"]["ratio"] > 0
     for section in ("## overhead", "## simulate", "| rate | GPUs |"):
         assert section in md.read_text()
 

@@ -101,6 +101,27 @@ def test_commit_needs_every_copy_and_replica(tmp_path, store_addr):
     assert restore(store_addr, shm, 1, "a/") == ["local_snapshot", "local_snapshot"]
 
 
+def test_snapshots_with_gaps_commit_and_keep_the_previous_one_intact(tmp_path, store_addr):
+    """A benchmark switches snapshots off for blocks of an even number of steps: the next
+    snapshot waits for the last one taken (not for step - 1, which never comes), lands in
+    the other slot, and both stay restorable."""
+    shm = [tmp_path / "node0", tmp_path / "node1"]
+    assert snapshot_steps(store_addr, shm, [0, 1, 4, 7]) == [7, 7]
+    assert restore(store_addr, shm, 4, "gap/") == ["local_snapshot", "local_snapshot"]
+
+
+def test_a_snapshot_that_would_overwrite_the_newest_committed_one_is_refused(tmp_path, store_addr):
+    snap = Snapshotter(shm_dir=tmp_path, rank=0, generation=0,
+                       connect=lambda: kv.connect(store_addr), rep_pg=None, holders=[],
+                       sources=[], world_size=1, nodes={0: 0}, interrupt=Interrupt(), timeout_s=30)
+    try:
+        snap.begin(3, state(0, 3), {"rank": 0, "world_size": 1})
+        with pytest.raises(ValueError, match="slot 1"):
+            snap.begin(5, state(0, 5), {"rank": 0, "world_size": 1})
+    finally:
+        snap.stop()
+
+
 def test_same_node_replicas_are_copied_through_shared_memory(tmp_path, store_addr):
     shm = [tmp_path / "node0", tmp_path / "node0"]
     assert snapshot_steps(store_addr, shm, [0, 1, 2], nodes={0: 0, 1: 0}) == [2, 2]

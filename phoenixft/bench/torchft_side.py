@@ -1,0 +1,284 @@
+"""`phoenixft bench torchft`: torchft 0.2.0 and phoenixft side by side, one process tree.
+
+Both train the same model (`--preset`) on the same microbatches (M per step, computed as
+pure functions of (step, id)) with 2 data-parallel members at 1 torch thread each:
+- plain DDP under torchrun, failure-free: the step time both are compared with;
+- phoenixft: 2 workers + 1 warm spare (`phoenixft run --data ids`), failure-free, then with
+  worker 1 SIGKILLed at `--kill-step`;
+- torchft: 2 replica groups of 1 process (`Manager` + `OptimizerWrapper`, lighthouse on
+  loopback, see `torchft_job`), failure-free, then with replica group 1 SIGKILLed at the
+  same step and restarted at once by this process (as torchelastic would).
+
+Figures per faulty run: kill -> the survivor's next committed step (survivor stall), kill
+-> back to full strength (phoenixft: the spare's first step; torchft: the restarted
+replica's first committed step), steps whose update was thrown away, and microbatches
+not trained on (torchft's survivor trains on its own share only while its peer is down).
+
+torchft is an optional dependency (`pip install -e '.[torchft]'`, on the same CPU torch
+2.13.0; the test extra has it), or lives in an environment of its own named by `--python`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from phoenixft.bench.faults import ProcessTree
+from phoenixft.bench.goodput_jobs import ENV, TorchrunJob, Workload, _fresh
+from phoenixft.bench.harness import ROOT, median, print_goals, run_job, step_times
+
+
+def default_python() -> str:
+    """$PHOENIXFT_TORCHFT_PYTHON, else this interpreter if torchft is installed beside
+    phoenixft (`pip install -e '.[torchft]'`), else .venv-torchft/bin/python."""
+    if os.environ.get("PHOENIXFT_TORCHFT_PYTHON"):
+        return os.environ["PHOENIXFT_TORCHFT_PYTHON"]
+    if importlib.util.find_spec("torchft") is not None:
+        return sys.executable
+    return str(ROOT / ".venv-torchft" / "bin" / "python")
+
+INSTALL = ("pip install -e '.[torchft]' (torchft beside phoenixft, on the same CPU torch), or "
+           "python3 -m venv .venv-torchft && .venv-torchft/bin/pip install torch==2.13.0 numpy "
+           "'opentelemetry-sdk>=1.39' 'opentelemetry-exporter-otlp-proto-http>=1.39' && "
+           ".venv-torchft/bin/pip install --no-deps torchft==0.2.0")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("torchft", help="torchft 0.2.0 beside phoenixft: same job, same kill")
+    p.add_argument("--python", default=None,
+                   help="the interpreter of an environment with torchft 0.2.0 (default: "
+                        "$PHOENIXFT_TORCHFT_PYTHON, this one if it has torchft, else "
+                        ".venv-torchft/bin/python)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--preset", default="small", choices=["tiny", "small", "ref"])
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--kill-step", type=int, default=12)
+    p.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                   help="seconds without a heartbeat before a member is declared dead (both)")
+    p.add_argument("--out", default="runs/bench/torchft.json")
+    p.set_defaults(func=cmd_torchft)
+
+
+def torchft_version(python: str) -> str:
+    """torchft's version in `python`'s environment, or SystemExit saying how to make one."""
+    try:
+        out = subprocess.run([python, "-c", "import importlib.metadata as m, torch, torchft; "
+                              "print(m.version('torchft'), torch.__version__)"],
+                             capture_output=True, text=True, timeout=120)
+    except OSError as exc:
+        raise SystemExit(f"phoenixft bench torchft: cannot run {python} ({exc}); make a torchft "
+                         f"environment with:\n  {INSTALL}\nor name one with --python") from None
+    if out.returncode != 0:
+        raise SystemExit(f"phoenixft bench torchft: {python} cannot import torchft:\n"
+                         f"{out.stderr.strip()[-600:]}\nmake one with:\n  {INSTALL}")
+    return out.stdout.strip()
+
+
+class TorchftRun:
+    """A lighthouse and R replica groups, each its own process tree; a replica that dies is
+    restarted at once (attempt + 1). Everything it started is SIGKILLed by PID at the end."""
+
+    def __init__(self, python: str, run_dir: Path, work: Workload, *, kill_step: int | None,
+                 heartbeat_timeout_s: float) -> None:
+        self.python, self.run_dir, self.work = python, _fresh(run_dir), work
+        self.kill_step, self.hb = kill_step, heartbeat_timeout_s
+        self.env = {**ENV, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        self.trees: list[ProcessTree] = []
+        self.restarts: list[dict] = []
+
+    def _spawn(self, args: list[str], log: str) -> ProcessTree:
+        tree = ProcessTree([self.python, "-m", "phoenixft.bench.torchft_job", *args],
+                           log=self.run_dir / log, env=self.env)
+        self.trees.append(tree)
+        return tree
+
+    def _replica(self, r: int, attempt: int, lighthouse: str) -> ProcessTree:
+        w = self.work
+        args = ["replica", "--replica", str(r), "--replicas", str(w.nproc), "--attempt",
+                str(attempt), "--lighthouse", lighthouse, "--steps", str(w.steps),
+                "--preset", w.preset, "--microbatches", str(w.microbatches),
+                "--seed", str(w.seed), "--events", str(self.run_dir / "events.jsonl"),
+                "--go-file", str(self.run_dir / "go"), "--timeout", str(max(10.0, 5 * self.hb))]
+        if self.kill_step is not None and r == w.nproc - 1:
+            args += ["--kill-at", str(self.kill_step)]
+        return self._spawn(args, f"replica{r}.{attempt}.log")
+
+    def run(self, timeout_s: float = 900) -> list[dict]:
+        from phoenixft.observe.events import read_events
+
+        addr_file = self.run_dir / "lighthouse.addr"
+        lh = self._spawn(["lighthouse", "--addr-file", str(addr_file), "--heartbeat-timeout",
+                          str(self.hb)], "lighthouse.log")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not addr_file.exists():  # the lighthouse is up: a state, bounded
+                self._check(lh, deadline, "lighthouse")
+                time.sleep(0.05)
+            addr = addr_file.read_text().strip()
+            reps = {r: self._replica(r, 0, addr) for r in range(self.work.nproc)}
+            attempts = dict.fromkeys(reps, 0)
+            events = self.run_dir / "events.jsonl"
+            while sum(e["event"] == "ready" for e in read_events(events)) < len(reps):
+                for r, t in reps.items():
+                    self._check(t, deadline, f"replica {r}")
+                time.sleep(0.05)  # every group built its manager: start them together
+            (self.run_dir / "go").touch()
+            while True:
+                done = {e["replica"] for e in read_events(events) if e["event"] == "done"}
+                for r, tree in reps.items():
+                    rc = tree.popen.poll()
+                    if rc is None or r in done:
+                        continue
+                    if rc != -9 or attempts[r] >= 1:
+                        raise RuntimeError(f"torchft replica {r} exited with {rc}; see "
+                                           f"{self.run_dir}/replica{r}.{attempts[r]}.log")
+                    attempts[r] += 1  # SIGKILLed: restart it, as torchelastic would
+                    self.restarts.append({"t": time.time(), "replica": r})
+                    reps[r] = self._replica(r, attempts[r], addr)
+                if len(done) == len(reps) and all(t.popen.poll() is not None for t in reps.values()):
+                    return list(read_events(events))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"torchft job in {self.run_dir} ran past {timeout_s:.0f}s")
+                time.sleep(0.05)  # polling process states, bounded
+        finally:
+            for t in self.trees:
+                t.kill()
+
+    @staticmethod
+    def _check(tree: ProcessTree, deadline: float, what: str) -> None:
+        if tree.popen.poll() is not None:
+            raise RuntimeError(f"torchft {what} exited with {tree.popen.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"torchft {what} never got ready")
+
+
+def torchft_step_times(events: list[dict], replica: int = 0, skip: int = 5) -> list[float]:
+    """Gaps between consecutive committed steps of one replica group, after warm-up."""
+    steps = [(e["step"], e["t"]) for e in events
+             if e["event"] == "step" and e["replica"] == replica and e["committed"]]
+    return [t1 - t0 for (s0, t0), (s1, t1) in zip(steps, steps[1:]) if s1 == s0 + 1 and s0 >= skip]
+
+
+def torchft_fault(events: list[dict], restarts: list[dict], microbatches: int) -> dict:
+    inject = next(e for e in events if e["event"] == "inject")
+    steps = [e for e in events if e["event"] == "step"]
+    survivor = [e for e in steps if e["replica"] == 0 and e["t"] > inject["t"]]
+    nxt = next(e for e in survivor if e["committed"])
+    back = next((e for e in steps if e["t"] > inject["t"] and e["committed"]
+                 and e["participants"] == len({x["replica"] for x in steps})), None)
+    if back is None:
+        raise RuntimeError("the torchft job ended before the restarted replica group rejoined "
+                           "(its restart takes seconds): raise --steps or lower --kill-step")
+    ready = next(e for e in events if e["event"] == "ready" and e["attempt"] == 1)
+    short = sum(microbatches - e["microbatches"] for e in survivor if e["committed"])
+    return {"kill_to_survivor_step_s": round(nxt["t"] - inject["t"], 4),
+            "kill_to_full_strength_s": round(back["t"] - inject["t"], 4),
+            "restart_to_ready_s": round(ready["t"] - restarts[0]["t"], 4),
+            "lost_steps": sum(1 for e in survivor if not e["committed"]),
+            "steps_short_of_data": sum(1 for e in survivor if e["committed"]
+                                       and e["microbatches"] < microbatches),
+            "microbatches_not_trained": short}
+
+
+def phoenix_fault(events: list[dict]) -> dict:
+    inject = next(e for e in events if e["event"] == "inject")
+    rec = next(e for e in events if e["event"] == "recovered")
+    nxt = next(e for e in events if e["event"] == "step" and e["t"] > rec["t"])
+    return {"kill_to_survivor_step_s": round(nxt["t"] - inject["t"], 4),
+            "kill_to_full_strength_s": round(nxt["t"] - inject["t"], 4),
+            "restart_to_ready_s": None,  # the spare was warm before the kill
+            "detect_s": rec["detect_s"], "recover_s": rec["recover_s"],
+            "lost_steps": rec["lost_steps"], "steps_short_of_data": 0,
+            "microbatches_not_trained": 0}
+
+
+def cmd_torchft(args) -> int:
+    console = Console(width=max(Console().width, 130))
+    args.python = args.python or default_python()
+    version = torchft_version(args.python)
+    root = Path(args.out).parent / "torchft-runs"
+    work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches, nproc=2)
+    t0 = time.time()
+
+    def phoenix(name: str, inject: list[str]) -> dict:
+        return run_job(root / name, nproc=2, spares=1, inject=inject,
+                       heartbeat_timeout_s=args.heartbeat_timeout,
+                       script_args=[*work.script_args(), "--data", "ids"])
+
+    def torchft(name: str, kill: int | None) -> TorchftRun:
+        run = TorchftRun(args.python, root / name, work, kill_step=kill,
+                         heartbeat_timeout_s=args.heartbeat_timeout)
+        run.events = run.run()
+        return run
+
+    console.print(f"torchft {version}; plain DDP (failure-free reference)")
+    ddp = TorchrunJob(run_dir=root / "ddp", work=work, max_restarts=0, ckpt_every=10**9)
+    tree = ddp.start([])
+    try:
+        rc = tree.popen.wait(900)
+    finally:
+        tree.kill()
+    if rc != 0:
+        raise RuntimeError(f"plain DDP run failed ({rc}); see {root / 'ddp' / 'torchrun.log'}")
+    from phoenixft.observe.events import read_events
+    ddp_steps = [e for e in read_events(root / "ddp" / "events.jsonl") if e["event"] == "step"]
+    ddp_step = median([b["t"] - a["t"] for a, b in zip(ddp_steps, ddp_steps[1:]) if a["step"] >= 5])
+    console.print("phoenixft failure-free, torchft failure-free")
+    px_free = phoenix("phoenixft-free", [])
+    tf_free = torchft("torchft-free", None)
+    console.print(f"phoenixft with a kill at step {args.kill_step}, torchft with the same kill")
+    px_kill = phoenix("phoenixft-kill", [f"kill:rank=1:step={args.kill_step}"])
+    tf_kill = torchft("torchft-kill", args.kill_step)
+
+    px_step, tf_step = median(step_times(px_free["events"])), median(torchft_step_times(tf_free.events))
+    rows = {
+        "phoenixft": {"step_s": round(px_step, 4), "step_ratio_vs_ddp": round(px_step / ddp_step, 4),
+                      **phoenix_fault(px_kill["events"])},
+        "torchft": {"step_s": round(tf_step, 4), "step_ratio_vs_ddp": round(tf_step / ddp_step, 4),
+                    **torchft_fault(tf_kill.events, tf_kill.restarts, args.microbatches)},
+    }
+    table = Table(title=f"torchft {version} vs phoenixft ({args.preset} preset, 2 members x 1 "
+                        f"torch thread, kill at step {args.kill_step}, loopback)")
+    cols = ["step_s", "step_ratio_vs_ddp", "kill_to_survivor_step_s", "kill_to_full_strength_s",
+            "restart_to_ready_s", "lost_steps", "steps_short_of_data", "microbatches_not_trained"]
+    table.add_column("system")
+    for c in cols:
+        table.add_column(c.replace("_", " "))
+    for name, r in rows.items():
+        table.add_row(name, *("-" if r[c] is None else str(r[c]) for c in cols))
+    console.print(table)
+    console.print(f"plain DDP step: {ddp_step:.4f} s")
+    px, tf = rows["phoenixft"], rows["torchft"]
+    goals = [
+        {"name": "survivor stall after a kill, phoenixft vs torchft", "goal": "<= torchft's",
+         "measured": f"{px['kill_to_survivor_step_s']} s vs {tf['kill_to_survivor_step_s']} s",
+         "met": px["kill_to_survivor_step_s"] <= tf["kill_to_survivor_step_s"]},
+        {"name": "back to full strength after a kill, phoenixft vs torchft", "goal": "<= torchft's",
+         "measured": f"{px['kill_to_full_strength_s']} s vs {tf['kill_to_full_strength_s']} s",
+         "met": px["kill_to_full_strength_s"] <= tf["kill_to_full_strength_s"]},
+        {"name": "microbatches not trained on through a kill", "goal": "0",
+         "measured": f"phoenixft {px['microbatches_not_trained']}, "
+                     f"torchft {tf['microbatches_not_trained']}",
+         "met": px["microbatches_not_trained"] == 0},
+    ]
+    print_goals(console, goals)
+    result = {"benchmark": "torchft", "torchft_version": version, "preset": args.preset,
+              "steps": args.steps, "microbatches": args.microbatches, "kill_step": args.kill_step,
+              "processes": "2 members x 1 torch thread each (+1 spare for phoenixft, +1 "
+                           "lighthouse for torchft)",
+              "ddp_step_s": round(ddp_step, 4), "rows": rows, "goals": goals,
+              "wall_s": round(time.time() - t0, 1)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {args.out}")
+    return 0
+
