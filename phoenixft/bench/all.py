@@ -37,7 +37,7 @@ PLAN = {
                      "1 process x 2 torch threads, a 54M-parameter model"),
     "serve-ft": ("serve-ft", ["--contexts", "256,1024", "--blocks", "20"],
                  "engine 1 torch thread + log executor process; front + 2 engines end to end"),
-    "torchft": ("torchft", ["--steps", "40"],
+    "torchft": ("torchft", ["--steps", "40", "--kill-step", "8"],
                 "2 members x 1 torch thread each (+1 spare / +1 lighthouse); plain DDP beside"),
 }
 FULL = {"serve-medium": ["--size", "medium"]}  # what tells two runs of one benchmark apart
@@ -139,7 +139,7 @@ def headline(name: str, d: dict) -> str:
             p, t = d["rows"]["phoenixft"], d["rows"]["torchft"]
             return (f"SIGKILL -> survivor's next step: phoenixft {p['kill_to_survivor_step_s']:.2f} s, "
                     f"torchft {t['kill_to_survivor_step_s']:.2f} s; back to full strength "
-                    f"{p['kill_to_full_strength_s']:.2f} s vs {t['kill_to_full_strength_s']:.2f} s; "
+                    f"{p['kill_to_full_strength_s']:.2f} s vs {t['kill_to_full_strength_s']} s; "
                     f"microbatches not trained {p['microbatches_not_trained']} vs "
                     f"{t['microbatches_not_trained']}; step time vs plain DDP "
                     f"{p['step_ratio_vs_ddp']:.2f}x vs {t['step_ratio_vs_ddp']:.2f}x")
