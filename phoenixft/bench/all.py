@@ -37,7 +37,7 @@ PLAN = {
                      "1 process x 2 torch threads, a 54M-parameter model"),
     "serve-ft": ("serve-ft", ["--contexts", "256,1024", "--blocks", "20"],
                  "engine 1 torch thread + log executor process; front + 2 engines end to end"),
-    "torchft": ("torchft", ["--steps", "40", "--kill-step", "8"],
+    "torchft": ("torchft", ["--steps", "34", "--kill-step", "20", "--no-free-runs"],
                 "2 members x 1 torch thread each (+1 spare / +1 lighthouse); plain DDP beside"),
 }
 FULL = {"serve-medium": ["--size", "medium"]}  # what tells two runs of one benchmark apart

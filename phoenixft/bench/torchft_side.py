@@ -248,7 +248,8 @@ def cmd_torchft(args) -> int:
     if not args.free_runs:  # the steps before the kill
         px_free = [e for e in px_kill["events"] if e["event"] != "step" or e["step"] < args.kill_step]
         tf_free = [e for e in tf_kill.events if e["event"] != "step" or e["step"] < args.kill_step]
-    skip = 5 if args.free_runs else 2  # warm-up steps left out
+    # warm-up steps left out (the spare and the lighthouse start beside the first steps)
+    skip = 5 if args.free_runs else min(5, max(1, args.kill_step // 3))
     px_step = median(step_times(px_free, skip=skip))
     tf_step = median(torchft_step_times(tf_free, skip=skip))
     rows = {

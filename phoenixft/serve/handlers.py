@@ -379,7 +379,8 @@ class OpenAIHandlers:
         log = st.get("log") or {}
         body = {"status": "ok" if self.backend.alive else "error",
                 "running": st.get("running", 0), "waiting": st.get("waiting", 0),
-                "engine_pid": st.get("pid"), "log_epochs": log.get("epochs", 0)}
+                "engine_pid": st.get("pid"), "log_epochs": log.get("epochs", 0),
+                "log_committed_epoch": log.get("processed_epoch", -1)}
         if self.backend.error is not None:
             body["error"] = self.backend.error
         if self.backend.log_errors:

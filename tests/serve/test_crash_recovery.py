@@ -84,8 +84,8 @@ class Server:
         while health().get("running", 0) < running:
             assert time.monotonic() < deadline, f"{running} requests never ran together"
             time.sleep(0.05)  # polling the engine's state, bounded
-        seen = health().get("log_epochs", 0)
-        while health().get("log_epochs", -1) < seen + 2:
+        seen = health().get("log_committed_epoch", -1)  # an epoch id: monotonic across engines
+        while health().get("log_committed_epoch", -1) < seen + 2:
             assert time.monotonic() < deadline, (
                 f"the recovery log made no progress: {seen} epochs, then /health "
                 f"{httpx.get(self.base + '/health', timeout=5).json()}, status {self.status()}, "
