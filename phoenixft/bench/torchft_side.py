@@ -35,6 +35,7 @@ from rich.table import Table
 from phoenixft.bench.faults import ProcessTree
 from phoenixft.bench.goodput_jobs import ENV, TorchrunJob, Workload, _fresh
 from phoenixft.bench.harness import ROOT, median, print_goals, run_job, step_times
+from phoenixft.bench.recovery import measure
 
 
 def default_python() -> str:
@@ -196,14 +197,14 @@ def torchft_fault(events: list[dict], restarts: list[dict], microbatches: int) -
 
 
 def phoenix_fault(events: list[dict]) -> dict:
-    inject = next(e for e in events if e["event"] == "inject")
-    rec = next(e for e in events if e["event"] == "recovered")
-    nxt = next(e for e in events if e["event"] == "step" and e["t"] > rec["t"])
-    return {"kill_to_survivor_step_s": round(nxt["t"] - inject["t"], 4),
-            "kill_to_full_strength_s": round(nxt["t"] - inject["t"], 4),
+    """bench recovery's figures, named as torchft's are: the spare's first step is also
+    the survivor's (both are in the step the job resumes with)."""
+    m = measure(events)
+    return {"kill_to_survivor_step_s": m["kill_to_next_step_s"],
+            "kill_to_full_strength_s": m["kill_to_next_step_s"],
             "restart_to_ready_s": None,  # the spare was warm before the kill
-            "detect_s": rec["detect_s"], "recover_s": rec["recover_s"],
-            "lost_steps": rec["lost_steps"], "steps_short_of_data": 0,
+            "detect_s": m["detect_s"], "recover_s": m["recover_s"],
+            "lost_steps": m["lost_steps"], "steps_short_of_data": 0,
             "microbatches_not_trained": 0}
 
 

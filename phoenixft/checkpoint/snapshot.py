@@ -90,7 +90,7 @@ class Snapshotter:
         self._tasks: queue.Queue = queue.Queue()
         self._copied_step = -1
         self._begun_step = -1
-        self._prev_step: dict[int, int] = {}  # snapshot -> the one before it (a gap is allowed)
+        self._last_taken: int | None = None  # the thread's previous snapshot (gaps allowed)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._stopped = False
@@ -108,7 +108,6 @@ class Snapshotter:
             raise ValueError(f"snapshot {step} after snapshot {self._begun_step}: both would use "
                              f"slot {step % 2}, overwriting the newest committed snapshot; skip "
                              f"an even number of steps between snapshots")
-        self._prev_step[step] = self._begun_step if self._begun_step >= 0 else step - 1
         self._begun_step = step
         self._tasks.put((step, tensors, header))
 
@@ -128,8 +127,8 @@ class Snapshotter:
             self._raise_error()
             if self._copied_step < target:
                 raise CommFailure("snapshot copy abandoned: the generation changed")
-            if store is not None and target >= 0:
-                self._wait_key(store, Keys.commit(target))
+            if store is not None:
+                self._wait_committed(store, target)
         finally:
             self.stats["stall_s"] += time.perf_counter() - t0
 
@@ -198,7 +197,9 @@ class Snapshotter:
 
     def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict) -> None:
         # The other slot must hold a committed snapshot before this one may be overwritten.
-        self._wait_committed(store, self._prev_step.pop(step, step - 1))
+        # (a new generation's first snapshot follows the restored step, step - 1)
+        self._wait_committed(store, step - 1 if self._last_taken is None else self._last_taken)
+        self._last_taken = step
         cpu0 = time.thread_time()
         self._copy_and_replicate(store, step, tensors, header)
         self.stats["thread_cpu_s"] += time.thread_time() - cpu0
