@@ -8,6 +8,7 @@ import os
 import signal
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -17,3 +18,10 @@ def die_with_parent(parent_pid: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def become_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (PR_SET_CHILD_SUBREAPER), so a
+    process forked by a child of ours becomes our child when that child exits."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0

@@ -36,6 +36,7 @@ from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan
 from phoenixft.faults.inject import format_env
 from phoenixft.launch.config import AgentConfig, LaunchError
+from phoenixft.launch.forkserver import Forked, ForkServer, ForkServerError, thread_defaults
 from phoenixft.launch.janitor import remove_node_shm
 from phoenixft.launch.resume import newest_persisted, persisted_job
 from phoenixft.launch.rundir import RunDirLock, set_aside_previous_run
@@ -48,14 +49,16 @@ __all__ = ["Agent", "AgentConfig", "LaunchError"]
 @dataclass
 class _Proc:
     wid: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | Forked
     pidfd: int
     log: Path
     done: bool = False
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentConfig, forks: ForkServer | None = None) -> None:
+        """`forks`: a fork server started early (`phoenixft run` starts it before this
+        module's imports, so both import torch at once); one is started when needed."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.events = EventLog(None)
@@ -74,6 +77,8 @@ class Agent:
         self.persisted_step = -1  # newest step committed to persistent storage, as last seen
         self._persist_t = 0.0
         self._persist_errors: dict[int, int] = {}
+        self.forks = forks  # --start-method forkserver
+        self._helpers: set[int] = {forks.pid} if forks is not None else set()
 
     # -- set-up ---------------------------------------------------------------------
     def _open_store(self):
@@ -136,33 +141,54 @@ class Agent:
             NODE_RANK=str(cfg.node_rank), GROUP_WORLD_SIZE=str(cfg.nnodes),
             LOCAL_WORLD_SIZE=str(cfg.nproc), TORCHELASTIC_RUN_ID=self.job_id,
             PHOENIXFT_MODULE="1" if cfg.module else "0",
-            PYTHONUNBUFFERED="1",
         )
         env.pop("PHOENIXFT_AUTH_TOKEN", None)  # workers reach the store through the agent
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store-wait timeouts are expected
-        return env
+        return thread_defaults(env)
 
     def _start_janitor(self) -> None:
         """Removes the node's shared memory even if this agent is SIGKILLed (janitor.py)."""
-        subprocess.Popen([self.cfg.python, "-m", "phoenixft.launch.janitor", str(os.getpid()),
-                          str(self.shm_dir)], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+        p = subprocess.Popen([self.cfg.python, "-m", "phoenixft.launch.janitor", str(os.getpid()),
+                              str(self.shm_dir)], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        self._helpers.add(p.pid)
 
     def _start_worker(self, i: int) -> _Proc:
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         wid = f"n{self.cfg.node_rank}w{i}"
         log = logs / f"{wid}.log"
+        args = [self.cfg.script, *self.cfg.script_args]
         with log.open("wb") as out:
-            p = subprocess.Popen(
-                [self.cfg.python, "-m", "phoenixft.launch.worker", self.cfg.script,
-                 *self.cfg.script_args],
-                env=self._env(wid, i), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
+            if self.cfg.start_method == "forkserver":
+                if self.forks is None:
+                    self.forks = ForkServer(self.cfg.python, self.cfg.startup_timeout_s)
+                    self._helpers.add(self.forks.pid)
+                try:
+                    p = self.forks.spawn(args, self._env(wid, i), os.getcwd(), out.fileno())
+                except ForkServerError as exc:
+                    raise LaunchError(f"{exc}; --start-method spawn starts workers without "
+                                      "it") from None
+            else:
+                p = subprocess.Popen([self.cfg.python, "-m", "phoenixft.launch.worker", *args],
+                                     env=self._env(wid, i), stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         proc = self.procs[wid] = _Proc(wid, p, os.pidfd_open(p.pid), log)
         return proc
+
+    def _reap_orphans(self) -> None:
+        """As a subreaper the agent adopts orphaned descendants (a dead worker's own
+        children); reap those that have exited, leaving workers to `_reap`."""
+        known = self._helpers | {p.popen.pid for p in self.procs.values()}
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if info is None or info.si_pid in known:
+                return
+            os.waitpid(info.si_pid, 0)
 
     def _respawn(self, store, sel) -> None:
         """Start a replacement for a dead worker; it registers as a spare and the leader
@@ -262,6 +288,8 @@ class Agent:
                     self._reap(store, key.data)
                     self._respawn(store, sel)
                 self._fences(store)
+                if self.forks is not None:
+                    self._reap_orphans()
                 self._lead_or_follow(store)
                 if self.leader is not None:
                     if self._signal is not None and self.leader.plan_kind in ("starting", "run"):
@@ -346,6 +374,8 @@ class Agent:
                 p.popen.kill()
                 p.popen.wait()
             p.done = True
+        if self.forks is not None:
+            self.forks.close()
 
     # -- the end ----------------------------------------------------------------------
     def _finish(self, store, final: Plan | None, wall_s: float) -> int:

@@ -91,6 +91,9 @@ def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None =
                           "recovery time, spares, snapshots) on this port")
     run.add_argument("--metrics-host", default="127.0.0.1",
                      help="address for --metrics-port (default 127.0.0.1)")
+    run.add_argument("--start-method", default="forkserver", choices=["forkserver", "spawn"],
+                     help="forkserver (default): workers are forks of one process per node "
+                          "that imported torch once; spawn: each a fresh interpreter")
     run.add_argument("--quiet", action="store_true", help="no progress lines (errors still show)")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -118,14 +121,22 @@ def agent_config_from_args(args):
                        policy=args.policy, respawn=args.respawn, persist=args.persist,
                        persist_every=args.persist_every, persist_keep=args.persist_keep,
                        resume=args.resume, metrics_port=args.metrics_port,
-                       metrics_host=args.metrics_host)
+                       metrics_host=args.metrics_host, start_method=args.start_method)
 
 
 def cmd_run(args) -> int:
-    from phoenixft.launch.agent import Agent
     from phoenixft.launch.config import LaunchError
+    from phoenixft.launch.forkserver import ForkServer, ForkServerError
     try:
-        return Agent(agent_config_from_args(args)).run()
+        cfg = agent_config_from_args(args)
+        forks = None
+        if cfg.start_method == "forkserver":  # before the agent's own imports: both at once
+            try:
+                forks = ForkServer(cfg.python, cfg.startup_timeout_s)
+            except ForkServerError as exc:
+                raise LaunchError(str(exc)) from None
+        from phoenixft.launch.agent import Agent
+        return Agent(cfg, forks).run()
     except (InjectSpecError, LaunchError) as exc:
         print(f"phoenixft run: error: {exc}", file=sys.stderr)
         return 2

@@ -121,6 +121,8 @@ class AgentConfig:
     tick_s: float = 0.02
     shutdown_grace_s: float = 5.0  # workers' time to leave on their own at the end
     python: str = sys.executable
+    start_method: str = "forkserver"  # workers are forks of a server that imported torch
+                                      # once (forkserver.py), or fresh interpreters (spawn)
     echo: bool = True  # print progress lines to stdout (errors are always printed)
 
     def __post_init__(self) -> None:
@@ -160,6 +162,9 @@ class AgentConfig:
             raise LaunchError(f"--min-nproc must be in [1, {world}], got {self.min_nproc}")
         if self.policy not in ("constant", "shrink-batch"):
             raise LaunchError(f"--policy must be 'constant' or 'shrink-batch', got {self.policy!r}")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise LaunchError("--start-method must be 'forkserver' or 'spawn', got "
+                              f"{self.start_method!r}")
         if self.respawn < 0:
             raise LaunchError(f"--respawn must be >= 0, got {self.respawn}")
         if self.replicas < 0:

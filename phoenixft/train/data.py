@@ -8,6 +8,7 @@ and generator state are per-rank state that the session snapshots (`track=`).
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +24,7 @@ def stdlib_corpus(eos_id: int, max_bytes: int | None = None) -> torch.Tensor:
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks: list[bytes] = []
     total = 0
-    for p in sorted(root.rglob("*.py")):
-        if "site-packages" in p.parts or "test" in p.parts:
-            continue
+    for p in _sorted_sources(root):
         try:
             b = p.read_bytes()
         except OSError:
@@ -45,6 +44,22 @@ def stdlib_corpus(eos_id: int, max_bytes: int | None = None) -> torch.Tensor:
         out[pos + len(b)] = eos_id
         pos += len(b) + 1
     return out[:max_bytes] if max_bytes else out
+
+
+def _sorted_sources(root: Path):
+    """The .py files under `root` in sorted-path order (parts compared one by one, as
+    `sorted(root.rglob("*.py"))` orders them), skipping `test` and `site-packages`
+    directories; lazily, so a corpus capped at a few MB reads only the first files."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            if e.name not in ("test", "site-packages"):
+                yield from _sorted_sources(Path(e.path))
+        elif e.name.endswith(".py") and e.is_file():
+            yield Path(e.path)
 
 
 class RandomWindows:

@@ -50,14 +50,16 @@ def kill_tree(pid: int) -> None:
 
 def kill_members(run_dir: Path) -> None:
     """SIGKILL any worker listed in status.json that is still alive (orphans of a
-    killed agent), checking its command line so a reused PID is left alone."""
+    killed agent), checking its command line so a reused PID is left alone (a worker
+    forked by the fork server shows the server's command line)."""
     status = run_dir / "status.json"
     if not status.exists():
         return
     for m in json.loads(status.read_text()).get("members", []):
         try:
             p = psutil.Process(m["pid"])
-            if "phoenixft.launch.worker" in p.cmdline():
+            cmd = " ".join(p.cmdline())  # forked workers carry their fork server's
+            if "phoenixft.launch.worker" in cmd or "phoenixft.launch.forkserver" in cmd:
                 p.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
