@@ -36,13 +36,20 @@ def main() -> None:
                          "and optimizer state in each rank's shard")
     ap.add_argument("--data", default="rank", choices=["rank", "ids"],
                     help="rank: per-rank sampler state; ids: data is a function of the microbatch id")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: this worker's GPU (LOCAL_RANK modulo the GPUs visible; the "
+                         "process groups then use NCCL)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
 
     sess = phoenixft.Session()
     cfg = preset(args.preset)
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(cfg).to(getattr(torch, args.dtype))
+    model = LlamaForCausalLM(cfg).to(getattr(torch, args.dtype)).to(device)
     corpus = stdlib_corpus(EOS_ID, max_bytes=2_000_000 if args.preset == "tiny" else None)
     # Each rank draws from its own stream, seeded at the first draw once the rank is
     # known; after a failure the replacement gets the generator state from the snapshot.
@@ -60,6 +67,7 @@ def main() -> None:
     for step in sess.steps(args.steps):
         for j in step.microbatches():
             x, y = data.next_batch() if args.data == "rank" else windows.get(step.index, j)
+            x, y = x.to(device), y.to(device)
             logits = model(x)
             step.backward(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
 

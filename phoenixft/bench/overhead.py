@@ -32,15 +32,22 @@ def register(sub) -> None:
     p.add_argument("--block", type=int, default=6, help="K (even): steps per on / off block "
                                                        "in the in-run measurement")
     p.add_argument("--blocks", type=int, default=8, help="on/off block pairs in that run")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model trains (cuda: snapshots copy device-to-host on a "
+                        "side stream into page-locked shared memory)")
     p.add_argument("--out", default="runs/bench/overhead.json")
     p.set_defaults(func=cmd_overhead)
+
+
+def _script_args(args, steps: int) -> list[str]:
+    return ["--steps", str(steps), "--preset", args.preset, "--device", args.device]
 
 
 def in_run(args, root: Path) -> dict:
     """One job whose snapshots alternate on/off every `args.block` steps."""
     k, steps = args.block, 2 * args.block * args.blocks + args.block
     s = run_job(root / "in-run", nproc=args.nproc, snapshots=True, snapshot_blocks=k,
-                script_args=["--steps", str(steps), "--preset", args.preset])
+                script_args=_script_args(args, steps))
     ev = [(e["step"], e["gen"], e["t"]) for e in s["events"] if e["event"] == "step"]
     on: dict[int, list[float]] = {}
     off: dict[int, list[float]] = {}
@@ -69,7 +76,7 @@ def cmd_overhead(args) -> int:
         for snapshots in order:
             label = "on" if snapshots else "off"
             s = run_job(root / f"{i}-{label}", nproc=args.nproc, snapshots=snapshots,
-                        script_args=["--steps", str(args.steps), "--preset", args.preset])
+                        script_args=_script_args(args, args.steps))
             times = step_times(s["events"])
             size = next((e for e in s["events"] if e["event"] == "snapshot_size"), {})
             stats = [e for e in s["events"] if e["event"] == "snapshot_stats"]
@@ -91,6 +98,7 @@ def cmd_overhead(args) -> int:
     console.print(f"in one run, {inside['block']}-step blocks: on/off "
                   f"{inside['ratio']:.4f} (pairs {', '.join(f'{r:.3f}' for r in inside['pair_ratios'])})")
     result = {"benchmark": "overhead", "preset": args.preset, "nproc": args.nproc,
+              "device": args.device,
               "threads_per_worker": 1, "steps": args.steps, "pairs": args.pairs,
               "median_step_on_s": median(on), "median_step_off_s": median(off),
               "ratio": ratio, "pair_ratios": pair_ratios, "goal": 1.01,

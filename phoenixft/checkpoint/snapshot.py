@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from phoenixft.checkpoint.device_copy import DeviceCopier, ready_event
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.replicate import exchange_slots
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
@@ -87,6 +88,7 @@ class Snapshotter:
         self._on_degraded = on_degraded or (lambda detail: None)
         self._after_copy = after_copy or (lambda step: None)  # e.g. the persister's offer
         self._slots: dict[tuple[str, int, int], SlotFile] = {}
+        self._device = DeviceCopier()  # only used for tensors on a CUDA device
         self._tasks: queue.Queue = queue.Queue()
         self._copied_step = -1
         self._begun_step = -1
@@ -109,7 +111,7 @@ class Snapshotter:
                              f"slot {step % 2}, overwriting the newest committed snapshot; skip "
                              f"an even number of steps between snapshots")
         self._begun_step = step
-        self._tasks.put((step, tensors, header))
+        self._tasks.put((step, tensors, header, ready_event(tensors)))
 
     def wait_copied(self, store: dist.Store | None = None) -> None:
         """Block until the last begun snapshot is in host memory and, given the training
@@ -195,27 +197,36 @@ class Snapshotter:
                 raise CommFailure(f"{key} not set within {self._timeout}s")
         raise CommFailure("stopped")
 
-    def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict) -> None:
+    def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict,
+                  ready: torch.cuda.Event | None) -> None:
         # The other slot must hold a committed snapshot before this one may be overwritten.
         # (a new generation's first snapshot follows the restored step, step - 1)
         self._wait_committed(store, step - 1 if self._last_taken is None else self._last_taken)
         self._last_taken = step
         cpu0 = time.thread_time()
-        self._copy_and_replicate(store, step, tensors, header)
+        self._copy_and_replicate(store, step, tensors, header, ready)
         self.stats["thread_cpu_s"] += time.thread_time() - cpu0
         self.stats["snapshots"] += 1
 
     def _copy_and_replicate(self, store: dist.Store, step: int, tensors: dict,
-                            header: dict) -> None:
+                            header: dict, ready: torch.cuda.Event | None = None) -> None:
         t0 = time.perf_counter()
         layout = Layout.of(tensors)
         slot = self._slot("snap", self.rank, step)
         slot.ensure(HEADER_BYTES + layout.data_nbytes)
         slot.begin_write(step)
+        if ready is not None:  # tensors on a CUDA device (device_copy.py)
+            self._device.pin(slot)
         for i, e in enumerate(layout.entries):
             if i == len(layout.entries) // 2:
                 self._fault(step, "snapshot")  # half copied
-            slot.view(e).copy_(tensors[e.name].detach().reshape(e.shape))
+            src = tensors[e.name].detach().reshape(e.shape)
+            if src.is_cuda:
+                self._device.copy(slot.view(e), src, ready)
+            else:
+                slot.view(e).copy_(src)
+        if ready is not None:
+            self._device.synchronize()
         slot.finish_write(step, layout, dict(header, generation=self.generation))
         t1 = time.perf_counter()
         with self._cond:
@@ -252,7 +263,7 @@ class Snapshotter:
         try:
             source = SlotFile(slot_path(self.shm_dir, "snap", src, step))
             n = source.used_nbytes()
-        except IntegrityError as exc:
+        except (IntegrityError, OSError) as exc:  # OSError: deleted while we opened it
             self._on_degraded(f"no replica of rank {src}'s snapshot {step}: {exc}")
             return True
         rslot = self._slot("rep", src, step)

@@ -56,10 +56,14 @@ class _Proc:
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, forks: ForkServer | None = None) -> None:
+    def __init__(self, cfg: AgentConfig, forks: ForkServer | None = None,
+                 lock: RunDirLock | None = None) -> None:
         """`forks`: a fork server started early (`phoenixft run` starts it before this
-        module's imports, so both import torch at once); one is started when needed."""
+        module's imports, so both import torch at once); one is started when needed.
+        `lock`: the run directory's lock, if the caller took it already (before its
+        imports, so a second job on the directory is refused at once)."""
         self.cfg = cfg
+        self._lock = lock
         self.run_dir = Path(cfg.run_dir)
         self.events = EventLog(None)
         self.procs: dict[str, _Proc] = {}
@@ -211,7 +215,7 @@ class Agent:
     def run(self) -> int:
         cfg = self.cfg
         t_start = time.time()
-        lock = RunDirLock(self.run_dir, cfg.node_rank)
+        lock = self._lock or RunDirLock(self.run_dir, cfg.node_rank)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         store, final = None, None
         try:

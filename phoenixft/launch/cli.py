@@ -127,8 +127,10 @@ def agent_config_from_args(args):
 def cmd_run(args) -> int:
     from phoenixft.launch.config import LaunchError
     from phoenixft.launch.forkserver import ForkServer, ForkServerError
+    from phoenixft.launch.rundir import RunDirLock
     try:
         cfg = agent_config_from_args(args)
+        lock = RunDirLock(Path(cfg.run_dir), cfg.node_rank)  # a busy directory: refused now
         forks = None
         if cfg.start_method == "forkserver":  # before the agent's own imports: both at once
             try:
@@ -136,7 +138,7 @@ def cmd_run(args) -> int:
             except ForkServerError as exc:
                 raise LaunchError(str(exc)) from None
         from phoenixft.launch.agent import Agent
-        return Agent(cfg, forks).run()
+        return Agent(cfg, forks, lock).run()
     except (InjectSpecError, LaunchError) as exc:
         print(f"phoenixft run: error: {exc}", file=sys.stderr)
         return 2

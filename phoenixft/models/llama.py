@@ -184,7 +184,7 @@ def save_hf(model: LlamaForCausalLM, out_dir: str | Path,
     tensors = dict(state if state is not None else model.state_dict())
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    tensors = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
     return out

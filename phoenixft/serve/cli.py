@@ -32,6 +32,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "CPU) one engine may use for weights + KV cache; the KV cache gets "
                         "what the weights leave. phoenixft serve runs two engines (active + "
                         "standby): keep F <= 0.45 on one device")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N: where weights, KV cache and compute live (on "
+                        "a GPU the recovery log's executor runs as a thread of the engine)")
     p.add_argument("--tokenizer", default=None,
                    help="a directory with tokenizer.json (default: the model directory's)")
     p.add_argument("--chat-template", default=None,
@@ -51,10 +54,10 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _device_bytes() -> int:
+def _device_bytes(device: str) -> int:
     import torch
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemTotal:"):
@@ -74,7 +77,7 @@ def _kv_bytes(args: argparse.Namespace) -> int:
     if not 0 < f <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {f}")
     weights = sum(p.stat().st_size for p in Path(args.model_dir).glob("*.safetensors"))
-    kv = int(f * _device_bytes()) - weights
+    kv = int(f * _device_bytes(args.device)) - weights
     if kv <= 0:
         raise ValueError(f"--gpu-memory-utilization {f}: the weights ({weights / 2**20:.0f} "
                          "MiB) leave no memory for the KV cache; raise it")
@@ -99,7 +102,8 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_bytes=_kv_bytes(args),
-                        tokenizer=args.tokenizer, chat_template=template)
+                        tokenizer=args.tokenizer, chat_template=template,
+                        device=args.device)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -129,8 +129,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tokenizer: str | None = None  # a directory with tokenizer.json (default: the model's)
     chat_template: str | None = None  # a Jinja template replacing the tokenizer's
+    device: str = "cpu"  # where weights, KV cache and compute live: cpu, cuda, cuda:N
 
     def __post_init__(self) -> None:
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"EngineConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -159,7 +162,8 @@ class EngineConfig:
                             max_num_batched_tokens=max(self.max_num_batched_tokens, max_len),
                             max_model_len=max_len,
                             enable_prefix_caching=self.enable_prefix_caching,
-                            tokenizer=self.tokenizer, chat_template=self.chat_template)
+                            tokenizer=self.tokenizer, chat_template=self.chat_template,
+                            device=self.device)
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)

@@ -24,15 +24,18 @@ class ModelRunner:
                  config: EngineConfig) -> None:
         if config.num_blocks is None or config.max_model_len is None:
             raise ValueError("ModelRunner needs a resolved EngineConfig (call .resolve(model))")
-        self.model, self.model_config, self.config = model, model_config, config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r}: no CUDA device is visible here")
+        self.model, self.model_config, self.config = model.to(self.device), model_config, config
         mc = model_config
         shape = (mc.num_hidden_layers, config.num_blocks, config.block_size,
                  mc.num_key_value_heads, mc.head_dim)
-        self.k_cache = torch.zeros(shape)
-        self.v_cache = torch.zeros(shape)
+        self.k_cache = torch.zeros(shape, device=self.device)
+        self.v_cache = torch.zeros(shape, device=self.device)
         self.kv_fd: int | None = None  # the memfd holding K then V, once shared
-        self.cos, self.sin = rope_tables(mc.head_dim, torch.arange(config.max_model_len),
-                                         mc.rope_theta)
+        self.cos, self.sin = (t.to(self.device) for t in rope_tables(
+            mc.head_dim, torch.arange(config.max_model_len), mc.rope_theta))
         self.adapters = None  # the engine's AdapterStore
 
     def share_kv(self) -> int:
@@ -117,19 +120,28 @@ class ModelRunner:
             positions.append(pos)
             slots.append(sl)
             start = g.end
-        pos = torch.cat(positions) if len(positions) > 1 else positions[0]
+        dev = self.device
+        pos = (torch.cat(positions) if len(positions) > 1 else positions[0]).to(dev)
         q_lens = torch.tensor([len(s) - s.num_computed_tokens for s in seqs])
+        if dev.type != "cpu":  # built on the host, moved once per step
+            for g in groups:
+                g.block_tables, g.mask = g.block_tables.to(dev), g.mask.to(dev)
+                if g.query_index is not None:
+                    g.query_index = g.query_index.to(dev)
         meta = AttentionMetadata(
-            positions=pos, slot_mapping=torch.cat(slots) if len(slots) > 1 else slots[0],
+            positions=pos,
+            slot_mapping=(torch.cat(slots) if len(slots) > 1 else slots[0]).to(dev),
             cos=self.cos[pos][:, None, :], sin=self.sin[pos][:, None, :], groups=groups,
             adapters=self._adapter_rows(seqs, q_lens))
-        last = torch.cumsum(q_lens, 0) - 1
-        return torch.tensor(ids, dtype=torch.long), meta, last
+        last = (torch.cumsum(q_lens, 0) - 1).to(dev)
+        return torch.tensor(ids, dtype=torch.long).to(dev), meta, last
 
     def _adapter_rows(self, seqs: list[Sequence], q_lens: torch.Tensor) -> list:
         """(adapter version, its token rows in the flat batch), for sequences using one."""
         if self.adapters is None or not any(s.adapter for s in seqs):
             return []
+        if self.device.type != "cpu":
+            raise ValueError("adapters are served on the CPU engine only (device cpu)")
         ends = torch.cumsum(q_lens, 0).tolist()
         rows: dict[tuple[str, int], list[int]] = {}
         start = 0
@@ -145,7 +157,8 @@ class ModelRunner:
         computed tokens when ``all_logits``, used by the tests against transformers)."""
         ids, meta, last = self.prepare(seqs)
         hidden = self.model(ids, meta, self.k_cache, self.v_cache)
-        return self.model.compute_logits(hidden if all_logits else hidden[last])
+        logits = self.model.compute_logits(hidden if all_logits else hidden[last])
+        return logits if self.device.type == "cpu" else logits.float().cpu()  # sampled on host
 
     def kv_block(self, layer: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (not copies) of one block's K and V in one layer: the unit of logging."""

@@ -179,7 +179,8 @@ class Member:
         phases["barrier"] = time.time() - t0
         self.events.emit("joined", gen=self.generation, rank=self.rank,
                          world_size=self.world_size, step=state.step, source=source,
-                         pid=os.getpid(), phases={k: round(v, 4) for k, v in phases.items()})
+                         pid=os.getpid(), backend=self.ops.pg.name(),
+                         phases={k: round(v, 4) for k, v in phases.items()})
         return pending
 
     def _enter_generation(self, plan: Plan) -> None:

@@ -31,6 +31,8 @@ from jobs import (
 from phoenixft.observe.events import read_events
 
 pytestmark = [pytest.mark.integration]
+# these jobs run until the test stops them (a job that could finish first would race it)
+UNTIL_STOPPED = 100_000
 
 
 def shm_dirs(run_dir: Path) -> list[Path]:
@@ -45,7 +47,7 @@ def worker_pids(run_dir: Path) -> list[int]:
 
 @pytest.mark.timeout(120)
 def test_sigkill_of_the_agent_leaves_no_orphans_and_no_shared_memory(tmp_path):
-    p = start(tmp_path, "--nproc", "2", "--spares", "1", steps=400)
+    p = start(tmp_path, "--nproc", "2", "--spares", "1", steps=UNTIL_STOPPED)
     try:
         wait_until(lambda: reached_step(tmp_path, 3), 60, "step 3")
         pids, shm = worker_pids(tmp_path), shm_dirs(tmp_path)
@@ -64,7 +66,7 @@ def test_sigkill_of_the_agent_leaves_no_orphans_and_no_shared_memory(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_job_with_its_reason(tmp_path, sig):
-    p = start(tmp_path, "--nproc", "2", "--spares", "1", steps=400)
+    p = start(tmp_path, "--nproc", "2", "--spares", "1", steps=UNTIL_STOPPED)
     try:
         wait_until(lambda: reached_step(tmp_path, 3), 60, "step 3")
         pids, shm = worker_pids(tmp_path), shm_dirs(tmp_path)
@@ -178,7 +180,7 @@ def test_deleting_shared_memory_mid_run_does_not_stop_a_healthy_job(tmp_path, tm
 
 @pytest.mark.timeout(120)
 def test_a_second_run_in_the_same_run_dir_is_refused(tmp_path):
-    p = start(tmp_path, "--nproc", "1", steps=400)
+    p = start(tmp_path, "--nproc", "1", steps=UNTIL_STOPPED)
     try:
         wait_until(lambda: reached_step(tmp_path, 1), 60, "step 1")
         second = subprocess.run([*PHOENIXFT, "run", "--run-dir", str(tmp_path), "--nproc", "1",
@@ -197,7 +199,7 @@ def test_a_second_run_in_the_same_run_dir_is_refused(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_single_host_job_listens_on_loopback_only(tmp_path):
-    p = start(tmp_path, "--nproc", "2", steps=400)
+    p = start(tmp_path, "--nproc", "2", steps=UNTIL_STOPPED)
     try:
         wait_until(lambda: reached_step(tmp_path, 1), 60, "step 1")
         root = psutil.Process(p.pid)
