@@ -195,8 +195,10 @@ def _dir_bytes(path: Path) -> int:
 
 
 # -- phoenixft -----------------------------------------------------------------------------
-def _phoenix_run(args, kind: str, every: int, steps: int) -> dict:
-    """A standalone Session persisting to a local directory."""
+def _phoenix_run(args, kind: str, every: int, steps: int, settle: bool = False) -> dict:
+    """A standalone Session persisting to a local directory. `settle`: each step first
+    waits for the previous one to be durable, so no offer is coalesced and the record
+    kinds (base, delta) follow `every` exactly (for the delta sizes, not the timings)."""
     from phoenixft.checkpoint.tiers import FsspecTier
     from phoenixft.train.config import SessionConfig
     from phoenixft.train.session import Session
@@ -210,6 +212,8 @@ def _phoenix_run(args, kind: str, every: int, steps: int) -> dict:
     sess.setup(model, work.optimizer())
     times = []
     for st in sess.steps(steps):
+        if settle and st.index > 1:
+            sess.member.persister.flush(st.index - 1, 60)
         t0 = time.perf_counter()
         for _ in st.microbatches():
             st.backward(work.loss(st.index))
@@ -281,7 +285,7 @@ def cmd_checkpoint(args) -> int:
                         ("adapters", "(b) frozen backbone, LoRA adapters"),
                         ("embedding", "(c) sparse embedding updates")):
         print(f"[checkpoint] delta sizes: {label}", flush=True)
-        r = _phoenix_run(args, kind, args.every, args.every + 4)
+        r = _phoenix_run(args, kind, args.every, args.every + 4, settle=True)
         r["dcp_bytes"] = _dcp_bytes(args, kind)
         r["delta_fraction"] = (r["delta_bytes"] or 0) / r["full_state_bytes"]
         r["label"] = label
