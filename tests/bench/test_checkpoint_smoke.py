@@ -24,7 +24,10 @@ def test_checkpoint_bench_smoke(tmp_path):
     for mode in ("torch.save", "dcp.save", "dcp.async_save", "phoenixft"):
         for freq in ("1", "2"):
             assert r["modes"][mode][freq]["durable_s"] > 0
-    assert r["modes"]["phoenixft"]["1"]["records"] >= 4
+    every_step = r["modes"]["phoenixft"]["1"]
+    # each of the 4 steps was written, or replaced by a newer one while storage was busy
+    assert every_step["records"] >= 1
+    assert every_step["records"] + every_step["coalesced"] >= 4
     for s in r["scenarios"].values():
         assert 0 <= s["delta_fraction"] <= 1.5 and s["dcp_bytes"] > 0
     assert r["scenarios"]["adapters"]["fixed_bytes_once"] > r["scenarios"]["adapters"]["delta_bytes"]
