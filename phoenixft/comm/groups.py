@@ -40,9 +40,10 @@ def new_group(store: dist.Store, prefix: str, rank: int, size: int, *, device: t
 
 
 def abort_group(pg: dist.ProcessGroup | None) -> None:
-    """Best-effort abort of a dead generation's group (NCCL needs it to free its
-    communicators; gloo's pending ops fail once the dead peer's sockets close)."""
-    if pg is None or pg.name() == "gloo":
+    """Best-effort abort of a dead generation's group: NCCL frees its communicators;
+    gloo (torch >= 2.8 has `abort` for it) releases the worker threads still inside an
+    abandoned collective, so the group can be destroyed without waiting out its timeout."""
+    if pg is None:
         return
     abort = getattr(pg, "abort", None)
     if abort is not None:

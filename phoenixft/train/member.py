@@ -87,7 +87,6 @@ class Member:
         self.ops: GroupOps | None = None
         self.snap: Snapshotter | None = None
         self._rep_pg = None
-        self._dead_groups: list = []
         self._stopped = False
         self._watchers: list[threading.Thread] = []
 
@@ -322,14 +321,20 @@ class Member:
                           state, in_flight)
 
     def _bury_groups(self) -> None:
-        """A broken gloo group's destructor joins its worker threads, which sit in the
-        abandoned collective until gloo's own timeout: dropping the last reference would
-        stall recovery for that long. Keep dead groups referenced instead."""
-        for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg):
-            if pg is not None:
-                abort_group(pg)
-                self._dead_groups.append(pg)
+        """Abort the dead generation's groups, then drop them on a helper thread.
+
+        Kept alive, a gloo group whose peer died spins its transport thread (epoll keeps
+        reporting the dead peer's socket, which gloo no longer reads): half a core for
+        the rest of the job, measured as 20% slower steps after one recovery with 4
+        workers on 2 cores. `abort()` releases its worker threads from the abandoned
+        collective, so the destructor (which joins them, and closes the sockets) is
+        quick; it still runs on a helper thread, without the GIL (torch releases it in
+        process-group destructors), in case a worker thread is slow to leave."""
+        dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg)
+                if pg is not None]
         self.ops = self._rep_pg = None
+        list(map(abort_group, dead))  # (no loop variable left holding the last one)
+        threading.Thread(target=dead.clear, name="phoenixft-bury-groups", daemon=True).start()
 
     def hand_over_for_growth(self, state: RankState) -> Step | None:
         """The leader asked to admit new members: finish here, at a committed step
