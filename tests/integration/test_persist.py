@@ -66,8 +66,10 @@ def kill_whole_job_then_resume(tmp_path, url: str, ref: dict, *resume_args: str,
     first = run(tmp_path / "killed", "--nproc", "2", "--persist", url, "--persist-every", "5",
                 "--inject", "node:rank=0:step=20", steps=STEPS, script_args=script_args)
     assert first.rc == -9, first.out[-2000:]
-    newest = FsspecTier(url).manifests()[-1]  # what was committed when the job died
-    assert 5 <= newest < 20
+    # what was committed when the job died: how far that got depends on how fast storage
+    # kept up (moto's S3 under a loaded CI machine had committed only step 4 by step 20)
+    newest = FsspecTier(url).manifests()[-1]
+    assert 0 <= newest < 20
     job = run(tmp_path / "resumed", "--nproc", "2", "--persist", url, "--resume", *resume_args,
               steps=STEPS, script_args=script_args)
     assert "resuming job" in job.out
