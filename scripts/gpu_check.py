@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def overhead(args, out: Path) -> dict:
         return {"ok": False, "error": f"exit {rc}\n{tail(out / 'overhead.log')}"}
     r = json.loads(report.read_text())
     inside = r["in_run"]
-    return {"ok": inside["ratio"] == inside["ratio"] and len(inside["pair_ratios"]) > 0,
+    return {"ok": math.isfinite(inside["ratio"]) and len(inside["pair_ratios"]) > 0,
             "in_run_ratio_on_off": inside["ratio"], "pair_ratios": inside["pair_ratios"],
             "median_step_on_s": inside["median_step_on_s"],
             "median_step_off_s": inside["median_step_off_s"],

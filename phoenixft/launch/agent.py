@@ -36,7 +36,7 @@ from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan
 from phoenixft.faults.inject import format_env
 from phoenixft.launch.config import AgentConfig, LaunchError
-from phoenixft.launch.forkserver import Forked, ForkServer, ForkServerError, thread_defaults
+from phoenixft.launch.forkserver import Forked, ForkServer, worker_env_defaults
 from phoenixft.launch.janitor import remove_node_shm
 from phoenixft.launch.resume import newest_persisted, persisted_job
 from phoenixft.launch.rundir import RunDirLock, set_aside_previous_run
@@ -147,7 +147,7 @@ class Agent:
             PHOENIXFT_MODULE="1" if cfg.module else "0",
         )
         env.pop("PHOENIXFT_AUTH_TOKEN", None)  # workers reach the store through the agent
-        return thread_defaults(env)
+        return worker_env_defaults(env)
 
     def _start_janitor(self) -> None:
         """Removes the node's shared memory even if this agent is SIGKILLed (janitor.py)."""
@@ -168,11 +168,7 @@ class Agent:
                 if self.forks is None:
                     self.forks = ForkServer(self.cfg.python, self.cfg.startup_timeout_s)
                     self._helpers.add(self.forks.pid)
-                try:
-                    p = self.forks.spawn(args, self._env(wid, i), os.getcwd(), out.fileno())
-                except ForkServerError as exc:
-                    raise LaunchError(f"{exc}; --start-method spawn starts workers without "
-                                      "it") from None
+                p = self.forks.spawn(args, self._env(wid, i), os.getcwd(), out.fileno())
             else:
                 p = subprocess.Popen([self.cfg.python, "-m", "phoenixft.launch.worker", *args],
                                      env=self._env(wid, i), stdout=out,

@@ -126,17 +126,14 @@ def agent_config_from_args(args):
 
 def cmd_run(args) -> int:
     from phoenixft.launch.config import LaunchError
-    from phoenixft.launch.forkserver import ForkServer, ForkServerError
+    from phoenixft.launch.forkserver import ForkServer
     from phoenixft.launch.rundir import RunDirLock
     try:
         cfg = agent_config_from_args(args)
         lock = RunDirLock(Path(cfg.run_dir), cfg.node_rank)  # a busy directory: refused now
         forks = None
         if cfg.start_method == "forkserver":  # before the agent's own imports: both at once
-            try:
-                forks = ForkServer(cfg.python, cfg.startup_timeout_s)
-            except ForkServerError as exc:
-                raise LaunchError(str(exc)) from None
+            forks = ForkServer(cfg.python, cfg.startup_timeout_s)
         from phoenixft.launch.agent import Agent
         return Agent(cfg, forks, lock).run()
     except (InjectSpecError, LaunchError) as exc:

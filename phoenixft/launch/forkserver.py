@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 
+from phoenixft.launch.config import LaunchError
 from phoenixft.platform import become_subreaper, die_with_parent
 
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn", "torch.optim",
@@ -46,7 +47,7 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn", "torch.optim",
 _MAX_MSG = 1 << 20
 
 
-def thread_defaults(env: dict[str, str]) -> dict[str, str]:
+def worker_env_defaults(env: dict[str, str]) -> dict[str, str]:
     """What every worker's environment gets unless the user set it (the fork server's
     too, since libraries read some of it at import)."""
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -55,8 +56,12 @@ def thread_defaults(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-class ForkServerError(RuntimeError):
-    """The fork server is gone or refused a worker (its log says why)."""
+_SPAWN_HINT = "; --start-method spawn starts workers without it"
+
+
+class ForkServerError(LaunchError):
+    """The fork server cannot be used or refused a worker; the message names why and the
+    way around it (its own output, an import error say, is on the agent's stderr)."""
 
 
 class Forked:
@@ -101,10 +106,9 @@ class ForkServer:
         """Start the server (it imports in the background; the first `spawn` waits for it).
         Its own output (an import error, say) goes to the agent's stderr."""
         if not become_subreaper():
-            raise ForkServerError("this kernel refused PR_SET_CHILD_SUBREAPER; use "
-                                  "--start-method spawn")
+            raise ForkServerError("this kernel refused PR_SET_CHILD_SUBREAPER" + _SPAWN_HINT)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = thread_defaults(dict(os.environ))
+        env = worker_env_defaults(dict(os.environ))
         env["PHOENIXFT_AGENT_PID"] = str(os.getpid())
         self.proc = subprocess.Popen(
             [python, "-m", "phoenixft.launch.forkserver", str(theirs.fileno())], env=env,
@@ -120,13 +124,15 @@ class ForkServer:
             socket.send_fds(self._sock, [msg], [log_fd])
             data = self._sock.recv(_MAX_MSG)
         except (OSError, TimeoutError) as exc:
-            raise ForkServerError(f"the fork server did not answer ({exc})") from None
+            raise ForkServerError(f"the fork server did not answer ({exc})"
+                                  + _SPAWN_HINT) from None
         if not data:
             raise ForkServerError(f"the fork server exited (status {self.proc.poll()}; "
-                                  "its output is above)")
+                                  "its output is above)" + _SPAWN_HINT)
         reply = json.loads(data)
         if "error" in reply:
-            raise ForkServerError(f"the fork server could not start a worker: {reply['error']}")
+            raise ForkServerError(f"the fork server could not start a worker: {reply['error']}"
+                                  + _SPAWN_HINT)
         return Forked(reply["pid"])
 
     @property

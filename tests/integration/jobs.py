@@ -19,6 +19,8 @@ from phoenixft.observe.events import read_events
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 PHOENIXFT = [sys.executable, "-m", "phoenixft.cli"]
+# steps for a job that runs until its test stops it (one that could finish first would race it)
+UNTIL_STOPPED = 100_000
 
 
 @dataclass

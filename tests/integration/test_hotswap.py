@@ -4,11 +4,24 @@ curve, survivors never restarted."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
-from jobs import failure_free, run, run_two_nodes, wait_until
+from jobs import (
+    UNTIL_STOPPED,
+    failure_free,
+    kill_members,
+    kill_tree,
+    reached_step,
+    run,
+    run_two_nodes,
+    start,
+    wait_until,
+)
+
+from phoenixft.observe.events import read_events
 
 pytestmark = [pytest.mark.integration]
 STEPS = 16
@@ -135,7 +148,6 @@ def test_two_nodes_worker_killed_then_node_lost(tmp_path, tmp_path_factory, refe
 
 def _transport_threads(pid: int) -> int:
     """gloo transport threads (one per live process group's device) of a process."""
-    import os
     n = 0
     for t in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -151,12 +163,8 @@ def test_a_survivor_lets_go_of_the_dead_generations_groups(tmp_path):
     peer's socket for the rest of the job (half a core; steps 20% slower after one
     recovery of 4 workers on 2 cores). After a recovery each survivor has as many
     transport threads as before it: the dead groups were aborted and destroyed."""
-    from jobs import kill_members, kill_tree, reached_step, start
-
-    from phoenixft.observe.events import read_events
-
     p = start(tmp_path, "--nproc", "2", "--spares", "1", "--inject", "kill:rank=1:step=6",
-              steps=100_000)
+              steps=UNTIL_STOPPED)
     try:
         wait_until(lambda: reached_step(tmp_path, 3), 60, "step 3")
         survivor = next(e["pid"] for e in read_events(tmp_path / "events.jsonl")

@@ -17,6 +17,7 @@ import pytest
 from jobs import (
     PHOENIXFT,
     ROOT,
+    UNTIL_STOPPED,
     alive,
     failure_free,
     kill_members,
@@ -31,8 +32,6 @@ from jobs import (
 from phoenixft.observe.events import read_events
 
 pytestmark = [pytest.mark.integration]
-# these jobs run until the test stops them (a job that could finish first would race it)
-UNTIL_STOPPED = 100_000
 
 
 def shm_dirs(run_dir: Path) -> list[Path]:
