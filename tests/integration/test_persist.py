@@ -25,6 +25,7 @@ from jobs import (
     wait_until,
 )
 
+from phoenixft.checkpoint.slots import SlotFile
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.observe.events import read_events
 
@@ -107,10 +108,12 @@ def test_resume_on_another_world_size_reshards(tmp_path, tmp_path_factory):
     assert job.of("resumed")[0]["from_world_size"] == 2
 
 
-def damage(path: str, how: str) -> None:
+def damage(path: str, how: str, used: int | None = None) -> None:
+    """Flip a byte 9 from the end of the first `used` bytes (default: the whole file), or
+    truncate to a third."""
     data = bytearray(Path(path).read_bytes())
     if how == "flip":
-        data[-9] ^= 0x40
+        data[(len(data) if used is None else used) - 9] ^= 0x40
     else:
         data = data[:len(data) // 3]
     Path(path).write_bytes(bytes(data))
@@ -166,8 +169,8 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
                if e["event"] == "agent_start"}
         for w in workers:
             w.send_signal(signal.SIGSTOP)
-        for slot in shm[0].glob("rep.r1.s*"):
-            damage(str(slot), "flip")
+        for slot in shm[0].glob("rep.r1.s*"):  # a slot file can be longer than what it holds
+            damage(str(slot), "flip", used=SlotFile(slot).used_nbytes())
         for slot in shm[1].glob("*"):
             slot.unlink()
         psutil.Process(joined["n1w0"]["pid"]).kill()
