@@ -36,18 +36,27 @@ class Job:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant, by PID."""
+    """SIGKILL a process and every descendant, by PID, except an agent's janitor: it is
+    what cleans up after a SIGKILLed agent (its node's shared memory), so it is left to
+    do that and waited for (killed too if it has not finished in 10 s)."""
     try:
         root = psutil.Process(pid)
         procs = root.children(recursive=True) + [root]
     except psutil.NoSuchProcess:
         return
+    janitors = []
     for p in procs:
         try:
+            if "phoenixft.launch.janitor" in " ".join(p.cmdline()):
+                janitors.append(p)
+                continue
             p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    psutil.wait_procs(procs, timeout=10)
+    psutil.wait_procs([p for p in procs if p not in janitors], timeout=10)
+    _, alive = psutil.wait_procs(janitors, timeout=10)
+    for p in alive:
+        p.kill()
 
 
 def kill_members(run_dir: Path) -> None:
