@@ -75,7 +75,7 @@ class SlotFile:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._mm: mmap.mmap | None = None
-        self.capacity = 0
+        self.capacity, self._inode = 0, -1
         if self.path.exists() and self.path.stat().st_size >= HEADER_BYTES:
             self._map(self.path.stat().st_size)
 
@@ -83,14 +83,22 @@ class SlotFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size < size:
+            st = os.fstat(fd)
+            if st.st_size < size:
                 os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self.capacity = size
+        self.capacity, self._inode = size, st.st_ino
         self.np = np.frombuffer(self._mm, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.np)
+
+    def is_current(self) -> bool:
+        """Whether this mapping still shows the whole file at the path: a reader keeping a
+        peer's slot mapped from step to step remaps it when its writer grew it or made a
+        new file (raises OSError when the file is gone)."""
+        st = os.stat(self.path)
+        return self._mm is not None and st.st_ino == self._inode and st.st_size == self.capacity
 
     def ensure(self, total_nbytes: int) -> None:
         """Make room for a write of `total_nbytes`. If the file was deleted under us (shared

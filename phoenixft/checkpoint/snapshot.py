@@ -261,7 +261,7 @@ class Snapshotter:
         the replica cannot exist: the step still commits, with one copy fewer, and says so.
         Returns whether to acknowledge."""
         try:
-            source = SlotFile(slot_path(self.shm_dir, "snap", src, step))
+            source = self._peer_slot(src, step)
             n = source.used_nbytes()
         except (IntegrityError, OSError) as exc:  # OSError: deleted while we opened it
             self._on_degraded(f"no replica of rank {src}'s snapshot {step}: {exc}")
@@ -276,6 +276,16 @@ class Snapshotter:
         except IntegrityError as exc:
             self._on_degraded(f"the replica of rank {src}'s snapshot {step} is damaged: {exc}")
             return False
+
+    def _peer_slot(self, src: int, step: int) -> SlotFile:
+        """A same-node peer's slot, kept mapped across steps: mapping 5 MB afresh each step
+        cost more CPU (page faults) than copying it (measured 4.8 ms of the snapshot
+        thread's 9 ms per step with 2 workers on 2 cores)."""
+        key = ("peer", src, step % 2)
+        f = self._slots.get(key)
+        if f is None or not f.is_current():
+            f = self._slots[key] = SlotFile(slot_path(self.shm_dir, "snap", src, step))
+        return f
 
     def _ack(self, store: dist.Store, step: int) -> None:
         n = store.add(Keys.ack(self.generation, step), 1)

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -107,6 +108,12 @@ class Server:
             return []
 
     def stop(self) -> None:
+        """SIGKILL the front and its engines, then remove the recovery log they leave in
+        /dev/shm on purpose (a SIGKILLed server keeps it for its successor)."""
+        try:
+            log_dir = self.status().get("log_dir")
+        except (OSError, ValueError):
+            log_dir = None
         for pid in self.pids():
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -114,6 +121,8 @@ class Server:
                 pass
         self.proc.wait(10)
         self.proc.stderr.close()
+        if log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -47,3 +47,24 @@ def test_slot_truncated_file_is_rejected(tmp_path):
     path.write_bytes(data[:HEADER_BYTES + 100])
     with pytest.raises(IntegrityError):
         SlotFile(path).verify(2)
+
+
+def test_a_kept_mapping_knows_when_its_writer_grew_or_replaced_the_file(tmp_path):
+    """A same-node replica holder keeps its peer's slot mapped from step to step; it must
+    see the whole snapshot after the writer grew the file (a step with optimizer state
+    after one without), and the new file after the old one was deleted."""
+    path = slot_path(tmp_path, "snap", 0, 2)
+    write_slot(path, 2, {"a": torch.randn(10)})
+    reader = SlotFile(path)
+    assert reader.is_current()
+    big = {"a": torch.randn(100_000)}
+    write_slot(path, 4, big)  # same file, grown
+    assert not reader.is_current()
+    reader = SlotFile(path)
+    assert reader.is_current() and torch.equal(reader.tensors(reader.verify(4))["a"], big["a"])
+    path.unlink()
+    write_slot(path, 6, {"a": torch.randn(100_000)})  # same size, a new file
+    assert not reader.is_current()
+    path.unlink()
+    with pytest.raises(OSError):
+        reader.is_current()
