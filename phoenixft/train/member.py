@@ -33,7 +33,7 @@ import torch.distributed as dist
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.persist import JobInfo, PersistConfig, Persister, safetensors_bytes
 from phoenixft.checkpoint.restore import RestorePlanner
-from phoenixft.checkpoint.slots import HEADER_BYTES, slot_path
+from phoenixft.checkpoint.slots import HEADER_BYTES, SlotFile, slot_path
 from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.cluster import store as kv
@@ -49,7 +49,7 @@ from phoenixft.comm.collectives import (
 from phoenixft.comm.groups import abort_group, new_group
 from phoenixft.faults.inject import Injector, WorkerHooks, parse_env
 from phoenixft.observe.events import EventLog
-from phoenixft.train import recovery
+from phoenixft.train import quota, recovery
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.lifecycle import JobAborted
 from phoenixft.train.rank_state import RankState
@@ -128,6 +128,10 @@ class Member:
             if plan.rank_of(self.wid) is None:
                 plan = self.await_plan(plan.generation + 1, self.cfg.spare_wait_s)
                 continue
+            if in_flight is None and state.opt is None:
+                ahead = self._speculate(plan, state)
+                if ahead is not None:
+                    return ahead  # joined once its microbatches are computed (session.py)
             try:
                 return self.join(plan, state, in_flight)
             except IntegrityError as exc:  # nothing left to restore from: the job cannot go on
@@ -160,7 +164,9 @@ class Member:
     def join(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
         t0 = time.time()
         first = state.opt is None
-        self._enter_generation(plan)
+        ahead = in_flight is not None and in_flight.speculative is not None
+        if self.plan is not plan:  # (a spare that computed ahead entered it already)
+            self._enter_generation(plan)
         phases = self._build_groups(plan, state, t0)
         if self.generation > 0:  # every member is inside this join now (the group formed)
             self.injector.at_recovery(self.rank, self.generation)
@@ -169,7 +175,7 @@ class Member:
         ctx = JoinContext(generation=self.generation, rank=self.rank,
                           world_size=self.world_size, ops=self.ops, store=self.store,
                           planner=self.planner, events=self.events, make_step=self.make_step)
-        point = recovery.restore_point(ctx, state, new_member=first)
+        point = recovery.restore_point(ctx, state, new_member=first or ahead)
         source, pending = self._restore(ctx, state, point, in_flight, first)
         phases["restore"] = time.time() - t0
         self._start_snapshots(plan, state, fresh=point.step < 0)
@@ -181,6 +187,69 @@ class Member:
                          pid=os.getpid(), backend=self.ops.pg.name(),
                          phases={k: round(v, 4) for k, v in phases.items()})
         return pending
+
+    def _speculate(self, plan: Plan, state: RankState) -> Step | None:
+        """A spare replacing a dead rank, before it joins: if this node holds verified
+        snapshots of one step t of every rank (one node, or replicas here), load rank r's
+        state at t from them and return step t+1 with rank r's microbatches, so the spare
+        computes them while the survivors are still finishing theirs (they only see the
+        failure at the step's all-reduce) and the group is built after, not before, the
+        work. `join` then keeps them if the members agree on restoring t and on in-step
+        recovery; otherwise they are dropped and recomputed as usual (`recovery.restore`).
+        Returns None when there is nothing to compute ahead from."""
+        g, r = plan.generation, plan.rank_of(self.wid)
+        if (not self.cfg.snapshots or g == 0 or plan.kind != "run" or r not in plan.replaced
+                or not self.store.check([Keys.plan(g - 1)])):
+            return None
+        if Plan.from_json(self.store.get(Keys.plan(g - 1))).world_size != plan.world_size:
+            return None
+        world = plan.world_size
+        got = self._local_step_of_every_rank(r, world, state.flat.numel)
+        if got is None:
+            return None
+        t, copies = got
+        self._enter_generation(plan)
+        self._prepare(state, first=True)
+        state.zero_grad()
+        shard = state.flat.shard_size(world)
+        with torch.no_grad():
+            for q, (slot, hdr) in enumerate(copies):
+                state.flat.buf[q * shard:(q + 1) * shard].copy_(
+                    slot.tensors(hdr)["param_shard"].to(state.flat.dtype))
+        tensors, hdr = copies[r][0].tensors(copies[r][1]), copies[r][1]
+        state.opt.load_state(tensors, hdr["opt"])
+        state.load_rank_local(tensors, hdr)
+        state.step = t
+        m = state.m_for(world)
+        st = self.make_step(t + 1, quota.plan(m, world)[r], m)
+        st.speculative = (t, hdr["generation"])
+        self.events.emit("computing_ahead", gen=g, rank=r, step=t + 1, restore_step=t,
+                         ids=st.ids)
+        return st
+
+    def _local_step_of_every_rank(self, r: int, world: int, numel: int):
+        """(t, [(slot, header)] by rank) for the newest step t of which this node holds a
+        verified copy of every rank's snapshot, all written by one generation; or None."""
+        steps = set()
+        for kind in ("snap", "rep"):
+            for parity in (0, 1):
+                complete, step = SlotFile(slot_path(self.cfg.shm_dir, kind, r, parity)).peek()
+                if complete and step >= 0:
+                    steps.add(step)
+        for t in sorted(steps, reverse=True):
+            copies = []
+            for q in range(world):
+                found = self.planner.local_copy(q, t)
+                if found is None:
+                    break
+                hdr = found[0].header()
+                if (hdr.get("rank") != q or hdr.get("world_size") != world
+                        or hdr.get("numel") != numel):
+                    break
+                copies.append((found[0], hdr))
+            if len(copies) == world and len({h.get("generation") for _, h in copies}) == 1:
+                return t, copies
+        return None
 
     def _enter_generation(self, plan: Plan) -> None:
         g = plan.generation

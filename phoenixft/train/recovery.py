@@ -5,11 +5,14 @@ survives. Works on an explicit `RankState` and the generation being joined
 Called collectively by every member after the generation's groups are built.
 
 The restore step t is normally the newest committed snapshot. In-step recovery
-(ReCoVer): if every surviving member was interrupted in step t+1 before its optimizer
-update (computing, or in the gradient all-reduce), the step is not thrown away. Survivors
-keep the gradients of the microbatches they finished; the ids nobody finished (the dead
-ranks' ones) are handed out again; only new members (spares) load per-rank state from
-the snapshot. Otherwise every member rolls back to t.
+(ReCoVer): a member whose work in step t+1 was done on the parameters of step t keeps it
+(the gradients of the microbatches it finished) - a survivor interrupted in step t+1
+before its optimizer update (computing, or in the gradient all-reduce), or a spare that
+computed the dead rank's microbatches of t+1 ahead from the node's snapshots of t
+(`Member._speculate`). Every other member (a new one, or one whose state had moved past t)
+loads its rank's state of t from the snapshot and starts t+1 afresh. If anyone keeps
+work, the step goes on: the ids nobody finished are handed out again. Otherwise every
+member simply resumes at t+1.
 
 When the world size changed (shrink without a spare, or grow), the optimizer state is
 resharded: every member assembles the full committed state from all old shards and cuts
@@ -149,22 +152,27 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
             new_member: bool) -> tuple[str, Step | None]:
     """Collective. Returns (restore source, the step to resume inside, or None)."""
     t = point.step
+    if in_flight is not None and in_flight.speculative is not None:
+        ahead, in_flight.speculative = in_flight.speculative, None
+        if ahead != (t, point.generation):  # a spare computed ahead from another step:
+            in_flight.done.clear()  # drop that work (its gradients are zeroed below)
+            in_flight.loss_sum = 0.0
+            new_member, in_flight = True, None  # and join as a new member
     keep = (not new_member and in_flight is not None and in_flight.index == t + 1
             and in_flight.phase != StepPhase.UPDATE)
-    flags = ctx.ops.allreduce(torch.tensor([float(keep), float(not new_member)]),
-                              "agreeing on in-step recovery")
-    in_step = flags[1] > 0 and flags[0] == flags[1]
+    flags = ctx.ops.allreduce(torch.tensor([float(keep)]), "agreeing on in-step recovery")
+    in_step = flags[0] > 0  # some member keeps finished microbatches of step t+1
     if point.world_size == ctx.world_size:
-        source = _same_world(ctx, state, point, load_rank_state=new_member or not in_step)
+        source = _same_world(ctx, state, point, load_rank_state=not keep)
     else:
         source = _resharded(ctx, state, point)
     state.step = t
+    if not keep:  # a new member, or one whose work was past t (or is dropped): from t
+        state.zero_grad()
     if not in_step:
-        state.zero_grad()
         return source, None
-    if new_member:
-        state.zero_grad()
-    return source, _resume_step(ctx, state, t + 1, in_flight, point.world_size)
+    return source, _resume_step(ctx, state, t + 1, in_flight if keep else None,
+                                point.world_size)
 
 
 def _same_world(ctx: JoinContext, state: RankState, point: RestorePoint,

@@ -164,6 +164,9 @@ class Session:
                 member.injector.at_step(self.rank, st.index)
             yield st
             try:
+                if st.speculative is not None:  # a spare computed it ahead: join now
+                    self._pending = member.enter(member.plan, state, st)
+                    continue
                 self._complete(st)
             except CommFailure as exc:
                 self._pending = member.recover(exc, state, st)

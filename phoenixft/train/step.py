@@ -43,6 +43,9 @@ class Step:
         self.audit: list[float] = []
         self.reduced = False
         self.failure: BaseException | None = None  # a collective failed inside the loop body
+        # (restore step, generation that wrote it) when a spare computes this step ahead
+        # of joining, from local snapshots (Member._speculate); None otherwise
+        self.speculative: tuple[int, int] | None = None
         self._on_backward = on_backward
         self._on_clip = on_clip
         self._current: int | None = None

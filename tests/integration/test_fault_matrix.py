@@ -61,7 +61,18 @@ def survives(tmp_path, tmp_path_factory, kind: str, phases: list[str], *extra: s
 
 @pytest.mark.timeout(400)
 def test_kill_in_every_phase(tmp_path, tmp_path_factory):
-    survives(tmp_path, tmp_path_factory, "kill", list(PHASES))
+    job = survives(tmp_path, tmp_path_factory, "kill", list(PHASES))
+    # Each spare computed the dead rank's microbatch ahead from the node's snapshots, and
+    # every completed recovery kept that work (even where the survivors' own step was
+    # rolled back: a death during the optimizer update); the final state above is still
+    # the failure-free one. (A generation struck during its recovery leaves no record.)
+    ahead = {e["gen"] for e in job.of("computing_ahead")}
+    recovered = {r["gen"]: r for r in job.of("recovered")}
+    assert len(ahead) == len(PHASES) and set(recovered) <= ahead, (ahead, recovered)
+    assert all(r["in_step"] for r in recovered.values()), recovered
+    kept = {e["gen"] for e in job.of("in_step_recovery") if e["kept"] and
+            e["wid"] in {a["wid"] for a in job.of("computing_ahead")}}
+    assert set(recovered) <= kept, (kept, recovered)
 
 
 @pytest.mark.timeout(400)
