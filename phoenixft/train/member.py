@@ -15,6 +15,10 @@ generation g, in named phases:
 5. snapshots: a new snapshot thread for this generation's ranks and replica holders;
 6. barrier, then record the recovery (rank 0) and the member's restore source.
 
+A spare activated for a dead rank first computes ahead when it can (`_speculate`: the
+dead rank's microbatches of the step in flight, from the node's snapshots) and joins
+after; `recovery.restore` keeps or drops that work.
+
 Failure rules: any failure while joining abandons that generation and waits for the next
 plan; a broken group is never destroyed (see `recover`); the plan kinds "done" and
 "abort" end the process.
