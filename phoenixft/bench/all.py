@@ -25,11 +25,11 @@ from pathlib import Path
 PLAN = {
     "overhead": ("overhead", ["--pairs", "2", "--steps", "30"],
                  "2 workers x 1 torch thread, snapshots on and off in turn"),
-    "recovery": ("recovery", ["--steps", "20"],
+    "recovery": ("recovery", ["--steps", "20", "--preset", "tiny"],
                  "2 or 4 workers + 1 spare, 1 torch thread each"),
     "goodput": ("goodput", ["--quick"],
                 "4 workers x 1 torch thread per mode; torchrun DDP for restart"),
-    "checkpoint": ("checkpoint", ["--steps", "8", "--every", "4"], "1 process x 2 torch threads"),
+    "checkpoint": ("checkpoint", ["--steps", "12", "--every", "4"], "1 process x 2 torch threads"),
     "serve": ("serve", ["--concurrency", "1", "8", "--rounds", "2", "--repeats", "1"],
               "1 process x 2 torch threads, engine and transformers in turn"),
     "serve-medium": ("serve", ["--size", "medium", "--concurrency", "8", "32", "--rounds", "1",

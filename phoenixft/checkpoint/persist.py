@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from phoenixft.checkpoint.delta import CHUNK, chunk_hashes
@@ -132,6 +133,7 @@ class Persister:
 
     # -- the persister thread -----------------------------------------------------------
     def _run(self) -> None:
+        torch.set_num_threads(1)  # this thread's own count (see Snapshotter._run)
         store = self._connect()
         while True:
             with self._cond:

@@ -153,6 +153,10 @@ class Snapshotter:
         return self._slots[key]
 
     def _run(self) -> None:
+        # One intra-op thread for this thread's copies (per thread: training keeps its own
+        # count). With the training's count, each large copy_ forked an OpenMP team that
+        # competed with the training's own for the same cores: 35% more CPU per copy.
+        torch.set_num_threads(1)
         store = self._connect()
         while True:
             task = self._tasks.get()
