@@ -30,7 +30,7 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def fuse_hf_state(tensors: dict[str, torch.Tensor], num_layers: int
                   ) -> dict[str, torch.Tensor]:
-    """transformers names -> ours: q/k/v stacked into qkv_proj, gate/up into gate_up_proj.
+    """transformers names -> ours: q/k/v stacked into qkv_proj.
 
     Leaves the dict unchanged where a layer lacks one of the parts, so the name check in
     ``load_model`` reports the missing tensor by its Hugging Face name.
@@ -42,9 +42,6 @@ def fuse_hf_state(tensors: dict[str, torch.Tensor], num_layers: int
             names = [f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv"]
             if all(n in out for n in names):
                 out[f"{pre}self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in names])
-        names = [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
-        if all(n in out for n in names):
-            out[f"{pre}mlp.gate_up_proj.weight"] = torch.cat([out.pop(n) for n in names])
     return out
 
 

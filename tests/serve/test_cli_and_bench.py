@@ -78,6 +78,8 @@ def test_bench_serve_smoke(hf_models, tmp_path):
     for row in result["results"]:
         assert row["engine"]["useful_tokens"] == row["transformers"]["useful_tokens"]
         assert row["engine"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
+        hf = row["transformers"]
+        assert row["ceiling"] == hf["computed_tokens"] / hf["useful_tokens"] >= 1
     with pytest.raises(ValueError, match="concurrency"):
         ServeBenchConfig(concurrency=[0])
 

@@ -107,9 +107,9 @@ class Server:
         except psutil.NoSuchProcess:
             return []
 
-    def stop(self) -> None:
-        """SIGKILL the front and its engines, then remove the recovery log they leave in
-        /dev/shm on purpose (a SIGKILLed server keeps it for its successor)."""
+    def stop(self, keep_log: bool = False) -> None:
+        """SIGKILL the front and its engines, then (unless a successor is to resume from
+        it) remove the recovery log they leave in /dev/shm on purpose."""
         try:
             log_dir = self.status().get("log_dir")
         except (OSError, ValueError):
@@ -121,7 +121,7 @@ class Server:
                 pass
         self.proc.wait(10)
         self.proc.stderr.close()
-        if log_dir:
+        if log_dir and not keep_log:
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
@@ -273,7 +273,7 @@ def test_the_whole_server_killed_and_restarted_clients_resume(long_model, tmp_pa
         wait_tokens(clients, 40)
         server.wait_logged(5)
         pids = server.pids()
-        server.stop()  # front and both engines SIGKILLed
+        server.stop(keep_log=True)  # front and both engines SIGKILLed
         t.join(30)
         assert "error" in first_try  # the client saw the server die
         for c in clients:
