@@ -270,6 +270,10 @@ class Session:
         if len(st.done) < len(st.ids):
             raise RuntimeError(f"step {st.index}: clip_grad_norm_ must come after every "
                                "microbatch's backward (it reduces the step's gradients)")
+        if st.speculative is not None:
+            # a spare computed this ahead and has no group yet: it joins when the loop body
+            # returns, and the step comes back (kept, or afresh) for the reduce and clip
+            return torch.tensor(float("nan"))
         try:
             self._reduce(st)
         except CommFailure as exc:  # recovered when the loop body returns; the step reruns

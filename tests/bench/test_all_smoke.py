@@ -43,8 +43,8 @@ def test_bench_all_overhead_recovery_and_simulate(tmp_path):
     rows = json.loads(rec.read_text())["rows"]
     assert [r["fault"].split(":")[0] for r in rows] == ["kill", "stop"]
     assert all(r["source"] == "local_snapshot" and r["lost_steps"] <= 1 for r in rows)
-    assert all(r["step_s"] > 0 and r["stall_s"] == round(
-        r["kill_to_next_step_s"] - (1 + r["lost_steps"]) * r["step_s"], 4) for r in rows)
+    assert all(r["step_s"] > 0 and abs(r["stall_s"] - (
+        r["kill_to_next_step_s"] - (1 + r["lost_steps"]) * r["step_s"])) < 1e-3 for r in rows)
 
     sim = tmp_path / "sim.json"
     r = _phoenixft("simulate", "--recovery-json", str(rec), "--runs", "2", "--horizon-h", "24",

@@ -78,13 +78,20 @@ def test_four_ranks_kill_a_middle_rank(tmp_path, tmp_path_factory):
     job = run(tmp_path, "--nproc", "4", "--spares", "1", "--inject", "kill:rank=2:step=8",
               steps=STEPS)
     same_as_reference(job, ref, failures=1)
-    # The spare computed the dead rank's microbatch of step 8 from the node's snapshots of
-    # step 7 before joining, and that work was kept: nothing was recomputed.
+    # The spare computed the dead rank's microbatch of the step after the restored one from
+    # the node's snapshots before joining, and that work was kept. (Killed at the start of
+    # step 8, rank 2 may still have been copying its snapshot of 7: then all restore 6 and
+    # the survivors redo step 7, but the spare's part is still not recomputed.)
     [ahead] = job.of("computing_ahead")
-    assert (ahead["rank"], ahead["step"], ahead["restore_step"], ahead["ids"]) == (2, 8, 7, [2])
+    [rec] = job.of("recovered")
+    assert (ahead["rank"], ahead["ids"]) == (2, [2])
+    assert ahead["restore_step"] == rec["restore_step"] in (6, 7)
+    assert ahead["step"] == ahead["restore_step"] + 1
     resumed = {e["rank"]: e for e in job.of("in_step_recovery")}
     assert resumed[2]["wid"] == ahead["wid"] and resumed[2]["kept"] == [2]
-    assert all(e["recompute"] == [] for e in resumed.values()), resumed
+    assert resumed[2]["recompute"] == []
+    if rec["restore_step"] == 7:  # nothing rolled back: nobody recomputes anything
+        assert all(e["recompute"] == [] for e in resumed.values()), resumed
     assert job.summary["recoveries"][0]["recover_s"] < 5
 
 
