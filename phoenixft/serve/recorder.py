@@ -65,6 +65,7 @@ class Recorder:
         self.epoch = first_epoch  # the next epoch to enqueue
         self.failed: str | None = None
         self._coalesced = 0
+        self._unpushed = False  # a step's work waits for room in the ring
         self._lag_max = 0
         self._errors: list[str] = []
         self._want_full = True  # the first epoch of a writer is a full checkpoint
@@ -118,6 +119,7 @@ class Recorder:
         bm.release(self.processed)
         if not self._push_adapters():  # an epoch may use them: it waits for them
             self._coalesced += 1
+            self._unpushed = True
             return
         full = self._want_full or bool(self.ring.control[R.WANT_FULL])
         waiting = [s.seq_id for s in eng.scheduler.waiting]
@@ -133,7 +135,9 @@ class Recorder:
         if not self.ring.push(TASK_EPOCH, self.epoch,
                               epoch_task(full, ranges, live, StateRegion.encode(state))):
             self._coalesced += 1  # kept for the next step: nothing is lost
+            self._unpushed = True
             return
+        self._unpushed = False
         bm.take_dirty()
         self.state.recorded(eng.seqs, full=full)
         self._want_full = False
@@ -152,9 +156,14 @@ class Recorder:
 
     # -- lifecycle -------------------------------------------------------------------------
     def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every enqueued epoch is in the log (tests, clean shutdown)."""
+        """Wait until every step so far is in the log (tests, clean shutdown): the
+        enqueued epochs, and a step merged into a next one that never came (its push was
+        refused by a full ring) is pushed once there is room."""
         deadline = time.monotonic() + timeout_s
-        while self.processed < self.epoch - 1 and self._check_executor():
+        while ((self._unpushed or self.processed < self.epoch - 1) and self.failed is None
+               and self._check_executor()):
+            if self._unpushed:
+                self.end_step()
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)  # polling the executor's progress, bounded
