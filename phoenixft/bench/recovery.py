@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from phoenixft.bench.harness import median, run_job
+from phoenixft.bench.harness import median, run_job, step_times
 
 TRIALS = [  # (nproc, fault)
     (2, "kill:rank=1:step=12"),
@@ -48,9 +48,7 @@ def measure(events: list[dict]) -> dict:
     inject = next(e for e in events if e["event"] == "inject")
     rec = next(e for e in events if e["event"] == "recovered")
     nxt = next(e for e in events if e["event"] == "step" and e["t"] > rec["t"])
-    before = [e for e in events if e["event"] == "step" and e["t"] < inject["t"]]
-    gaps = [b["t"] - a["t"] for a, b in zip(before, before[1:])
-            if b["step"] == a["step"] + 1 and a["step"] >= 3]  # (the first steps warm up)
+    gaps = step_times([e for e in events if e["t"] < inject["t"]], skip=3)
     step_s = median(gaps) if gaps else None
     kill_to_next = round(nxt["t"] - inject["t"], 4)
     return {"detect_s": rec["detect_s"], "recover_s": rec["recover_s"],
@@ -92,7 +90,7 @@ def cmd_recovery(args) -> int:
         table.add_row(str(nproc), fault, f"{median([r['detect_s'] for r in rs]):.3f}",
                       f"{median([r['recover_s'] for r in rs]):.3f}",
                       f"{median([r['kill_to_next_step_s'] for r in rs]):.3f}",
-                      _fmt(median_of(rs, "step_s")), _fmt(median_of(rs, "stall_s")),
+                      _fmt(_median_of(rs, "step_s")), _fmt(_median_of(rs, "stall_s")),
                       str(max(r["lost_steps"] for r in rs)), rs[0]["source"])
     console.print(table)
     kills = [r["recover_s"] for r in rows if r["fault"].startswith("kill")]
@@ -108,7 +106,7 @@ def cmd_recovery(args) -> int:
     return 0
 
 
-def median_of(rows: list[dict], key: str) -> float | None:
+def _median_of(rows: list[dict], key: str) -> float | None:
     xs = [r[key] for r in rows if r[key] is not None]
     return median(xs) if xs else None
 
