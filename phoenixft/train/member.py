@@ -179,7 +179,7 @@ class Member:
         ctx = JoinContext(generation=self.generation, rank=self.rank,
                           world_size=self.world_size, ops=self.ops, store=self.store,
                           planner=self.planner, events=self.events, make_step=self.make_step)
-        point = recovery.restore_point(ctx, state, new_member=first or ahead)
+        point = recovery.restore_point(ctx, state, new_member=first or ahead, ahead=ahead)
         source, pending = self._restore(ctx, state, point, in_flight, first)
         phases["restore"] = time.time() - t0
         self._start_snapshots(plan, state, fresh=point.step < 0)
@@ -223,7 +223,7 @@ class Member:
         tensors, hdr = copies[r][0].tensors(copies[r][1]), copies[r][1]
         state.opt.load_state(tensors, hdr["opt"])
         state.load_rank_local(tensors, hdr)
-        state.step = t
+        state.step, state.snap_from = t, (hdr["generation"], world)
         m = state.m_for(world)
         st = self.make_step(t + 1, quota.plan(m, world)[r], m)
         st.speculative = (t, hdr["generation"])

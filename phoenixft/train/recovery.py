@@ -65,13 +65,17 @@ class RestorePoint:
     generation: int
 
 
-def restore_point(ctx: JoinContext, state: RankState, new_member: bool) -> RestorePoint:
+def restore_point(ctx: JoinContext, state: RankState, new_member: bool,
+                  ahead: bool = False) -> RestorePoint:
     """Collective: agree on the restore point.
 
     Normally the newest committed step. But when every survivor stands at the same step s
     past it (a rank died just after step s, before snapshot s was committed), s is used if
     a verified copy of every rank's snapshot s exists somewhere: the survivors hold s in
-    memory anyway, and in-step recovery then keeps the step in flight.
+    memory anyway, and in-step recovery then keeps the step in flight. With no survivor
+    at all (every member a spare, e.g. the last survivor died during a recovery) and every
+    member having computed ahead from one step s (`ahead`: its state is s, loaded from
+    verified snapshots), s is tried the same way, so that work is kept.
 
     With a persistent tier: when some rank's committed step has no copy left in memory
     anywhere (it died with every holder of its replica), or when a new job resumes
@@ -79,12 +83,16 @@ def restore_point(ctx: JoinContext, state: RankState, new_member: bool) -> Resto
     verify is used instead (`_persisted_point`)."""
     committed = kv.get_int(ctx.store, Keys.COMMITTED, -1)
     gen, world = state.snap_from
+    none = -(1 << 40)
     mine = -1 if new_member else state.step
-    vec = torch.tensor([committed, mine, -mine if not new_member else -(1 << 40), gen, world],
-                       dtype=torch.int64)
+    a = state.step if ahead else -1
+    vec = torch.tensor([committed, mine, -mine if not new_member else none, gen, world,
+                        a, -a if ahead else none], dtype=torch.int64)
     ctx.ops.allreduce(vec, "agreeing on the restore step", op=dist.ReduceOp.MAX)
-    committed, s_max, s_min, gen, world = (int(x) for x in vec)
-    s_min = -s_min
+    committed, s_max, s_min, gen, world, a_max, a_min = (int(x) for x in vec)
+    s_min, a_min = -s_min, -a_min
+    if s_max < 0 and a_max == a_min:  # no survivor; every member computed ahead from a_max
+        s_max = s_min = a_max
     if s_max == s_min and s_max > committed and gen >= 0:
         _, table = ctx.planner.copy_table(ctx.ops, ctx.world_size, world, s_max, gen)
         if bool(table.any(dim=0).all()):

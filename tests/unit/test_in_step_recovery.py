@@ -15,6 +15,7 @@ from torch import nn
 from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.snapshot import Snapshotter, mark_committed
 from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
 from phoenixft.comm.collectives import GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
 from phoenixft.observe.events import EventLog
@@ -84,3 +85,15 @@ def test_work_computed_ahead_from_another_step_is_dropped(joined, ahead):
     assert resumed is None and step.speculative is None
     assert step.done == [] and step.loss_sum == 0.0
     assert state.model.weight.grad is None and state.step == 3
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["computed-ahead", "fresh"])
+def test_members_that_all_computed_ahead_restore_the_uncommitted_step(joined, ahead):
+    """No survivor is left (the last one died during a recovery) and step 3's snapshots
+    are verified but were never committed: members that all computed ahead from step 3
+    restore 3 (and keep that work); fresh members restore the committed step 2."""
+    ctx, state, _ = joined
+    ctx.store.set(Keys.COMMITTED, "2")  # the commit of 3 never happened
+    state.snap_from = (0, 1) if ahead else (-1, -1)
+    point = recovery.restore_point(ctx, state, new_member=True, ahead=ahead)
+    assert point == (RestorePoint(3, 1, 0) if ahead else RestorePoint(2, 1, 0))
