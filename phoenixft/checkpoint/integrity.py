@@ -13,3 +13,10 @@ class IntegrityError(RuntimeError):
 def checksum(buf) -> str:
     """Checksum of a buffer (bytes, memoryview, numpy array, mmap slice)."""
     return xxhash.xxh3_128_hexdigest(buf)
+
+
+def hasher():
+    """An incremental `checksum`: `update()` with consecutive pieces of a buffer, then
+    `hexdigest()` equals `checksum` of the whole (so a buffer can be hashed piece by piece
+    while each piece is still in cache)."""
+    return xxhash.xxh3_128()

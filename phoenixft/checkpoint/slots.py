@@ -14,6 +14,10 @@ that wrote it) laid out as::
 Writers mark the slot incomplete, write data, checksum, header, then mark it complete;
 readers accept a slot only when it is complete, for the step they want, and its checksum
 matches. A torn or corrupt slot is reported, never loaded.
+
+Writers hash the data as they copy it, one cache-sized chunk at a time (`write_data`,
+`put_image`): copying a snapshot and then hashing the whole slot read every byte from
+memory twice, and a snapshot is far larger than the cache.
 """
 
 from __future__ import annotations
@@ -22,17 +26,19 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from phoenixft.checkpoint.integrity import IntegrityError, checksum
+from phoenixft.checkpoint.integrity import IntegrityError, checksum, hasher
 
 MAGIC = b"PHXSLOT1"
 HEADER_BYTES = 64 * 1024
 _ALIGN = 64
+CHUNK = 256 << 10  # copied, then hashed while it is still in the core's cache (1 MiB L2)
 
 
 def _align(n: int) -> int:
@@ -119,9 +125,55 @@ class SlotFile:
         raw = self.tensor[start:start + e.nbytes]
         return raw.view(getattr(torch, e.dtype)).view(e.shape)
 
-    def finish_write(self, step: int, layout: Layout, header: dict) -> str:
-        data = self.np[HEADER_BYTES:HEADER_BYTES + layout.data_nbytes]
-        digest = checksum(data)
+    def write_data(self, layout: Layout, tensors: dict[str, torch.Tensor],
+                   halfway: Callable[[], None] | None = None) -> str:
+        """Copy host tensors into their entries and return the data region's checksum,
+        hashing each chunk right after copying it (alignment padding is hashed too, in
+        place, so the digest is `checksum` of the whole region). `halfway` runs before the
+        middle entry is copied (a fault-injection point)."""
+        h, pos = hasher(), HEADER_BYTES
+        for i, e in enumerate(layout.entries):
+            if halfway is not None and i == len(layout.entries) // 2:
+                halfway()
+            start = HEADER_BYTES + e.offset
+            h.update(self.np[pos:start])
+            src = tensors[e.name].detach().reshape(-1).view(torch.uint8).numpy()
+            for off in range(0, e.nbytes, CHUNK):
+                dst = self.np[start + off:start + min(off + CHUNK, e.nbytes)]
+                np.copyto(dst, src[off:off + CHUNK])
+                h.update(dst)
+            pos = start + e.nbytes
+        h.update(self.np[pos:HEADER_BYTES + layout.data_nbytes])
+        return h.hexdigest()
+
+    def put_image(self, image: np.ndarray, step: int) -> dict:
+        """Write a whole slot image (another slot's bytes, a received blob) and verify it
+        in the same pass; returns its header. The data go first, then the header, and the
+        image's own state word last, so the slot never looks complete before it is; a copy
+        that does not verify is left marked incomplete and raises `IntegrityError`."""
+        n = len(image)
+        if n < HEADER_BYTES:
+            raise IntegrityError(f"{self.path}: a slot image of {n} bytes has no header")
+        self.ensure(n)
+        self.begin_write(step)
+        h = hasher()
+        for off in range(HEADER_BYTES, n, CHUNK):
+            dst = self.np[off:min(off + CHUNK, n)]
+            np.copyto(dst, image[off:off + CHUNK])
+            h.update(dst)
+        self.np[16:HEADER_BYTES] = image[16:HEADER_BYTES]
+        self.np[0:16] = image[0:16]
+        try:
+            return _verify(self.np, step, self.path, digest=h.hexdigest(), end=n)
+        except IntegrityError:
+            self.np[8:16] = 0
+            raise
+
+    def finish_write(self, step: int, layout: Layout, header: dict, digest: str | None = None) -> str:
+        """Write the header and mark the slot complete; `digest` is the data's checksum
+        when the writer computed it while copying (`write_data`)."""
+        if digest is None:
+            digest = checksum(self.np[HEADER_BYTES:HEADER_BYTES + layout.data_nbytes])
         hdr = dict(header, step=step, data_nbytes=layout.data_nbytes, checksum=digest,
                    entries=[e.__dict__ for e in layout.entries])
         blob = json.dumps(hdr).encode()
@@ -176,15 +228,23 @@ def _header(buf: np.ndarray, where) -> dict:
         raise IntegrityError(f"{where}: unreadable header ({exc})") from None
 
 
-def _verify(buf: np.ndarray, step: int, where) -> dict:
+def _verify(buf: np.ndarray, step: int, where, digest: str | None = None,
+            end: int | None = None) -> dict:
+    """The header of a complete snapshot of `step` whose data match its checksum; `digest`
+    is the checksum of buf[HEADER_BYTES:end) when the caller hashed the data as it wrote
+    them (`end` must then be where the header says the data end)."""
     complete, got = _peek(buf)
     if not complete:
         raise IntegrityError(f"{where}: snapshot incomplete (writer died mid-copy?)")
     if got != step:
         raise IntegrityError(f"{where}: holds step {got}, wanted step {step}")
     hdr = _header(buf, where)
-    end = HEADER_BYTES + int(hdr["data_nbytes"])
-    if len(buf) < end or checksum(buf[HEADER_BYTES:end]) != hdr["checksum"]:
+    want_end = HEADER_BYTES + int(hdr["data_nbytes"])
+    if digest is None:
+        end = want_end
+        if len(buf) >= end:
+            digest = checksum(buf[HEADER_BYTES:end])
+    if len(buf) < want_end or end != want_end or digest != hdr["checksum"]:
         raise IntegrityError(f"{where}: checksum mismatch for step {step} "
                              "(corrupt snapshot; falling back to another copy)")
     return hdr

@@ -4,11 +4,12 @@ After optimizer step t the session calls `begin(t, tensors, header)` and goes on
 the next forward/backward. A background thread copies the tensors into this rank's slot
 for t (shared memory, double-buffered: slot t % 2), checksums it, acknowledges it, ships
 it to the rank's replica holders and receives the replicas it holds for others. The
-session's optimizer step-pre-hook calls `wait_copied(store)`: step t+1 neither mutates
-state that is still being copied nor runs before snapshot t is committed (every copy and
-replica acknowledged), so a failure at any point loses at most the step in flight and
-one more. Copy and replication overlap step t+1's forward/backward and cost nothing when
-they fit in it.
+session's optimizer step-pre-hook calls `wait_copied(committed=True)`: step t+1 neither
+mutates state that is still being copied nor runs before snapshot t is committed (every
+copy and replica acknowledged), so a failure at any point loses at most the step in
+flight and one more. Copy, replication and the wait for the commit overlap step t+1's
+forward/backward (the thread sees the commit in the store; the pre-hook only reads what
+the thread saw) and cost nothing when they fit in it.
 
 Guarantees:
 - Slot s % 2 is only rewritten once the previous snapshot (s-1, or the last one taken
@@ -91,6 +92,7 @@ class Snapshotter:
         self._device = DeviceCopier()  # only used for tensors on a CUDA device
         self._tasks: queue.Queue = queue.Queue()
         self._copied_step = -1
+        self._committed_step = -1  # the newest of this thread's snapshots seen committed
         self._begun_step = -1
         self._last_taken: int | None = None  # the thread's previous snapshot (gaps allowed)
         self._cond = threading.Condition()
@@ -113,15 +115,17 @@ class Snapshotter:
         self._begun_step = step
         self._tasks.put((step, tensors, header, ready_event(tensors)))
 
-    def wait_copied(self, store: dist.Store | None = None) -> None:
-        """Block until the last begun snapshot is in host memory and, given the training
-        thread's store client, committed (the pre-hook). Without the commit wait a
-        replication slower than a step let the commit lag two steps behind, and a node lost
-        then cost two steps (seen on a loaded 2-core machine)."""
+    def wait_copied(self, committed: bool = False) -> None:
+        """Block until the last begun snapshot is in host memory and, if `committed`,
+        committed (the pre-hook). Without the commit wait a replication slower than a step
+        let the commit lag two steps behind, and a node lost then cost two steps (seen on
+        a loaded 2-core machine). The thread waits for the commit in the store, so the
+        training thread pays no store round trip here."""
         target = self._begun_step
         t0 = time.perf_counter()
         with self._cond:
-            while self._copied_step < target and self._error is None and not self._stopped:
+            while ((self._committed_step if committed else self._copied_step) < target
+                   and self._error is None and not self._stopped):
                 if self._interrupt.is_set():
                     break
                 self._cond.wait(0.5)
@@ -129,8 +133,8 @@ class Snapshotter:
             self._raise_error()
             if self._copied_step < target:
                 raise CommFailure("snapshot copy abandoned: the generation changed")
-            if store is not None:
-                self._wait_committed(store, target)
+            if committed and self._committed_step < target:
+                raise CommFailure(f"snapshot {target} not committed: the generation changed")
         finally:
             self.stats["stall_s"] += time.perf_counter() - t0
 
@@ -203,9 +207,11 @@ class Snapshotter:
 
     def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict,
                   ready: torch.cuda.Event | None) -> None:
-        # The other slot must hold a committed snapshot before this one may be overwritten.
-        # (a new generation's first snapshot follows the restored step, step - 1)
-        self._wait_committed(store, step - 1 if self._last_taken is None else self._last_taken)
+        # The other slot must hold a committed snapshot before this one may be overwritten:
+        # the thread's previous snapshot (it saw the commit), or for a new generation's
+        # first snapshot the restored step, step - 1.
+        if self._last_taken is None:
+            self._wait_committed(store, step - 1)
         self._last_taken = step
         cpu0 = time.thread_time()
         self._copy_and_replicate(store, step, tensors, header, ready)
@@ -219,19 +225,8 @@ class Snapshotter:
         slot = self._slot("snap", self.rank, step)
         slot.ensure(HEADER_BYTES + layout.data_nbytes)
         slot.begin_write(step)
-        if ready is not None:  # tensors on a CUDA device (device_copy.py)
-            self._device.pin(slot)
-        for i, e in enumerate(layout.entries):
-            if i == len(layout.entries) // 2:
-                self._fault(step, "snapshot")  # half copied
-            src = tensors[e.name].detach().reshape(e.shape)
-            if src.is_cuda:
-                self._device.copy(slot.view(e), src, ready)
-            else:
-                slot.view(e).copy_(src)
-        if ready is not None:
-            self._device.synchronize()
-        slot.finish_write(step, layout, dict(header, generation=self.generation))
+        digest = self._copy(slot, layout, tensors, ready, halfway=lambda: self._fault(step, "snapshot"))
+        slot.finish_write(step, layout, dict(header, generation=self.generation), digest)
         t1 = time.perf_counter()
         with self._cond:
             self._copied_step = step
@@ -239,7 +234,7 @@ class Snapshotter:
         self._after_copy(step)
         if self._announce:
             store.set(Keys.copied(self.generation, self.rank, step), "1")
-        self._ack(store, step)
+        acks = 1  # this rank's own copy; sent with the replicas it verified, in one request
         self._fault(step, "replicate")
         if self._rep_pg is not None and (self._remote_holders or self._remote_sources):
             recv = {src: self._slot("rep", src, step) for src in self._remote_sources}
@@ -249,14 +244,32 @@ class Snapshotter:
                            timeout_s=self._timeout)
             for rslot in recv.values():
                 rslot.verify(step)  # a corrupt transfer raises here and is never acknowledged
-                self._ack(store, step)
+                acks += 1
         for src in self._local_sources:
             self._wait_key(store, Keys.copied(self.generation, src, step))
-            if self._copy_local_replica(src, step):
-                self._ack(store, step)
+            acks += self._copy_local_replica(src, step)
+        self._ack(store, step, acks)
         self._fault(step, "commit")
         self.stats["copy_s"] += t1 - t0
         self.stats["replicate_s"] += time.perf_counter() - t1
+        self._wait_committed(store, step)
+        with self._cond:
+            self._committed_step = step
+            self._cond.notify_all()
+
+    def _copy(self, slot: SlotFile, layout: Layout, tensors: dict,
+              ready: torch.cuda.Event | None, halfway: Callable[[], None]) -> str | None:
+        """Copy the tensors into the slot; returns the data's checksum when it was computed
+        on the way (host tensors), None when the slot must be hashed after the copy."""
+        if ready is None:
+            return slot.write_data(layout, tensors, halfway)
+        self._device.pin(slot)  # tensors on a CUDA device (device_copy.py)
+        for i, e in enumerate(layout.entries):
+            if i == len(layout.entries) // 2:
+                halfway()
+            self._device.copy(slot.view(e), tensors[e.name].detach().reshape(e.shape), ready)
+        self._device.synchronize()
+        return None
 
     def _copy_local_replica(self, src: int, step: int) -> bool:
         """Copy a same-node peer's slot out of shared memory and verify the copy (it is
@@ -270,12 +283,8 @@ class Snapshotter:
         except (IntegrityError, OSError) as exc:  # OSError: deleted while we opened it
             self._on_degraded(f"no replica of rank {src}'s snapshot {step}: {exc}")
             return True
-        rslot = self._slot("rep", src, step)
-        rslot.ensure(n)
-        rslot.begin_write(step)
-        rslot.tensor[:n].copy_(source.tensor[:n])
         try:
-            rslot.verify(step)
+            self._slot("rep", src, step).put_image(source.np[:n], step)
             return True
         except IntegrityError as exc:
             self._on_degraded(f"the replica of rank {src}'s snapshot {step} is damaged: {exc}")
@@ -291,8 +300,8 @@ class Snapshotter:
             f = self._slots[key] = SlotFile(slot_path(self.shm_dir, "snap", src, step))
         return f
 
-    def _ack(self, store: dist.Store, step: int) -> None:
-        n = store.add(Keys.ack(self.generation, step), 1)
+    def _ack(self, store: dist.Store, step: int, count: int) -> None:
+        n = store.add(Keys.ack(self.generation, step), count)
         if n == self._target:
             mark_committed(store, step, {"t": time.time(), "generation": self.generation,
                                          "world_size": self._world_size})

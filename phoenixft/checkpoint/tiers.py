@@ -71,12 +71,7 @@ class ShmTier:
     def put(self, step: int, rank: int, blob, *, base=None) -> RecordInfo:
         data = memoryview(blob)
         f = SlotFile(slot_path(self.shm_dir, self.kind, rank, step))
-        f.ensure(len(data))
-        f.begin_write(step)  # marked incomplete until the blob's own state word lands, last
-        raw = np.frombuffer(data, dtype=np.uint8)
-        f.np[16:len(raw)] = raw[16:]
-        f.np[0:16] = raw[0:16]
-        f.verify(step)
+        f.put_image(np.frombuffer(data, dtype=np.uint8), step)  # incomplete until verified
         return RecordInfo(step, rank, "slot", checksum(data), len(data))
 
     def get(self, step: int, rank: int) -> bytes:

@@ -295,7 +295,7 @@ class Member:
         opt = state.opt
         if first or opt.rank != self.rank or opt.world_size != self.world_size:
             state.opt = ShardedOptimizer(state.flat, state.factory, self.rank, state.scheduler)
-            state.opt.inner.register_step_pre_hook(lambda *_: self.snap.wait_copied(self.store))
+            state.opt.inner.register_step_pre_hook(lambda *_: self.snap.wait_copied(committed=True))
         # A fresh gradient buffer per generation: an abandoned all-reduce of the old
         # generation may still complete into the old one.
         max_m = max(state.m, state.m_for(self.world_size))

@@ -49,7 +49,7 @@ def joined(tmp_path):
     mark_committed(store, 2, {"generation": 0, "world_size": 1})
     state.step = 3
     snap.begin(3, *state.snapshot_payload(rank=0, world_size=1))
-    snap.wait_copied(store)  # committed too
+    snap.wait_copied(committed=True)
     snap.stop()
     interrupt.enter(1)
     ops = GroupOps(new_group(kv.connect(addr), "g1/train/", 0, 1, device=torch.device("cpu")),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phoenixft.checkpoint.integrity import IntegrityError
-from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
+from phoenixft.checkpoint.integrity import IntegrityError, checksum
+from phoenixft.checkpoint.slots import CHUNK, HEADER_BYTES, Layout, SlotFile, slot_path
 
 
 def write_slot(path, step, tensors, meta=None) -> SlotFile:
@@ -68,3 +68,41 @@ def test_a_kept_mapping_knows_when_its_writer_grew_or_replaced_the_file(tmp_path
     path.unlink()
     with pytest.raises(OSError):
         reader.is_current()
+
+
+def test_write_data_hashes_exactly_what_it_copied(tmp_path):
+    """The one-pass writer's digest is the checksum of the whole data region, padding
+    between entries included, whatever the dtypes and however many chunks an entry spans,
+    also over stale bytes a larger earlier snapshot left in the file."""
+    path = slot_path(tmp_path, "snap", 0, 4)
+    write_slot(path, 2, {"old": torch.randn(300_000)})  # the file keeps these bytes
+    ts = {"big": torch.randn(3 * CHUNK // 4 + 13),  # several chunks, odd length
+          "bf16": torch.randn(33).to(torch.bfloat16), "flags": torch.tensor([True, False, True]),
+          "scalar": torch.tensor(7, dtype=torch.int64),
+          "strided": torch.arange(40, dtype=torch.float32).view(8, 5).t()}
+    lay = Layout.of(ts)
+    f = SlotFile(path)
+    f.ensure(HEADER_BYTES + lay.data_nbytes)
+    f.begin_write(4)
+    halfway = []
+    digest = f.write_data(lay, ts, halfway=lambda: halfway.append(1))
+    assert halfway == [1]
+    assert digest == checksum(f.np[HEADER_BYTES:HEADER_BYTES + lay.data_nbytes])
+    f.finish_write(4, lay, {}, digest)
+    got = SlotFile(path).tensors(SlotFile(path).verify(4))
+    assert all(torch.equal(got[k], ts[k]) for k in ts)
+
+
+def test_put_image_verifies_as_it_copies_and_never_looks_complete_when_damaged(tmp_path):
+    src = write_slot(slot_path(tmp_path, "snap", 1, 6), 6, {"a": torch.randn(200_000)})
+    image = src.np[:src.used_nbytes()].copy()
+    dst = SlotFile(slot_path(tmp_path, "rep", 1, 6))
+    assert dst.put_image(image, 6)["step"] == 6 and dst.verify(6)
+    image[HEADER_BYTES + CHUNK + 3] ^= 0xFF  # damaged in transit or at the source
+    with pytest.raises(IntegrityError, match="checksum mismatch"):
+        dst.put_image(image, 6)
+    assert dst.peek() == (False, 6)  # left marked incomplete: no reader accepts it
+    with pytest.raises(IntegrityError):
+        dst.put_image(src.np[:src.used_nbytes() - 100].copy(), 6)  # truncated
+    with pytest.raises(IntegrityError, match="holds step 6, wanted step 8"):
+        dst.put_image(src.np[:src.used_nbytes()].copy(), 8)
