@@ -173,8 +173,9 @@ class RestorePlanner:
                 raise IntegrityError(
                     f"no surviving copy of rank {r}'s snapshot for step {step}: its own node "
                     "and every replica holder are gone or corrupt, and no persisted record "
-                    "holds it; restart from a persisted checkpoint (--persist, --resume) or "
-                    "run with more replicas")
+                    "holds it; restart from a persisted checkpoint (--persist, --resume), or "
+                    "run with --replicas 1 (a copy on another node, or on the same node "
+                    "against damaged slots)")
         mine, source = copies[rank] if copies[rank] is not None else (None, "")
         if mine is None and rank not in senders:
             mine, source = self.persistent.open(rank, step), PersistentSource.name

@@ -45,9 +45,12 @@ class Plan:
         return cls(**d)
 
 
-def replica_holders(nodes: dict[int, int], k: int = 1) -> dict[int, list[int]]:
+def replica_holders(nodes: dict[int, int], k: int = 1,
+                    same_node: bool = True) -> dict[int, list[int]]:
     """For each rank, the k ranks that hold its replica: the next ranks in ring order,
-    taking ranks on other nodes first, so losing one node loses no snapshot."""
+    taking ranks on other nodes first, so losing one node loses no snapshot; ranks on the
+    rank's own node only if `same_node` (a copy there guards against a damaged slot file,
+    not against losing the node, and a worker's death never takes its node's slots)."""
     ranks = sorted(nodes)
     n = len(ranks)
     holders: dict[int, list[int]] = {}
@@ -55,5 +58,5 @@ def replica_holders(nodes: dict[int, int], k: int = 1) -> dict[int, list[int]]:
         ring = [ranks[(i + j) % n] for j in range(1, n)]
         other = [h for h in ring if nodes[h] != nodes[r]]
         same = [h for h in ring if nodes[h] == nodes[r]]
-        holders[r] = (other + same)[:k]
+        holders[r] = (other + (same if same_node else []))[:k]
     return holders

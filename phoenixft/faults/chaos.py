@@ -5,7 +5,7 @@ schedule on every machine, so a failing soak can be replayed exactly.
 
 Survivable means a run with enough spares ends with the failure-free final state:
 - one node: kill, stop (a hang), corrupt (own snapshots damaged, then killed; needs a
-  replica, so at least 2 ranks);
+  replica, so at least 2 ranks, and `phoenixft chaos` runs with `--replicas 1`);
 - several nodes also: node (a whole node lost), shm (a node's shared memory deleted, then
   killed), since the replicas on other nodes survive them.
 Faults are at least `GAP` steps apart, so no two share a recovery: fault k (from 1) then

@@ -49,9 +49,11 @@ def cmd_chaos(args) -> int:
                               "choose faults by hand")
         if args.spares is None:
             args.spares = spares_needed(specs, nproc)
+        if args.replicas is None:  # corrupt faults need a copy beside the damaged one
+            args.replicas = 1
         args.inject = [str(s) for s in specs]
-        print(f"phoenixft chaos: seed {args.seed}, {len(specs)} faults, {args.spares} spares:",
-              flush=True)
+        print(f"phoenixft chaos: seed {args.seed}, {len(specs)} faults, {args.spares} spares, "
+              f"{args.replicas} replica(s):", flush=True)
         for s in specs:
             print(f"  {s}", flush=True)
         rc = Agent(agent_config_from_args(args)).run()

@@ -67,7 +67,11 @@ def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None =
                      help="fault to inject, e.g. kill:rank=1:step=20 or stop:rank=0:step=5")
     run.add_argument("--heartbeat-timeout", type=float, default=3.0,
                      help="seconds of heartbeat silence after which a worker counts as hung")
-    run.add_argument("--replicas", type=int, default=1, help="peers holding each rank's snapshot")
+    run.add_argument("--replicas", type=int, default=None,
+                     help="peers holding a copy of each rank's snapshot (default: one on another "
+                          "node, none in a one-node job, whose snapshots outlive their workers in "
+                          "the node's shared memory anyway); K: K peers, on other nodes first, "
+                          "then on this node (a copy there guards against a damaged slot file)")
     run.add_argument("--min-nproc", type=int, default=None,
                      help="when no spare is left, go on with the survivors down to this many "
                           "ranks, keeping every step's microbatches (ReCoVer); default: stop")

@@ -105,7 +105,7 @@ class AgentConfig:
     collective_timeout_s: float = 60.0
     join_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
-    replicas: int = 1
+    replicas: int | None = None  # None: one on another node; K: K peers, this node's last
     snapshots: bool = True  # False only for the overhead benchmark's baseline
     snapshot_blocks: int = 0  # benchmark only: snapshots on for K steps, off for K (K even)
     min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
@@ -167,7 +167,7 @@ class AgentConfig:
                               f"{self.start_method!r}")
         if self.respawn < 0:
             raise LaunchError(f"--respawn must be >= 0, got {self.respawn}")
-        if self.replicas < 0:
+        if self.replicas is not None and self.replicas < 0:
             raise LaunchError(f"--replicas must be >= 0, got {self.replicas}")
         if self.persist_every < 1 or self.persist_keep < 1:
             raise LaunchError("--persist-every and --persist-keep must be >= 1")

@@ -25,7 +25,9 @@ class SessionConfig:
     collective_timeout_s: float = 60.0  # backstop for one collective; hangs are caught sooner
     join_timeout_s: float = 60.0  # waiting for a plan, building a generation's groups
     spare_wait_s: float = 24 * 3600.0  # how long a spare waits to be activated
-    replicas: int = 1  # peers that hold a copy of each rank's snapshot
+    # peers that hold a copy of each rank's snapshot; None: one on another node (none in a
+    # one-node job), K: K peers, on other nodes first, then on this node
+    replicas: int | None = None
     snapshots: bool = True  # off only to measure what snapshots cost (no recovery then)
     # benchmark only: snapshots on for K steps, then off for K, ... (K even: a snapshot must
     # not land in the slot of the newest committed one, see checkpoint/snapshot.py)
@@ -43,7 +45,7 @@ class SessionConfig:
         if self.policy not in ("constant", "shrink-batch"):
             raise ValueError(f"SessionConfig.policy must be 'constant' or 'shrink-batch', "
                              f"got {self.policy!r}")
-        if self.replicas < 0:
+        if self.replicas is not None and self.replicas < 0:
             raise ValueError(f"SessionConfig.replicas must be >= 0, got {self.replicas}")
         if self.snapshot_blocks < 0 or self.snapshot_blocks % 2:
             raise ValueError(f"SessionConfig.snapshot_blocks must be 0 or even, got "

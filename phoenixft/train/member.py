@@ -341,7 +341,7 @@ class Member:
 
     def _start_snapshots(self, plan: Plan, state: RankState, fresh: bool) -> None:
         self.persister = self._start_persister(state)
-        holders = replica_holders(plan.nodes, min(self.cfg.replicas, self.world_size - 1))
+        holders = self._replica_holders(plan)
         self.snap = Snapshotter(
             shm_dir=self.cfg.shm_dir, rank=self.rank, generation=self.generation,
             connect=self.connect, rep_pg=self._rep_pg, holders=holders[self.rank],
@@ -429,13 +429,19 @@ class Member:
         tensors, header = state.snapshot_payload(rank=self.rank, world_size=self.world_size)
         if state.step == 1 and self.rank == 0:
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            copies = 1 + len(replica_holders(self.plan.nodes, 1)[0]) if self.world_size > 1 else 1
+            copies = 1 + len(self._replica_holders(self.plan)[self.rank])
             self.events.emit("snapshot_size", bytes_per_slot=nbytes, slots=2, copies=copies,
                              host_bytes_per_rank=2 * copies * nbytes)
         state.snap_from = (self.generation, self.world_size)  # who wrote snapshot state.step
         self.snap.begin(state.step, tensors, header)
 
     # -- plumbing ----------------------------------------------------------------------
+    def _replica_holders(self, plan: Plan) -> dict[int, list[int]]:
+        """Who holds whose replica in this generation (`SessionConfig.replicas`)."""
+        k = self.cfg.replicas
+        return replica_holders(plan.nodes, min(1 if k is None else k, self.world_size - 1),
+                               same_node=k is not None)
+
     def _on_commit(self, step: int, t: float) -> None:
         if step % 10 == 0:
             self.events.emit("snapshot_committed", step=step, gen=self.generation)

@@ -84,9 +84,11 @@ def test_hang_in_every_phase(tmp_path, tmp_path_factory):
 
 @pytest.mark.timeout(400)
 def test_corrupted_snapshot_then_death_restores_from_the_replica(tmp_path, tmp_path_factory):
-    job = survives(tmp_path, tmp_path_factory, "corrupt", ["start", "reduce", "snapshot", "commit"])
+    job = survives(tmp_path, tmp_path_factory, "corrupt", ["start", "reduce", "snapshot", "commit"],
+                   "--replicas", "1")  # one node: the replica must be asked for
     sources = {r["source"] for r in job.summary["recoveries"]}
     assert "local_snapshot" not in sources, "a corrupt snapshot was loaded"
+    assert [e["copies"] for e in job.of("snapshot_size")] == [2]
 
 
 @pytest.mark.timeout(120)

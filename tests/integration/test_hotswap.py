@@ -67,6 +67,8 @@ def test_kill_nonzero_rank_is_hot_swapped(tmp_path, reference):
     rec = job.summary["recoveries"][0]
     assert rec["rank"] == 1 and rec["kind"] == "exit"
     assert rec["source"] == "local_snapshot"  # the spare mapped the dead rank's shm
+    # one node and --replicas unset: no replica (it would share the node's fate)
+    assert [e["copies"] for e in job.of("snapshot_size")] == [1]
 
 
 @pytest.mark.timeout(240)
