@@ -79,7 +79,7 @@ def hotswap(args, out: Path) -> dict:
 def overhead(args, out: Path) -> dict:
     report = out / "overhead.json"
     rc, wall = sh([*PHOENIXFT, "bench", "overhead", "--device", args.device, "--nproc", "1",
-                   "--pairs", "1", "--steps", "30", "--block", "6", "--blocks", "4",
+                   "--pairs", "1", "--steps", "30", "--block", "2", "--blocks", "12",
                    "--out", str(report)], 300, out / "overhead.log")
     if rc != 0 or not report.exists():
         return {"ok": False, "error": f"exit {rc}\n{tail(out / 'overhead.log')}"}
@@ -89,7 +89,8 @@ def overhead(args, out: Path) -> dict:
             "in_run_ratio_on_off": inside["ratio"], "pair_ratios": inside["pair_ratios"],
             "median_step_on_s": inside["median_step_on_s"],
             "median_step_off_s": inside["median_step_off_s"],
-            "snapshot_thread_cpu_s_per_step": r.get("snapshot_thread_cpu_s_per_step"),
+            "in_run_se": inside["se"],
+            "snapshot_thread_cpu_s_per_snapshot": inside["thread_cpu_s_per_snapshot"],
             "across_runs_ratio": r["ratio"], "same_final_state": r["same_final_state"],
             "wall_s": round(wall, 1)}
 

@@ -1,12 +1,17 @@
-"""`phoenixft bench overhead`: what per-step snapshots + peer replicas cost.
+"""`phoenixft bench overhead`: what per-step snapshots (+ replicas) cost.
 
 Two measurements, both with examples/train_gpt.py and 1 torch thread per worker:
 
 - in one run (the headline): snapshots switched on for K steps and off for the next K,
   again and again, in the same processes under the same load; a step's time counts as
   "on" when the previous step's snapshot was taken (its copy overlaps this step and must
-  end before this step's optimizer update). The figure is the median over adjacent block
-  pairs of (median on-step time / median off-step time).
+  end before this step's optimizer update). The figure is the paired mean over adjacent
+  block pairs, 1 + mean(on - off) / mean(off), with its standard error: step times on a
+  shared 2-core machine swing 5-12% from step to step (the CPU time of a step swings as
+  much, so CPU time is no quieter), and short blocks, many of them, cancel the drift.
+  Beside it, the snapshot thread's own CPU time per snapshot (measured in the thread),
+  which on cores already busy with the workers is time taken from them. The default
+  configuration runs first, then the same job with `--replicas 1` (a copy on this node).
 - across runs: the same job with snapshots on and off, interleaved (on/off, off/on, ...)
   so drift on a shared machine hits both alike; also checks the final state is the same.
 """
@@ -14,6 +19,8 @@ Two measurements, both with examples/train_gpt.py and 1 torch thread per worker:
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 from pathlib import Path
 
@@ -25,13 +32,13 @@ from phoenixft.bench.harness import median, run_job, step_times
 
 def register(sub) -> None:
     p = sub.add_parser("overhead", help="step time with snapshots+replicas vs without")
-    p.add_argument("--pairs", type=int, default=3, help="interleaved on/off pairs")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--pairs", type=int, default=3, help="interleaved on/off pairs of runs")
+    p.add_argument("--steps", type=int, default=40, help="steps of each of those runs")
     p.add_argument("--preset", default="small", choices=["tiny", "small", "ref"])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--block", type=int, default=6, help="K (even): steps per on / off block "
+    p.add_argument("--block", type=int, default=2, help="K (even): steps per on / off block "
                                                        "in the in-run measurement")
-    p.add_argument("--blocks", type=int, default=8, help="on/off block pairs in that run")
+    p.add_argument("--blocks", type=int, default=100, help="on/off block pairs in that run")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model trains (cuda: snapshots copy device-to-host on a "
                         "side stream into page-locked shared memory)")
@@ -43,12 +50,11 @@ def _script_args(args, steps: int) -> list[str]:
     return ["--steps", str(steps), "--preset", args.preset, "--device", args.device]
 
 
-def in_run(args, root: Path) -> dict:
-    """One job whose snapshots alternate on/off every `args.block` steps."""
-    k, steps = args.block, 2 * args.block * args.blocks + args.block
-    s = run_job(root / "in-run", nproc=args.nproc, snapshots=True, snapshot_blocks=k,
-                script_args=_script_args(args, steps))
-    ev = [(e["step"], e["gen"], e["t"]) for e in s["events"] if e["event"] == "step"]
+def paired_blocks(events: list[dict], k: int) -> dict:
+    """The on/off estimate from a run whose snapshots alternate every `k` steps: per block
+    pair, mean on-step minus mean off-step time; the ratio is 1 + their mean over the mean
+    off-step time, with its standard error (and, for reading, each pair's own ratio)."""
+    ev = [(e["step"], e["gen"], e["t"]) for e in events if e["event"] == "step"]
     on: dict[int, list[float]] = {}
     off: dict[int, list[float]] = {}
     for (s0, g0, t0), (s1, g1, t1) in zip(ev, ev[1:]):
@@ -56,10 +62,37 @@ def in_run(args, root: Path) -> dict:
             continue
         pair = s0 // (2 * k)
         (on if (s0 // k) % 2 == 0 else off).setdefault(pair, []).append(t1 - t0)
-    ratios = [median(on[p]) / median(off[p]) for p in sorted(on) if p in off]
-    return {"block": k, "steps": steps, "pair_ratios": ratios, "ratio": median(ratios),
-            "median_step_on_s": median([x for v in on.values() for x in v]),
-            "median_step_off_s": median([x for v in off.values() for x in v])}
+    pairs = [p for p in sorted(on) if p in off]
+    diffs = [statistics.mean(on[p]) - statistics.mean(off[p]) for p in pairs]
+    base = statistics.mean([x for p in pairs for x in off[p]]) if pairs else math.nan
+    mean = statistics.mean(diffs) if diffs else math.nan
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+    return {"pairs": len(pairs), "ratio": 1 + mean / base, "se": se / base,
+            "pair_ratios": [statistics.mean(on[p]) / statistics.mean(off[p]) for p in pairs],
+            "median_step_on_s": median([x for p in pairs for x in on[p]]),
+            "median_step_off_s": median([x for p in pairs for x in off[p]])}
+
+
+def in_run(args, root: Path, replicas: int | None = None) -> dict:
+    """One job whose snapshots alternate on/off every `args.block` steps."""
+    k, steps = args.block, 2 * args.block * args.blocks + args.block
+    name = "in-run" if replicas is None else f"in-run-replicas{replicas}"
+    s = run_job(root / name, nproc=args.nproc, snapshots=True, snapshot_blocks=k,
+                replicas=replicas, script_args=_script_args(args, steps))
+    out = {"block": k, "steps": steps, "replicas": replicas, **paired_blocks(s["events"], k)}
+    stats = [e for e in s["events"] if e["event"] == "snapshot_stats"]
+    size = next((e for e in s["events"] if e["event"] == "snapshot_size"), {})
+    n = sum(e["snapshots"] for e in stats)
+    out["copies"] = size.get("copies")
+    out["thread_cpu_s_per_snapshot"] = (sum(e["thread_cpu_s"] for e in stats) / n) if n else None
+    out["stall_s_per_snapshot"] = (sum(e["stall_s"] for e in stats) / n) if n else None
+    if out["thread_cpu_s_per_snapshot"] is not None:
+        out["thread_cpu_share_of_step"] = out["thread_cpu_s_per_snapshot"] / out["median_step_off_s"]
+    return out
+
+
+def _fmt_in_run(r: dict) -> str:
+    return f"{r['ratio']:.4f} ± {r['se']:.4f}"
 
 
 def cmd_overhead(args) -> int:
@@ -67,6 +100,10 @@ def cmd_overhead(args) -> int:
         raise SystemExit(f"phoenixft bench overhead: --block must be even and >= 2, got "
                          f"{args.block} (a snapshot after an odd gap would overwrite the "
                          f"newest committed one)")
+    if args.pairs < 1 or args.blocks < 3:
+        raise SystemExit(f"phoenixft bench overhead: --pairs must be >= 1 and --blocks >= 3 "
+                         f"(the first block pair is warm-up; a standard error needs two more), "
+                         f"got {args.pairs} and {args.blocks}")
     console = Console(width=max(Console().width, 130))
     root = Path(args.out).parent / "overhead-runs"
     runs = []
@@ -85,6 +122,7 @@ def cmd_overhead(args) -> int:
             runs.append({"pair": i, "snapshots": snapshots, "median_step_s": median(times),
                          "steps_timed": len(times), "digest": s["final_state_digest"],
                          "host_bytes_per_rank": size.get("host_bytes_per_rank"),
+                         "copies": size.get("copies"),
                          "snapshot_thread_cpu_s_per_step": cpu})
             console.print(f"pair {i} snapshots {label}: median step {median(times) * 1000:.1f} ms")
     on = [r["median_step_s"] for r in runs if r["snapshots"]]
@@ -95,34 +133,44 @@ def cmd_overhead(args) -> int:
     ratio = median(on) / median(off)
     same = len({r["digest"] for r in runs}) == 1
     inside = in_run(args, root)
-    console.print(f"in one run, {inside['block']}-step blocks: on/off "
-                  f"{inside['ratio']:.4f} (pairs {', '.join(f'{r:.3f}' for r in inside['pair_ratios'])})")
+    local = in_run(args, root, replicas=1)
+    for label, r in (("default", inside), ("--replicas 1", local)):
+        console.print(f"in one run ({label}, {r['copies']} copies), {r['pairs']} pairs of "
+                      f"{r['block']}-step blocks: on/off {_fmt_in_run(r)} (standard error); "
+                      f"snapshot thread {r['thread_cpu_s_per_snapshot'] * 1000:.2f} ms CPU per "
+                      f"snapshot")
     result = {"benchmark": "overhead", "preset": args.preset, "nproc": args.nproc,
               "device": args.device,
               "threads_per_worker": 1, "steps": args.steps, "pairs": args.pairs,
               "median_step_on_s": median(on), "median_step_off_s": median(off),
               "ratio": ratio, "pair_ratios": pair_ratios, "goal": 1.01,
               "same_final_state": same, "runs": runs, "in_run": inside,
+              "in_run_local_replica": local,
               "wall_s": time.time() - t0}
     table = Table(title=f"snapshot overhead: {args.nproc} workers x 1 thread, {args.preset} preset")
     for col in ("", "median step", "runs"):
         table.add_column(col)
-    table.add_row("snapshots + replicas on", f"{median(on) * 1000:.1f} ms", str(len(on)))
+    table.add_row("separate runs: snapshots on", f"{median(on) * 1000:.1f} ms", str(len(on)))
     table.add_row("off", f"{median(off) * 1000:.1f} ms", str(len(off)))
-    table.add_row("in one run: on/off blocks (goal <= 1.01)", f"{inside['ratio']:.4f}",
-                  f"{len(inside['pair_ratios'])} pairs of {inside['block']}-step blocks")
+    table.add_row("in one run: on/off blocks (goal <= 1.01)", _fmt_in_run(inside),
+                  f"{inside['pairs']} pairs of {inside['block']}-step blocks, {inside['copies']} "
+                  f"copy per snapshot")
+    table.add_row("  snapshot thread CPU per snapshot (goal <= 1% of a step)",
+                  f"{inside['thread_cpu_s_per_snapshot'] * 1000:.2f} ms",
+                  f"{inside['thread_cpu_share_of_step'] * 100:.2f}% of a step; training "
+                  f"stalled {inside['stall_s_per_snapshot'] * 1000:.2f} ms")
+    table.add_row("in one run, --replicas 1 (a copy on this node too)", _fmt_in_run(local),
+                  f"thread CPU {local['thread_cpu_s_per_snapshot'] * 1000:.2f} ms per snapshot "
+                  f"({local['thread_cpu_share_of_step'] * 100:.2f}% of a step)")
     table.add_row("across runs: ratio on/off", f"{ratio:.4f}",
                   "pairs: " + ", ".join(f"{r:.3f}" for r in pair_ratios))
     hb = runs[0]["host_bytes_per_rank"]
     if hb:
         table.add_row("snapshot host memory per rank", f"{hb / 2**20:.1f} MiB",
-                      "2 slots x (own + replica)")
+                      f"2 slots x {runs[0]['copies']} copies")
     cpus = [r["snapshot_thread_cpu_s_per_step"] for r in runs if r["snapshots"]]
     if cpus and all(c is not None for c in cpus):
-        c = median(cpus)
-        result["snapshot_thread_cpu_s_per_step"] = c
-        table.add_row("snapshot thread CPU per step", f"{c * 1000:.1f} ms",
-                      f"{c / median(off) * 100:.1f}% of a step")
+        result["snapshot_thread_cpu_s_per_step"] = median(cpus)
     table.add_row("same final state on and off", "yes" if same else "NO", "")
     console.print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ def _phoenixft(*args, cwd) -> subprocess.CompletedProcess:
 def test_bench_all_overhead_recovery_and_simulate(tmp_path):
     out, md = tmp_path / "all.json", tmp_path / "BENCHMARKS.md"
     r = _phoenixft("bench", "all", "--quick", "--only", "overhead", "--with",
-                   "overhead:--pairs 1 --steps 12 --preset tiny --block 2 --blocks 3", "--out", str(out),
+                   "overhead:--pairs 1 --steps 12 --preset tiny --block 2 --blocks 4", "--out", str(out),
                    "--markdown", str(md), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
@@ -29,10 +29,14 @@ def test_bench_all_overhead_recovery_and_simulate(tmp_path):
         assert b["rc"] == 0 and b["goals"], name
         for g in b["goals"]:
             assert set(g) == {"name", "goal", "measured", "met"}
-    assert report["benchmarks"]["overhead"]["command"].endswith("--blocks 3")
+    assert report["benchmarks"]["overhead"]["command"].endswith("--blocks 4")
     ov = report["benchmarks"]["overhead"]["result"]
     assert ov["same_final_state"] is True and ov["ratio"] > 0
-    assert len(ov["in_run"]["pair_ratios"]) >= 2 and ov["in_run"]["ratio"] > 0
+    for r in (ov["in_run"], ov["in_run_local_replica"]):
+        assert r["pairs"] == len(r["pair_ratios"]) >= 2 and r["ratio"] > 0 and r["se"] >= 0
+        assert 0 < r["thread_cpu_s_per_snapshot"] < r["median_step_off_s"]
+    # one node: a replica only when asked for (--replicas 1)
+    assert (ov["in_run"]["copies"], ov["in_run_local_replica"]["copies"]) == (1, 2)
     for section in ("## overhead", "## simulate", "| rate | GPUs |"):
         assert section in md.read_text()
 
