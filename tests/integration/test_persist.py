@@ -158,7 +158,12 @@ def test_damaged_persisted_records_are_named_and_passed_over(tmp_path, tmp_path_
 def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory):
     """Two nodes. While the job is frozen, rank 1's replica on node 0 gets a flipped byte,
     node 1's shared memory is deleted and rank 1 is SIGKILLed: its spare passes over the
-    damaged replica (named in the event log) and restores from storage."""
+    damaged replica (named in the event log) and restores from storage.
+
+    Where the freeze caught rank 0 past rank 1's newest replica (rank 0 had finished step
+    s, rank 1's replica of s not yet received, rank 1's s already persisted), the job
+    restores s from storage and never needs the replica: then no damage can be named (seen
+    once in a full run under load); the final state must be right either way."""
     ref = failure_free(tmp_path_factory, 2, 40)
     from phoenixft.cluster.store import free_port
 
@@ -175,7 +180,11 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
                if e["event"] == "agent_start"}
         for w in workers:
             w.send_signal(signal.SIGSTOP)
+        held = set()  # the steps node 0 holds a complete replica of rank 1 for
         for slot in shm[0].glob("rep.r1.s*"):  # a slot file can be longer than what it holds
+            complete, step = SlotFile(slot).peek()
+            if complete:
+                held.add(step)
             damage(str(slot), "flip", used=SlotFile(slot).used_nbytes())
         for slot in shm[1].glob("*"):
             slot.unlink()
@@ -189,10 +198,13 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
         kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
     job = load(run_dir, a0.returncode, out0)
     same_result(job, ref)
-    failed = job.of("restore_source_failed")
-    assert any(e["tier"] == "local_replica" and "rep.r1" in e["error"] for e in failed), failed
     [rec] = job.summary["recoveries"]
     assert rec["source"] == "persistent"
+    [restored] = job.of("recovered")
+    assert held, "no complete replica of rank 1 on node 0 to damage"
+    if restored["restore_step"] in held:
+        failed = job.of("restore_source_failed")
+        assert any(e["tier"] == "local_replica" and "rep.r1" in e["error"] for e in failed), failed
 
 
 @pytest.fixture()
