@@ -35,7 +35,7 @@ PLAN = {
     "serve-medium": ("serve", ["--size", "medium", "--concurrency", "8", "32", "--rounds", "2",
                                "--repeats", "1"],
                      "1 process x 2 torch threads, a 54M-parameter model"),
-    "serve-ft": ("serve-ft", ["--contexts", "256,1024", "--blocks", "20"],
+    "serve-ft": ("serve-ft", ["--contexts", "256,1024", "--blocks", "110"],
                  "engine 1 torch thread + log executor process; front + 2 engines end to end"),
     "torchft": ("torchft", ["--steps", "34", "--kill-step", "20", "--no-free-runs"],
                 "2 members x 1 torch thread each (+1 spare / +1 lighthouse); plain DDP beside"),

@@ -22,7 +22,8 @@ def test_serve_ft_bench_smoke(tmp_path):
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     o = r["log_overhead"]
-    assert o["pairs"] == 4 and o["ratio"] > 0 and o["coalesced"] >= 0
+    assert o["pairs"] == 4 and o["ratio"] > 0 and o["se"] >= 0 and o["coalesced"] >= 0
+    assert o["epochs"] > 0 and o["merged_steps"] >= 0
     assert o["log_bytes_per_token"] > 0
     (row,) = r["recovery"]
     assert row["context"] == 256 and row["records"] > 0 and row["log_bytes"] > 0

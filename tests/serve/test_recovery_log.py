@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_torn_tail_and_damaged_record_cut_at_the_last_valid_commit(hf_models, tm
     path = hf_models["llama"][0]
     ref = reference(path)
     log_dir = tmp_path / "log"
-    eng = recording_engine(path, log_dir, compact_bytes=1 << 30)
+    eng = recording_engine(path, log_dir, compact_bytes=1 << 30, epoch_interval_s=0)  # an epoch a step
     for _ in range(10):
         eng.step()
     assert eng.recorder.drain()
@@ -119,7 +120,7 @@ def test_a_full_ring_merges_steps_and_memory_stays_bounded(hf_models, tmp_path):
     path = hf_models["llama"][0]
     ref = reference(path)
     eng = recording_engine(path, tmp_path / "log", ring_bytes=2_600, compact_bytes=1 << 30,
-                           mode="process")
+                           mode="process", epoch_interval_s=0)  # every step pushes
     rec = eng.recorder
     eng.step()
     assert rec.drain()
@@ -166,7 +167,8 @@ def test_a_second_writer_is_refused_and_a_dead_executor_is_reported(hf_models, t
     executor process that dies (SIGKILL) stops recording with an error, serving goes on."""
     path = hf_models["llama"][0]
     errors: list[str] = []
-    eng = recording_engine(path, tmp_path / "log", on_error=errors.append)
+    eng = recording_engine(path, tmp_path / "log", on_error=errors.append,
+                           epoch_interval_s=0)  # every step asks after the executor
     eng.step()
     assert eng.recorder.drain()
     other = LLMEngine(path, CFG)
@@ -183,3 +185,41 @@ def test_a_second_writer_is_refused_and_a_dead_executor_is_reported(hf_models, t
     finish(eng, {})  # serving goes on without the log
     assert not eng.block_manager.quarantine
     eng.recorder.close()
+
+
+@pytest.mark.timeout(120)
+def test_decode_only_steps_merge_and_a_crash_costs_decoded_tokens_never_a_prompt(hf_models, tmp_path):
+    """Steps that only decode are merged into the next epoch (a 1 s interval: far longer
+    than these steps); a step that admits a request is logged at once. A crash with merged
+    steps unlogged resumes from the last epoch: those tokens are decoded again, the same
+    ones, and no prompt is computed again."""
+    path = hf_models["llama"][0]
+    ref = reference(path)
+    ref["late"] = ref["r0"]  # the same prompt and greedy parameters
+    eng = recording_engine(path, tmp_path / "log", compact_bytes=1 << 30, epoch_interval_s=1.0)
+    rec = eng.recorder
+    eng.step()  # everyone's prefill: an epoch at once
+    first = rec.epoch
+    for _ in range(5):
+        eng.step()
+    assert rec.epoch == first and rec.stats.merged == 5  # decode only: merged
+    eng.add_request("late", PROMPTS[0], PARAMS[0])
+    eng.step()  # admits "late" and computes its prompt: logged at once
+    assert rec.epoch == first + 1 and rec.stats.merged == 5
+    for _ in range(3):
+        eng.step()
+    assert rec.stats.merged == 8
+    deadline = time.monotonic() + 30
+    while rec.processed < rec.epoch - 1:  # the epochs pushed so far are in the log
+        assert time.monotonic() < deadline, "the executor never wrote the pushed epochs"
+        time.sleep(0.005)  # polling the executor's progress, bounded
+    before = generated(eng)
+    rec.close()  # the engine dies with 3 merged steps unlogged
+    new = LLMEngine(path, CFG)
+    recover(new, tmp_path / "log")
+    resumed = generated(new)
+    assert {k: len(before[k]) - len(v) for k, v in resumed.items()} == {
+        "r0": 3, "r1": 3, "r2": 3, "late": 3}
+    assert all(resumed[k] == before[k][:len(resumed[k])] for k in resumed)
+    assert finish(new, {k: list(v) for k, v in resumed.items()}) == ref
+    assert all(s.prompt_computed == 0 for s in new.scheduler.running)  # no prompt again
