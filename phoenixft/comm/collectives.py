@@ -85,26 +85,38 @@ def wait_work(work, interrupt: Interrupt, timeout_s: float, what: str = "collect
         raise CommFailure(f"{what} failed: {exc}") from exc
 
 
+class Pending:
+    """A blocking call (process-group construction, say) running in a daemon thread; its
+    result is waited for with `result`, which gives up on a newer generation or a deadline.
+    An abandoned call is left to fail on its own timeout; its result is dropped."""
+
+    def __init__(self, fn: Callable[[], T], interrupt: Interrupt, what: str) -> None:
+        self._box: dict = {}
+        self._interrupt, self.what = interrupt, what
+
+        def run() -> None:
+            try:
+                self._box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self._box["error"] = exc
+            finally:
+                interrupt.notify()
+
+        threading.Thread(target=run, name=f"phoenixft-{what}", daemon=True).start()
+
+    def result(self, timeout_s: float):
+        box = self._box
+        self._interrupt.wait_until(lambda: "value" in box or "error" in box, timeout_s,
+                                   self.what)
+        if "error" in box:
+            raise CommFailure(f"{self.what} failed: {box['error']}") from box["error"]
+        return box["value"]
+
+
 def call_with_deadline(fn: Callable[[], T], interrupt: Interrupt, timeout_s: float,
                        what: str) -> T:
-    """Run a blocking call (process-group construction, say) in a daemon thread and
-    abandon it if the generation changes or the deadline passes. An abandoned call is
-    left to fail on its own timeout; its result is dropped."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["error"] = exc
-        finally:
-            interrupt.notify()
-
-    threading.Thread(target=run, name=f"phoenixft-{what}", daemon=True).start()
-    interrupt.wait_until(lambda: "value" in box or "error" in box, timeout_s, what)
-    if "error" in box:
-        raise CommFailure(f"{what} failed: {box['error']}") from box["error"]
-    return box["value"]
+    """Run a blocking call in a daemon thread (`Pending`) and wait for it."""
+    return Pending(fn, interrupt, what).result(timeout_s)
 
 
 class GroupOps:

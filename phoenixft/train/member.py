@@ -48,7 +48,7 @@ from phoenixft.comm.collectives import (
     GenerationChanged,
     GroupOps,
     Interrupt,
-    call_with_deadline,
+    Pending,
 )
 from phoenixft.comm.groups import abort_group, new_group
 from phoenixft.faults.inject import Injector, WorkerHooks, parse_env
@@ -93,6 +93,9 @@ class Member:
         self._rep_pg = None
         self._stopped = False
         self._watchers: list[threading.Thread] = []
+        self._device: torch.device | None = None  # where the training group lives
+        self._builds: dict[int, dict[str, Pending]] = {}  # generation -> its group builds
+        self._builds_lock = threading.Lock()
 
     def connect(self) -> dist.Store:
         """A new store connection (one per blocking thread or group build)."""
@@ -160,6 +163,10 @@ class Member:
             while self.generation < g_next and not self._stopped:
                 if kv.wait_for(store, [Keys.plan(g_next)], 0.25):
                     self.interrupt.announce(g_next)
+                    plan = Plan.from_json(store.get(Keys.plan(g_next)))
+                    if (plan.kind == "run" and plan.rank_of(self.wid) is not None
+                            and self._device is not None and not self._stopped):
+                        self._start_builds(plan)  # while the training thread computes
                     return
         except (kv.StoreGone, RuntimeError):
             return  # the store is gone: the training thread finds out on its next wait
@@ -167,11 +174,14 @@ class Member:
     # -- joining a generation ----------------------------------------------------------
     def join(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
         t0 = time.time()
+        self.planner.forget()  # copies are verified afresh for each join, once
         first = state.opt is None
         ahead = in_flight is not None and in_flight.speculative is not None
         if self.plan is not plan:  # (a spare that computed ahead entered it already)
             self._enter_generation(plan)
-        phases = self._build_groups(plan, state, t0)
+        self._device = state.flat.device
+        early = plan.generation in self._builds  # its groups were started before the join
+        phases = self._build_groups(plan, t0)
         if self.generation > 0:  # every member is inside this join now (the group formed)
             self.injector.at_recovery(self.rank, self.generation)
         self._prepare(state, first)
@@ -181,6 +191,7 @@ class Member:
                           planner=self.planner, events=self.events, make_step=self.make_step)
         point = recovery.restore_point(ctx, state, new_member=first or ahead, ahead=ahead)
         source, pending = self._restore(ctx, state, point, in_flight, first)
+        self.planner.forget()
         phases["restore"] = time.time() - t0
         self._start_snapshots(plan, state, fresh=point.step < 0)
         self.ops.barrier("generation barrier")
@@ -188,7 +199,7 @@ class Member:
         phases["barrier"] = time.time() - t0
         self.events.emit("joined", gen=self.generation, rank=self.rank,
                          world_size=self.world_size, step=state.step, source=source,
-                         pid=os.getpid(), backend=self.ops.pg.name(),
+                         pid=os.getpid(), backend=self.ops.pg.name(), groups_early=early,
                          phases={k: round(v, 4) for k, v in phases.items()})
         return pending
 
@@ -213,6 +224,11 @@ class Member:
             return None
         t, copies = got
         self._enter_generation(plan)
+        self._device = state.flat.device
+        try:
+            self._start_builds(plan)  # the group forms while this spare computes
+        except GenerationChanged:
+            pass  # a newer plan is out: the join finds that out
         self._prepare(state, first=True)
         state.zero_grad()
         shard = state.flat.shard_size(world)
@@ -271,24 +287,46 @@ class Member:
                           LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(self.cfg.node),
                           NODE_RANK=str(self.cfg.node), TORCHELASTIC_RESTART_COUNT=str(g))
 
-    def _build_groups(self, plan: Plan, state: RankState, t0: float) -> dict[str, float]:
-        """Each build gets its own store connection: an abandoned build (a member died
-        mid-join) keeps blocking in a store wait, and a shared client would queue every
-        later call behind it."""
-        g, timeout = plan.generation, self.cfg.collective_timeout_s
-        host = self.cfg.local_addr
-
-        def build(name: str, device: torch.device):
-            return call_with_deadline(
-                lambda: new_group(self.connect(), Keys.group(g, name), self.rank,
-                                  self.world_size, device=device, bind_host=host,
-                                  timeout_s=timeout),
-                self.interrupt, self.cfg.join_timeout_s, f"building generation {g}'s {name} group")
-
-        self.ops = GroupOps(build("train", state.flat.device), self.interrupt, timeout)
+    def _build_groups(self, plan: Plan, t0: float) -> dict[str, float]:
+        """This generation's groups, from the builds `_start_builds` began (early, or now)."""
+        builds, wait_s = self._start_builds(plan), self.cfg.join_timeout_s
+        self.ops = GroupOps(builds["train"].result(wait_s), self.interrupt,
+                            self.cfg.collective_timeout_s)
         phases = {"group": time.time() - t0}
-        self._rep_pg = build("replicate", torch.device("cpu"))
+        self._rep_pg = builds["replicate"].result(wait_s)
         return phases
+
+    def _start_builds(self, plan: Plan) -> dict[str, Pending]:
+        """Start building `plan`'s groups (training, replication) in the background, once
+        per generation: a survivor's watcher starts them as soon as the plan appears, while
+        the training thread still finishes the microbatch it is computing (it only sees the
+        failure at the step's all-reduce), and a spare before it computes ahead; gloo
+        connects the members when all of them have called, so the group forms while they
+        compute instead of after (about 0.1 s of every recovery with 4 workers on 2 cores).
+        Otherwise they start at the join. Each build gets its own store connection: an
+        abandoned build (a member died mid-join) keeps blocking in a store wait, and a
+        shared client would queue every later call behind it.
+
+        Builds only go forward: a join of a generation older than one whose builds began
+        is stale (raises GenerationChanged), and a generation's groups are never built
+        twice (a second build under the same store prefix would meet the first one's
+        peers)."""
+        g, rank, size = plan.generation, plan.rank_of(self.wid), plan.world_size
+        host, timeout = self.cfg.local_addr, self.cfg.collective_timeout_s
+        with self._builds_lock:
+            newest = max(self._builds, default=-1)
+            if g < newest:
+                raise GenerationChanged(f"joining generation {g}: generation {newest} was "
+                                        "published")
+            if g not in self._builds:
+                def pending(name: str, device: torch.device) -> Pending:
+                    return Pending(lambda: new_group(self.connect(), Keys.group(g, name), rank,
+                                                     size, device=device, bind_host=host,
+                                                     timeout_s=timeout),
+                                   self.interrupt, f"building generation {g}'s {name} group")
+                self._builds = {g: {"train": pending("train", self._device),
+                                    "replicate": pending("replicate", torch.device("cpu"))}}
+            return self._builds[g]  # (older generations' builds are dropped: abandoned)
 
     def _prepare(self, state: RankState, first: bool) -> None:
         state.flat.layout(self.world_size)

@@ -91,6 +91,9 @@ def test_four_ranks_kill_a_middle_rank(tmp_path, tmp_path_factory):
     assert ahead["step"] == ahead["restore_step"] + 1
     resumed = {e["rank"]: e for e in job.of("in_step_recovery")}
     assert resumed[2]["wid"] == ahead["wid"] and resumed[2]["kept"] == [2]
+    # the spare started building the new generation's groups before it computed ahead
+    [spare_joined] = [e for e in job.of("joined") if e["wid"] == ahead["wid"]]
+    assert spare_joined["groups_early"] is True
     assert resumed[2]["recompute"] == []
     if rec["restore_step"] == 7:  # nothing rolled back: nobody recomputes anything
         assert all(e["recompute"] == [] for e in resumed.values()), resumed

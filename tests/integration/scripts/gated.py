@@ -1,6 +1,11 @@
 """A tiny ReCoVer job (each microbatch's data is a pure function of its id) that can hold
 at a step until a respawned worker has registered. A test that needs the world to grow
-back before the job ends waits for that state, instead of hoping the job is slow enough."""
+back before the job ends waits for that state, instead of hoping the job is slow enough.
+
+A respawned worker (one generation 0 did not know) registers only once the leader has
+planned the failure it replaces: a replacement that registered first would take the dead
+rank as a spare (correct too, and seen on a loaded machine), and the job would never
+shrink and grow back, which is what the tests of this script are about."""
 
 import argparse
 import os
@@ -15,6 +20,19 @@ import phoenixft
 from phoenixft.observe.events import read_events
 
 
+def wait_for_failure_plan(run_dir: Path, wid: str) -> None:
+    def generations() -> list[dict]:
+        return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "generation"]
+    first = generations()
+    if not first or wid in first[0]["members"].values():
+        return  # a worker of the job's start
+    deadline = time.monotonic() + 120
+    while len(generations()) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no generation after the first within 120 s")
+        time.sleep(0.05)  # polling the run's event log for a state, bounded
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=16)
@@ -23,6 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     run_dir = Path(os.environ["PHOENIXFT_RUN_DIR"])
+    wait_for_failure_plan(run_dir, os.environ["PHOENIXFT_WORKER_ID"])
     sess = phoenixft.Session()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
