@@ -27,6 +27,9 @@ PLAN = {
                  "2 workers x 1 torch thread, snapshots on and off in turn"),
     "recovery": ("recovery", ["--steps", "20", "--preset", "tiny"],
                  "2 or 4 workers + 1 spare, 1 torch thread each"),
+    "recovery-small": ("recovery", ["--steps", "20", "--preset", "small", "--trials", "0,2",
+                                    "--repeat", "2"],
+                       "2 or 4 workers + 1 spare, 1 torch thread each, small preset"),
     "goodput": ("goodput", ["--quick"],
                 "4 workers x 1 torch thread per mode; torchrun DDP for restart"),
     "checkpoint": ("checkpoint", ["--steps", "12", "--every", "4"], "1 process x 2 torch threads"),
@@ -40,7 +43,8 @@ PLAN = {
     "torchft": ("torchft", ["--steps", "34", "--kill-step", "20", "--no-free-runs"],
                 "2 members x 1 torch thread each (+1 spare / +1 lighthouse); plain DDP beside"),
 }
-FULL = {"serve-medium": ["--size", "medium"]}  # what tells two runs of one benchmark apart
+FULL = {"serve-medium": ["--size", "medium"],  # what tells two runs of one benchmark apart
+        "recovery-small": ["--preset", "small", "--trials", "0,2", "--repeat", "3"]}
 
 
 def _machine() -> str:
@@ -81,7 +85,7 @@ def goals_of(name: str, d: dict) -> list[dict]:
                       "<= 1% of a step", f"{100 * cpu:.2f}%", cpu <= 0.01),
                 _goal("same final state with snapshots on and off", "identical",
                       d["same_final_state"], d["same_final_state"])]
-    if name == "recovery":
+    if name in ("recovery", "recovery-small"):
         kills = [r for r in d["rows"] if r["fault"].startswith("kill")]
         worst = max((r["recover_s"] for r in kills), default=float("nan"))
         lost = max((r["lost_steps"] for r in d["rows"]), default=0)
@@ -93,6 +97,15 @@ def goals_of(name: str, d: dict) -> list[dict]:
             out.append(_goal("SIGKILL -> next step, beyond the step struck and any step "
                              "rolled back (worst case)",
                              f"<= {d['goal_stall_s']} s", stall, stall <= d["goal_stall_s"]))
+        four = d.get("four_workers")
+        if name == "recovery-small" and four:
+            out += [_goal("4 workers: detection -> training again (median)",
+                          f"<= {four['goal_recover_s']} s",
+                          f"{four['recover_s']:.3f} s (of which protocol "
+                          f"{four['protocol_s']:.3f} s)", four["recover_s"] <= four["goal_recover_s"]),
+                    _goal("4 workers: SIGKILL -> next step, beyond one step (median)",
+                          f"<= {four['goal_stall_s']} s", f"{four['stall_s']:.3f} s "
+                          f"({four['step_s']:.3f} s steps)", four["stall_s"] <= four["goal_stall_s"])]
         return out
     if name == "goodput":
         m = d["modes"]
@@ -127,7 +140,14 @@ def headline(name: str, d: dict) -> str:
                     f"{100 * r['thread_cpu_share_of_step']:.1f}% of a step; with a copy on "
                     f"the same node (--replicas 1) {loc['ratio']:.3f}x ± {loc['se']:.3f}, "
                     f"{100 * loc['thread_cpu_share_of_step']:.1f}%")
-        if name == "recovery":
+        if name == "recovery-small" and d.get("four_workers"):
+            f = d["four_workers"]
+            return (f"4 workers, {f['step_s']:.2f} s steps: SIGKILL -> next step "
+                    f"{f['stall_s']:.2f} s beyond one step, detection -> training again "
+                    f"{f['recover_s']:.2f} s, of which the recovery protocol "
+                    f"{f['protocol_s']:.2f} s (the rest: survivors finishing their "
+                    f"microbatches, which are kept; medians of {f['runs']})")
+        if name in ("recovery", "recovery-small"):
             k = [r for r in d["rows"] if r["fault"].startswith("kill")]
             return (f"SIGKILL -> training again: detect {max(r['detect_s'] for r in k):.2f} s, "
                     f"recover {max(r['recover_s'] for r in k):.2f} s, "

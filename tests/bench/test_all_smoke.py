@@ -47,6 +47,7 @@ def test_bench_all_overhead_recovery_and_simulate(tmp_path):
     rows = json.loads(rec.read_text())["rows"]
     assert [r["fault"].split(":")[0] for r in rows] == ["kill", "stop"]
     assert all(r["source"] == "local_snapshot" and r["lost_steps"] <= 1 for r in rows)
+    assert rows[0]["protocol_s"] >= 0  # the kill: its survivor met the failure
     assert all(r["step_s"] > 0 and abs(r["stall_s"] - (
         r["kill_to_next_step_s"] - (1 + r["lost_steps"]) * r["step_s"])) < 1e-3 for r in rows)
 
