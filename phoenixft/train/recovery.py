@@ -170,8 +170,13 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
             and in_flight.phase != StepPhase.UPDATE)
     flags = ctx.ops.allreduce(torch.tensor([float(keep)]), "agreeing on in-step recovery")
     in_step = flags[0] > 0  # some member keeps finished microbatches of step t+1
+    # Every member keeps (survivors that had not updated, a spare that loaded every rank's
+    # shard of t to compute ahead): each already holds t's parameters, bit for bit, and
+    # the all-gather would write the same bytes again (25 ms of a recovery, 4 workers).
+    everyone_holds_t = int(flags[0]) == ctx.world_size
     if point.world_size == ctx.world_size:
-        source = _same_world(ctx, state, point, load_rank_state=not keep)
+        source = _same_world(ctx, state, point, load_rank_state=not keep,
+                             gather=not everyone_holds_t)
     else:
         source = _resharded(ctx, state, point)
     state.step = t
@@ -184,7 +189,7 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
 
 
 def _same_world(ctx: JoinContext, state: RankState, point: RestorePoint,
-                load_rank_state: bool) -> str:
+                load_rank_state: bool, gather: bool = True) -> str:
     t = point.step
     slot, hdr, source = ctx.planner.restore(ctx.ops, rank=ctx.rank, world_size=ctx.world_size,
                                             step=t, generation=point.generation)
@@ -195,8 +200,9 @@ def _same_world(ctx: JoinContext, state: RankState, point: RestorePoint,
     state.opt.load_state(tensors, hdr["opt"])
     if load_rank_state:
         state.load_rank_local(tensors, hdr)
-    ctx.ops.all_gather_into(state.flat.buf, state.opt.gathered(),
-                            "parameter all-gather (restore)")
+    if gather:
+        ctx.ops.all_gather_into(state.flat.buf, state.opt.gathered(),
+                                "parameter all-gather (restore)")
     return source
 
 
