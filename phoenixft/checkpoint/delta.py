@@ -47,14 +47,23 @@ def encode_delta(base, cur, *, chunk: int = CHUNK, level: int = 1,
         raise ValueError(f"a delta needs blobs of one length, got {len(b)} and {len(c)}")
     if base_hashes is None or len(base_hashes) != -(-len(b) // chunk):
         base_hashes = chunk_hashes(b, chunk)
-    dirty = np.flatnonzero(chunk_hashes(c, chunk) != base_hashes).tolist()
-    xored = bytearray()
-    for i in dirty:
-        sl = slice(i * chunk, min((i + 1) * chunk, len(c)))
-        xored += np.bitwise_xor(b[sl], c[sl]).tobytes()
-    body = zstandard.ZstdCompressor(level=level).compress(bytes(xored))
-    index = np.asarray(dirty, dtype="<u8").tobytes()
+    dirty = np.flatnonzero(chunk_hashes(c, chunk) != base_hashes)
+    body = zstandard.ZstdCompressor(level=level).compress(_xor_chunks(b, c, dirty, chunk))
+    index = dirty.astype("<u8").tobytes()
     return _HEAD.pack(MAGIC, len(c), chunk, len(dirty)) + index + body
+
+
+def _xor_chunks(b: np.ndarray, c: np.ndarray, dirty: np.ndarray, chunk: int) -> bytes:
+    """The XOR of base and current over the dirty chunks, concatenated in order: whole
+    chunks in one vectorised gather (a Python loop over 5,000 chunks of a 20 MB blob was
+    half of a delta's cost), the short last chunk, if dirty, after them."""
+    whole = len(c) // chunk
+    full = dirty[dirty < whole]
+    out = np.bitwise_xor(b[:whole * chunk].reshape(whole, chunk)[full],
+                         c[:whole * chunk].reshape(whole, chunk)[full]).tobytes()
+    if len(full) < len(dirty):  # the last, shorter chunk changed too
+        out += np.bitwise_xor(b[whole * chunk:], c[whole * chunk:]).tobytes()
+    return out
 
 
 def apply_delta(base, delta) -> bytearray:

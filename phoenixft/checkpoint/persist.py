@@ -10,6 +10,18 @@ memory stays bounded at two blobs per rank (the base and the one being written) 
 the storage does. A step whose slot was rewritten before it could be read is skipped the
 same way.
 
+CPU share: a record costs CPU (reading and verifying the slot, a delta: hashing, XOR and
+zstd of the whole blob, checksums): about 50 ms for 20 MB here, more than a small model's
+whole step, so persisting every step made such a job's steps 3-4x slower. Records are
+therefore taken only at steps that are multiples of a *stride*, a power of two that rank
+0 sets from its measured CPU per record and the time between steps so that a persister
+uses at most `cpu_share` of one core on average (5% by default), and publishes in the
+store (`Keys.PERSIST_STRIDE`): every rank persists the same steps, so they all become
+durable and commit, and a coarser stride's steps are steps of every finer one. The memory
+tiers still hold every step; storage lags further behind on a busy machine instead of
+training slowing down. `flush` (the end of training) persists the last step offered,
+wherever it falls.
+
 Commit (the global one): each rank announces its durable records in the store
 (`Keys.persisted`); rank 0 writes the step's manifest once every rank of the generation
 has announced it: the manifest is the commit, written atomically and last. Only manifests
@@ -23,6 +35,7 @@ every 20th), announced in the store for the console, and the next step tries aga
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -44,8 +57,11 @@ class PersistConfig:
     every: int = 10  # a base record every `every` steps, deltas between
     keep: int = 2  # bases kept (with the deltas and manifests that use them)
     chunk: int = CHUNK  # delta granularity in bytes
+    cpu_share: float = 0.05  # of one core, on average (see the module doc)
 
     def __post_init__(self) -> None:
+        if not 0 < self.cpu_share <= 1:  # NaN fails too
+            raise ValueError(f"PersistConfig.cpu_share must be in (0, 1], got {self.cpu_share}")
         if self.every < 1:
             raise ValueError(f"--persist-every must be >= 1, got {self.every}")
         if self.keep < 1:
@@ -64,6 +80,8 @@ class PersistStats:
     manifests: int = 0
     last_step: int = -1
     host_bytes: int = 0  # the base blob + the blob in flight
+    cpu_s: float = 0.0  # the thread's CPU time on records and commits
+    stride: int = 1  # steps between records (see the module doc)
     durable_s: list[float] = field(default_factory=list)  # rank 0: offer -> manifest, per step
     delta_bytes: list[int] = field(default_factory=list)  # each delta record's size
 
@@ -96,6 +114,10 @@ class Persister:
         self._failed_step = -1  # newest step whose record could not be written
         self._cond = threading.Condition()
         self._stopped = False
+        self.stride = 1  # persist only steps that are multiples of it (rank 0 decides)
+        self._latest = -1  # the newest step offered, on the stride or not
+        self._last_offer_t: float | None = None
+        self._step_s = 0.0  # time between offers (one per step), smoothed
         self._thread = threading.Thread(target=self._run, name=f"phoenixft-persist-r{rank}",
                                         daemon=True)
         self._thread.start()
@@ -103,21 +125,35 @@ class Persister:
     # -- the snapshot thread's side -----------------------------------------------------
     def offer(self, step: int) -> None:
         """Step `step`'s slot is complete in shared memory: persist it when the thread is
-        free. Never blocks; a step still pending is replaced (coalesced)."""
+        free, if it is on the stride. Never blocks; a step still pending is replaced
+        (coalesced)."""
         with self._cond:
-            if self._pending is not None:
-                self.stats.coalesced += 1
-                self._done_step = max(self._done_step, self._pending)
-            self._pending = step
-            if self.rank == 0:
-                self._offered[step] = time.perf_counter()
-            self._cond.notify_all()
+            now = time.perf_counter()
+            if self._last_offer_t is not None and step > self._latest:
+                gap = (now - self._last_offer_t) / (step - self._latest)
+                self._step_s = gap if not self._step_s else 0.8 * self._step_s + 0.2 * gap
+            self._last_offer_t, self._latest = now, step
+            if step % self.stride:
+                return  # not a step to persist (a later one on the stride will be)
+            self._take(step)
+
+    def _take(self, step: int) -> None:
+        """(Under the lock) make `step` the one pending offer."""
+        if self._pending is not None:
+            self.stats.coalesced += 1
+            self._done_step = max(self._done_step, self._pending)
+        self._pending = step
+        if self.rank == 0:
+            self._offered[step] = time.perf_counter()
+        self._cond.notify_all()
 
     def flush(self, step: int, timeout_s: float) -> bool:
         """Wait until `step` is durable (rank 0: committed by a manifest). False at once if
         this rank failed to write it, else when the deadline passed (storage slow)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            if self._latest > max(self._done_step, -1 if self._pending is None else self._pending):
+                self._take(self._latest)  # the last step offered is persisted, off the stride too
             while (self._committed if self.rank == 0 else self._done_step) < step:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stopped or self._failed_step >= step:
@@ -144,6 +180,7 @@ class Persister:
                 if self._stopped:
                     return
                 step, self._pending = self._pending, None
+            cpu0 = time.thread_time()
             try:
                 if step is not None:
                     self._persist(store, step)
@@ -151,10 +188,36 @@ class Persister:
                     self._commit(store)
             except Exception as exc:  # noqa: BLE001 - storage trouble never stops training
                 self._failed(store, step, exc)
+            cpu = time.thread_time() - cpu0
+            self.stats.cpu_s += cpu
+            if step is not None:
+                self._set_stride(store, cpu)
             with self._cond:
                 if step is not None:
                     self._done_step = max(self._done_step, step)
                 self._cond.notify_all()
+
+    def _set_stride(self, store: dist.Store, cpu_s: float) -> None:
+        """Rank 0: the stride that keeps a record's CPU within `cpu_share` of the steps
+        between records (the smallest power of two that does); the others take it. A share
+        of 1 persists every step it can (stride 1, coalescing when busy); no stride is set
+        before a step's time is known."""
+        if self.cfg.cpu_share >= 1 or (self.rank == 0 and not self._step_s):
+            return
+        try:
+            if self.rank == 0:
+                want = cpu_s / self.cfg.cpu_share / max(self._step_s, 1e-4)
+                stride = 1 << max(0, math.ceil(math.log2(max(want, 1.0))))
+                if stride != self.stride:
+                    store.set(Keys.PERSIST_STRIDE, str(stride))
+                    self._emit("persist_stride", stride=stride, cpu_s=round(cpu_s, 4),
+                               step_s=round(self._step_s, 4))
+            else:
+                stride = kv.get_int(store, Keys.PERSIST_STRIDE, self.stride)
+        except Exception:  # noqa: BLE001 - the store is gone: keep the stride we have
+            return
+        self.stride = stride
+        self.stats.stride = stride
 
     def _read_slot(self, step: int) -> bytes | None:
         """A verified copy of this rank's slot for `step` (verified after copying: the
@@ -222,7 +285,8 @@ class Persister:
         self._emit("persisted", step=ready, records=len(records),
                    bytes=sum(r["nbytes"] for r in records),
                    kinds=sorted({r["kind"] for r in records}))
-        self._collect_garbage()
+        if self.stats.manifests == 1 or any(r["kind"] == "base" for r in records):
+            self._collect_garbage()  # only a new base can make older records unneeded
 
     def _collect_garbage(self) -> None:
         """Keep the newest `keep` base steps of rank 0 and everything newer; drop older

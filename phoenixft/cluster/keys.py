@@ -133,6 +133,7 @@ class Keys:
 
     # -- persistence ---------------------------------------------------------------------
     PERSISTED = "persisted"  # rank 0's persister: newest step committed by a manifest
+    PERSIST_STRIDE = "persist_stride"  # rank 0's persister: persist steps that are multiples
     RESUMED_FROM = "resumed_from"  # rank 0 of generation 0: the persisted step it resumed
 
     @staticmethod

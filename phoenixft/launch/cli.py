@@ -87,6 +87,11 @@ def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None =
                      help="a base record every K steps, deltas in between")
     run.add_argument("--persist-keep", type=int, default=2, metavar="N",
                      help="bases kept in storage (with their deltas and manifests)")
+    run.add_argument("--persist-cpu-share", type=float, default=0.05, metavar="F",
+                     help="the share of one core each rank's background persister may use on "
+                          "average (default 0.05); steps offered while it rests are merged "
+                          "into the next record, so storage lags further behind instead of "
+                          "training slowing down (1: persist every step it can)")
     run.add_argument("--resume", action="store_true",
                      help="continue the job whose checkpoints are in --persist URL from its "
                           "newest committed step")
@@ -124,6 +129,7 @@ def agent_config_from_args(args):
                        replicas=args.replicas, echo=not args.quiet, min_nproc=args.min_nproc,
                        policy=args.policy, respawn=args.respawn, persist=args.persist,
                        persist_every=args.persist_every, persist_keep=args.persist_keep,
+                       persist_cpu_share=args.persist_cpu_share,
                        resume=args.resume, metrics_port=args.metrics_port,
                        metrics_host=args.metrics_host, start_method=args.start_method)
 

@@ -115,6 +115,7 @@ class AgentConfig:
     persist: str | None = None  # URL of the persistent tier (a directory or s3://...)
     persist_every: int = 10  # a base record every K steps
     persist_keep: int = 2  # bases kept
+    persist_cpu_share: float = 0.05  # of one core, for each rank's persister on average
     resume: bool = False  # continue the job persisted at `persist`
     metrics_port: int | None = None  # serve Prometheus metrics of the run here
     metrics_host: str = "127.0.0.1"
@@ -171,6 +172,8 @@ class AgentConfig:
             raise LaunchError(f"--replicas must be >= 0, got {self.replicas}")
         if self.persist_every < 1 or self.persist_keep < 1:
             raise LaunchError("--persist-every and --persist-keep must be >= 1")
+        if not 0 < self.persist_cpu_share <= 1:  # NaN fails too
+            raise LaunchError(f"--persist-cpu-share must be in (0, 1], got {self.persist_cpu_share}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise LaunchError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.resume and not self.persist:

@@ -36,6 +36,7 @@ class SessionConfig:
     persist_url: str | None = None  # a directory or s3://bucket/prefix for persistent records
     persist_every: int = 10  # a base record every K steps, deltas between
     persist_keep: int = 2  # bases kept in persistent storage
+    persist_cpu_share: float = 0.05  # of one core, the persister's average (checkpoint/persist.py)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "collective_timeout_s", "join_timeout_s",
@@ -53,6 +54,9 @@ class SessionConfig:
                              f"overwrite the newest committed one)")
         if self.persist_every < 1 or self.persist_keep < 1:
             raise ValueError("SessionConfig.persist_every and persist_keep must be >= 1")
+        if not 0 < self.persist_cpu_share <= 1:  # NaN fails too
+            raise ValueError(f"SessionConfig.persist_cpu_share must be in (0, 1], got "
+                             f"{self.persist_cpu_share}")
 
     @classmethod
     def from_env(cls) -> SessionConfig:

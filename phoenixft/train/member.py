@@ -362,7 +362,8 @@ class Member:
             model["fixed"] = f"model/g{self.generation:04d}.safetensors"
             self.tier.write_object(model["fixed"], safetensors_bytes(state.fixed_tensors()))
         return Persister(self.tier, rank=self.rank, shm_dir=self.cfg.shm_dir,
-                         cfg=PersistConfig(every=self.cfg.persist_every, keep=self.cfg.persist_keep),
+                         cfg=PersistConfig(every=self.cfg.persist_every, keep=self.cfg.persist_keep,
+                                           cpu_share=self.cfg.persist_cpu_share),
                          job=JobInfo(job_id=job_id, generation=self.generation,
                                      world_size=self.world_size, model=model),
                          connect=self.connect,

@@ -30,6 +30,8 @@ def phoenixft(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--inject", "kill:rank=0:gen=0"], "gen must be >= 1"),
     (["--heartbeat-timeout", "nan"], "--heartbeat-timeout must be a finite number"),
     (["--heartbeat-timeout", "inf"], "--heartbeat-timeout must be a finite number"),
+    (["--persist-cpu-share", "0"], "--persist-cpu-share must be in (0, 1], got 0.0"),
+    (["--persist-cpu-share", "nan"], "--persist-cpu-share must be in (0, 1], got nan"),
     (["--store", "127.0.0.1:99999"], "--store port must be an integer in 1..65535"),
     (["--store", "::1:29500"], "write an IPv6 address in brackets"),
     (["--store", "nosuchhost.invalid:29500"], "cannot resolve the store host 'nosuchhost.invalid'"),

@@ -31,6 +31,9 @@ from phoenixft.observe.events import read_events
 
 pytestmark = [pytest.mark.integration]
 STEPS = 30
+# every step persisted: the tests that pass it are about what storage holds, not its pace
+# (by default the persister takes every stride-th step to stay within 5% of a core)
+PER_STEP = ("--persist-cpu-share", "1")
 
 
 def persisted_steps(run_dir: Path) -> list[int]:
@@ -57,7 +60,7 @@ def test_a_worker_and_its_replica_holder_lost_together_restore_from_storage(
     memory before its own fault fired (seen once in a full run)."""
     ref = failure_free(tmp_path_factory, 2, STEPS)
     job = run(tmp_path / "run", "--nproc", "2", "--spares", "2", "--persist",
-              str(tmp_path / "ckpt"), "--persist-every", "4",
+              str(tmp_path / "ckpt"), "--persist-every", "4", *PER_STEP,
               "--inject", "shm:rank=1:step=14:phase=reduce",
               "--inject", "kill:rank=0:step=14:phase=reduce", steps=STEPS, timeout=240)
     same_result(job, ref)
@@ -70,7 +73,7 @@ def kill_whole_job_then_resume(tmp_path, url: str, ref: dict, *resume_args: str,
                                script_args: tuple = ()) -> object:
     """A `node:` fault SIGKILLs the agent at step 20, so the whole job dies (the workers
     with their agent); then the same command with --resume."""
-    first = run(tmp_path / "killed", "--nproc", "2", "--persist", url, "--persist-every", "5",
+    first = run(tmp_path / "killed", "--nproc", "2", "--persist", url, "--persist-every", "5", *PER_STEP,
                 "--inject", "node:rank=0:step=20", steps=STEPS, script_args=script_args)
     assert first.rc == -9, first.out[-2000:]
     # what was committed when the job died: how far that got depends on how fast storage
@@ -126,12 +129,32 @@ def damage(path: str, how: str, used: int | None = None) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_the_persister_keeps_to_its_cpu_share_by_persisting_every_stride_th_step(
+        tmp_path, tmp_path_factory):
+    """A CPU share far below what a record costs per step: rank 0 sets a stride above 1,
+    every rank persists the same steps (so each one commits, with both ranks' records),
+    far fewer than all of them, and the last step is still durable at the end."""
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    url = str(tmp_path / "ckpt")
+    job = run(tmp_path / "run", "--nproc", "2", "--persist", url, "--persist-cpu-share", "0.0001",
+              steps=STEPS)
+    same_result(job, ref)
+    strides = [e["stride"] for e in job.of("persist_stride")]
+    assert strides and max(strides) > 1, strides
+    committed = job.of("persisted")
+    assert all(e["records"] == 2 for e in committed)
+    steps = [e["step"] for e in committed]
+    assert steps[-1] == STEPS and len(steps) <= STEPS // 2, steps
+    assert FsspecTier(url).manifests()[-1] == STEPS
+
+
+@pytest.mark.timeout(300)
 def test_damaged_persisted_records_are_named_and_passed_over(tmp_path, tmp_path_factory):
     """The newest committed step's record has a flipped byte, the one before is truncated:
     the resume names both in the event log and starts from the step before them."""
     ref = failure_free(tmp_path_factory, 2, STEPS)
     url = str(tmp_path / "ckpt")
-    first = run(tmp_path / "first", "--nproc", "2", "--persist", url, "--persist-every", "6",
+    first = run(tmp_path / "first", "--nproc", "2", "--persist", url, "--persist-every", "6", *PER_STEP,
                 "--persist-keep", "3", steps=18)
     assert first.rc == 0, first.out
     tier = FsspecTier(url)
@@ -169,7 +192,7 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
 
     run_dir, url = tmp_path / "run", str(tmp_path / "ckpt")
     both = ("--nnodes", "2", "--store", f"127.0.0.1:{free_port()}", "--nproc", "1",
-            "--persist", url, "--persist-every", "4")
+            "--persist", url, "--persist-every", "4", *PER_STEP)
     a0 = start(run_dir, *both, "--node-rank", "0", steps=40)
     a1 = start(run_dir, *both, "--node-rank", "1", "--spares", "1", steps=40)
     try:
@@ -228,7 +251,7 @@ def test_storage_full_or_read_only_mid_run_never_stops_training(tmp_path, tmp_pa
                                                                 small_disk):
     ref = failure_free(tmp_path_factory, 2, STEPS)
     url = str(small_disk / "ckpt")
-    p = start(tmp_path / "run", "--nproc", "2", "--persist", url, "--persist-every", "50",
+    p = start(tmp_path / "run", "--nproc", "2", "--persist", url, "--persist-every", "50", *PER_STEP,
               steps=STEPS)
     try:
         out, _ = p.communicate(timeout=240)
@@ -249,7 +272,8 @@ def test_storage_full_or_read_only_mid_run_never_stops_training(tmp_path, tmp_pa
     # the same disk turned read-only under a running job
     subprocess.run(["rm", "-rf", url], check=True)
     run_dir = tmp_path / "ro"
-    p = start(run_dir, "--nproc", "2", "--persist", url, "--persist-every", "50", steps=STEPS)
+    p = start(run_dir, "--nproc", "2", "--persist", url, "--persist-every", "50", *PER_STEP,
+              steps=STEPS)
     try:
         wait_until(lambda: persisted_steps(run_dir), 120, "a persisted step")
         subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
