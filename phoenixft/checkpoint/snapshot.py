@@ -21,6 +21,12 @@ Guarantees:
   completes it sets ``commit/{t}`` and raises ``committed`` (monotonic).
 - Errors in the thread are re-raised in the training thread at the next `wait_copied`;
   a newer generation stops the thread quietly (the session is recovering anyway).
+- A snapshot begun but not copied when the generation changes (the thread was still busy,
+  or not yet scheduled, when the failure came) is still copied into host memory, without
+  replicas or commit, if the slot it goes to holds no snapshot newer than the last one
+  committed: the restore can then take that step (every survivor stands there) instead of
+  rolling everyone back one step. The training thread is inside its recovery meanwhile,
+  so the state does not change under the copy.
 """
 
 from __future__ import annotations
@@ -162,16 +168,22 @@ class Snapshotter:
         # competed with the training's own for the same cores: 35% more CPU per copy.
         torch.set_num_threads(1)
         store = self._connect()
+        local_only = False  # the generation is gone: keep begun snapshots, nothing more
         while True:
             task = self._tasks.get()
-            if task is None or self._stopped:
+            if task is None:
                 return
             try:
-                self._snapshot(store, *task)
+                if local_only or self._stopped or self._interrupt.is_set():
+                    local_only = True
+                    self._keep_local(*task)
+                else:
+                    self._snapshot(store, *task)
             except CommFailure:
                 if not (self._stopped or self._interrupt.is_set()):
                     self._fail(CommFailure("snapshot replication failed"))
-                return
+                    return
+                local_only = True  # (the rest of the queue until stop's None)
             except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
                 self._fail(exc)
                 return
@@ -218,19 +230,35 @@ class Snapshotter:
         self.stats["thread_cpu_s"] += time.thread_time() - cpu0
         self.stats["snapshots"] += 1
 
-    def _copy_and_replicate(self, store: dist.Store, step: int, tensors: dict,
-                            header: dict, ready: torch.cuda.Event | None = None) -> None:
-        t0 = time.perf_counter()
+    def _keep_local(self, step: int, tensors: dict, header: dict,
+                    ready: torch.cuda.Event | None) -> None:
+        """The generation changed before this begun snapshot was copied: copy it into its
+        slot, no replicas, no ack, if that slot holds nothing newer than the last snapshot
+        committed (the thread saw its previous snapshot committed)."""
+        if self._last_taken is None or self._committed_step < self._last_taken:
+            return  # the slot may hold the newest committed snapshot: leave it
+        self._last_taken = step
+        self._write_local(step, tensors, header, ready)
+
+    def _write_local(self, step: int, tensors: dict, header: dict,
+                     ready: torch.cuda.Event | None) -> tuple[SlotFile, Layout]:
+        """Copy the snapshot into this rank's slot for `step` and say so."""
         layout = Layout.of(tensors)
         slot = self._slot("snap", self.rank, step)
         slot.ensure(HEADER_BYTES + layout.data_nbytes)
         slot.begin_write(step)
         digest = self._copy(slot, layout, tensors, ready, halfway=lambda: self._fault(step, "snapshot"))
         slot.finish_write(step, layout, dict(header, generation=self.generation), digest)
-        t1 = time.perf_counter()
         with self._cond:
             self._copied_step = step
             self._cond.notify_all()
+        return slot, layout
+
+    def _copy_and_replicate(self, store: dist.Store, step: int, tensors: dict,
+                            header: dict, ready: torch.cuda.Event | None = None) -> None:
+        t0 = time.perf_counter()
+        slot, layout = self._write_local(step, tensors, header, ready)
+        t1 = time.perf_counter()
         self._after_copy(step)
         if self._announce:
             store.set(Keys.copied(self.generation, self.rank, step), "1")

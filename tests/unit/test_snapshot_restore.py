@@ -13,7 +13,7 @@ import torch
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.slots import slot_path
-from phoenixft.checkpoint.snapshot import Snapshotter
+from phoenixft.checkpoint.snapshot import Snapshotter, mark_committed
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import replica_holders
@@ -148,3 +148,37 @@ def test_restore_falls_back_to_replica_then_peer_then_fails_clearly(tmp_path, st
     shutil.rmtree(fresh)
     with pytest.raises(IntegrityError, match="no surviving copy of rank 1's snapshot for step 1"):
         restore(store_addr, [shm[0], fresh], 1, "d/")
+
+
+def test_a_begun_snapshot_is_kept_in_host_memory_when_the_generation_changes(tmp_path, store_addr):
+    """Rank 0 of two (the other rank acks through the store by hand). Snapshot 2 is begun
+    after the generation changed, as when the failure came before the thread got to it: it
+    is still copied, without acks, because its slot held snapshot 0, older than the last
+    commit (1). Snapshot 3, whose slot holds 1 while 2 never committed, is not: 1 must stay
+    intact."""
+    store = kv.connect(store_addr)
+    it = Interrupt()
+    it.enter(0)
+    snap = Snapshotter(shm_dir=tmp_path, rank=0, generation=0,
+                       connect=lambda: kv.connect(store_addr), rep_pg=None, holders=[],
+                       sources=[], world_size=2, nodes={0: 0, 1: 0}, interrupt=it, timeout_s=30)
+    hdr = {"rank": 0, "world_size": 2}
+    try:
+        for step in (0, 1):
+            snap.begin(step, state(0, step), hdr)
+            snap.wait_copied()
+            if store.add(Keys.ack(0, step), 1) == 2:  # the other rank's copy, acked last
+                mark_committed(store, step, {"generation": 0, "world_size": 2})
+            snap.wait_copied(committed=True)
+        it.announce(1)  # a failure: generation 1 is published
+        snap.begin(2, state(0, 2), hdr)
+        snap.begin(3, state(0, 3), hdr)
+    finally:
+        snap.stop()
+    planner = RestorePlanner.for_node(tmp_path)
+    found = planner.local_copy(0, 2)
+    assert found is not None and torch.equal(found[0].tensors(found[0].verify(2))["param_shard"],
+                                             state(0, 2)["param_shard"])
+    assert int(store.add(Keys.ack(0, 2), 0)) == 0  # nothing acknowledged for it
+    assert planner.local_copy(0, 1) is not None  # 3 was not written over it
+    assert planner.local_copy(0, 3) is None
