@@ -32,7 +32,7 @@ PLAN = {
                        "2 or 4 workers + 1 spare, 1 torch thread each, small preset"),
     "goodput": ("goodput", ["--quick"],
                 "4 workers x 1 torch thread per mode; torchrun DDP for restart"),
-    "checkpoint": ("checkpoint", ["--steps", "12", "--every", "4"], "1 process x 2 torch threads"),
+    "checkpoint": ("checkpoint", ["--steps", "24", "--every", "4"], "1 process x 2 torch threads"),
     "serve": ("serve", ["--concurrency", "1", "8", "--rounds", "2", "--repeats", "1"],
               "1 process x 2 torch threads, engine and transformers in turn"),
     "serve-medium": ("serve", ["--size", "medium", "--concurrency", "8", "32", "--rounds", "2",
@@ -243,6 +243,25 @@ def _torchft_table(d: dict) -> list[str]:
                    f"{d['processes']}."]
 
 
+def _checkpoint_table(d: dict) -> list[str]:
+    """Every mode's cost: the training thread's stall, and its wall per step against the
+    plain loop's (background work competes for the same cores: a stall alone hides it)."""
+    rows = ["| mode | every | stall per checkpoint ms | stall, % of a step | wall per step vs "
+            "no checkpoint | durable after ms |", "|---|---|---|---|---|---|"]
+    for mode, by_freq in d["modes"].items():
+        if mode == "none":
+            continue
+        for freq, r in by_freq.items():
+            durable = "-" if r.get("durable_s") is None else f"{1000 * r['durable_s']:.0f}"
+            per_ckpt = r.get("stall_per_ckpt_s", r["stall_per_step_s"])
+            rows.append(f"| {mode} | {freq} | {1000 * per_ckpt:.1f} | "
+                        f"{100 * r['stall_per_step_s'] / d['step_s']:.2f}% | {r['step_vs_none']:.2f}x | "
+                        f"{durable} |")
+    p = d["modes"].get("phoenixft", {}).get("1", {})
+    return rows + ["", f"Plain loop: {1000 * d['step_s']:.0f} ms a step. phoenixft persisted every "
+                   f"{p.get('stride')}th step (its persister's CPU share, 5% of a core by default)."]
+
+
 def cmd_all(args) -> int:
     out = Path(args.out)
     work = out.parent / "all"
@@ -278,6 +297,8 @@ def cmd_all(args) -> int:
                      f"{entry['log']}")
         if name == "torchft" and data:
             entry["table"] = _torchft_table(data)
+        if name == "checkpoint" and data:
+            entry["table"] = _checkpoint_table(data)
         report["benchmarks"][name] = entry
         print(f"[all] {name}: {entry['headline']} ({entry['wall_s']:.0f} s)", flush=True)
     sim = ["--out", str(work / "simulate.json"), "--validate", str(work / "goodput.json"),
