@@ -179,9 +179,9 @@ class Snapshotter:
                     self._keep_local(*task)
                 else:
                     self._snapshot(store, *task)
-            except CommFailure:
+            except CommFailure as exc:
                 if not (self._stopped or self._interrupt.is_set()):
-                    self._fail(CommFailure("snapshot replication failed"))
+                    self._fail(CommFailure(f"snapshot replication failed: {exc}"))
                     return
                 local_only = True  # (the rest of the queue until stop's None)
             except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
@@ -276,11 +276,12 @@ class Snapshotter:
         for src in self._local_sources:
             self._wait_key(store, Keys.copied(self.generation, src, step))
             acks += self._copy_local_replica(src, step)
-        self._ack(store, step, acks)
+        committed_it = self._ack(store, step, acks)
         self._fault(step, "commit")
         self.stats["copy_s"] += t1 - t0
         self.stats["replicate_s"] += time.perf_counter() - t1
-        self._wait_committed(store, step)
+        if not committed_it:
+            self._wait_committed(store, step)
         with self._cond:
             self._committed_step = step
             self._cond.notify_all()
@@ -328,10 +329,13 @@ class Snapshotter:
             f = self._slots[key] = SlotFile(slot_path(self.shm_dir, "snap", src, step))
         return f
 
-    def _ack(self, store: dist.Store, step: int, count: int) -> None:
+    def _ack(self, store: dist.Store, step: int, count: int) -> bool:
+        """Acknowledge `count` copies of `step`; True when these completed its commit."""
         n = store.add(Keys.ack(self.generation, step), count)
         if n == self._target:
             mark_committed(store, step, {"t": time.time(), "generation": self.generation,
                                          "world_size": self._world_size})
             if self._on_commit is not None:
                 self._on_commit(step, time.time())
+            return True
+        return False

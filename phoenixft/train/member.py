@@ -445,6 +445,8 @@ class Member:
         dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg)
                 if pg is not None]
         self.ops = self._rep_pg = None
+        with self._builds_lock:  # the builds hold them too: the helper thread drops the last
+            self._builds.pop(self.generation, None)
         list(map(abort_group, dead))  # (no loop variable left holding the last one)
         threading.Thread(target=dead.clear, name="phoenixft-bury-groups", daemon=True).start()
 
