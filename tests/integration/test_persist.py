@@ -186,7 +186,9 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
     Where the freeze caught rank 0 past rank 1's newest replica (rank 0 had finished step
     s, rank 1's replica of s not yet received, rank 1's s already persisted), the job
     restores s from storage and never needs the replica: then no damage can be named (seen
-    once in a full run under load); the final state must be right either way."""
+    once in a full run under load). Where rank 1 had sent its replica of s whole before the
+    freeze, rank 0 completes it after SIGCONT and may restore from it (seen in CI). The final
+    state must be right either way."""
     ref = failure_free(tmp_path_factory, 2, 40)
     from phoenixft.cluster.store import free_port
 
@@ -222,12 +224,17 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
     job = load(run_dir, a0.returncode, out0)
     same_result(job, ref)
     [rec] = job.summary["recoveries"]
-    assert rec["source"] == "persistent"
     [restored] = job.of("recovered")
     assert held, "no complete replica of rank 1 on node 0 to damage"
     if restored["restore_step"] in held:
+        assert rec["source"] == "persistent"
         failed = job.of("restore_source_failed")
         assert any(e["tier"] == "local_replica" and "rep.r1" in e["error"] for e in failed), failed
+    elif rec["source"] != "persistent":
+        # rank 1 had sent its next replica whole before the freeze; rank 0 read it from its
+        # socket after SIGCONT (seen in CI): that replica is undamaged and newer than all
+        # the damaged ones, and only it may have been used
+        assert restored["restore_step"] > max(held), (restored, held)
 
 
 @pytest.fixture()
