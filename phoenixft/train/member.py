@@ -68,8 +68,11 @@ class Member:
     `ops` (the training group) describe the generation it is in."""
 
     def __init__(self, cfg: SessionConfig, *, store: dist.Store, events: EventLog,
-                 make_step) -> None:
+                 make_step, led: bool = True) -> None:
         self.cfg = cfg
+        # False for a standalone session: no leader can publish another generation, so no
+        # thread watches for one (its timed store waits would also log a warning each)
+        self.led = led
         self.wid = cfg.worker_id
         self.store = store
         self.events = events
@@ -275,10 +278,11 @@ class Member:
         g = plan.generation
         self.plan, self.generation = plan, g
         self.interrupt.enter(g)
-        watcher = threading.Thread(target=self._watch, args=(g + 1,), daemon=True,
-                                   name=f"phoenixft-watch-{g + 1}")
-        watcher.start()
-        self._watchers = [w for w in self._watchers if w.is_alive()] + [watcher]
+        if self.led:
+            watcher = threading.Thread(target=self._watch, args=(g + 1,), daemon=True,
+                                       name=f"phoenixft-watch-{g + 1}")
+            watcher.start()
+            self._watchers = [w for w in self._watchers if w.is_alive()] + [watcher]
         self.rank, self.world_size = plan.rank_of(self.wid), plan.world_size
         # torchrun's names, for code that reads them; they change with the generation
         local = sum(1 for n in plan.nodes.values() if n == self.cfg.node)

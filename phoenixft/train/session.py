@@ -60,7 +60,7 @@ class Session:
         self.events = EventLog(Path(self.cfg.run_dir) / "events.jsonl" if self.cfg.run_dir else None,
                                wid=self.wid)
         self.member = Member(self.cfg, store=self.store, events=self.events,
-                             make_step=self._new_step)
+                             make_step=self._new_step, led=self._own_store is None)
         stop_at_exit(self.close)
         self.state: RankState | None = None
         self._pending: Step | None = None

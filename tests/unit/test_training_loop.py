@@ -5,6 +5,7 @@ LR scheduler, saving and loading weights."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -166,3 +167,37 @@ def test_save_pretrained_then_load_state(session, tmp_path):
     with pytest.raises(ValueError, match="only .safetensors"):
         (tmp_path / "w.pt").write_bytes(b"x")
         sess2.load_state((other, tmp_path / "w.pt"))
+
+
+def test_a_standalone_session_keeps_stderr_clean(tmp_path):
+    """A notebook or `python train.py` has no `phoenixft run` to quiet torch's C++ logger:
+    a store wait that times out by design (a thread watching for a new generation that no
+    leader will publish) printed two c10d warnings every 250 ms. A second of training with
+    snapshots and persistence must print nothing."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import threading, time, torch, phoenixft
+        from phoenixft.train.config import SessionConfig
+        sess = phoenixft.Session(SessionConfig(run_dir={str(tmp_path / 'run')!r},
+                                               persist_url={str(tmp_path / 'ckpt')!r}))
+        model = torch.nn.Linear(8, 4)
+        sess.setup(model, lambda p: torch.optim.SGD(p, lr=0.1))
+        watchers = [t.name for t in threading.enumerate() if t.name.startswith("phoenixft-watch")]
+        assert not watchers, watchers
+        t0 = time.monotonic()
+        for st in sess.steps(10**6):
+            for _ in st.microbatches():
+                st.backward(model(torch.ones(2, 8)).square().mean())
+            if time.monotonic() - t0 > 1.0:
+                break
+        sess.close()
+        print("steps", sess.step)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=100, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("steps "), out.stdout
+    assert out.stderr == "", out.stderr
