@@ -283,7 +283,11 @@ def test_storage_full_or_read_only_mid_run_never_stops_training(tmp_path, tmp_pa
               steps=STEPS)
     try:
         wait_until(lambda: persisted_steps(run_dir), 120, "a persisted step")
-        subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+        # the kernel refuses (EBUSY) while a persister holds a file open for writing:
+        # try again between its writes
+        wait_until(lambda: subprocess.run(["mount", "-o", "remount,ro", str(small_disk)],
+                                          capture_output=True).returncode == 0,
+                   60, "the disk remounted read-only (busy while a record is written)", 0.01)
         out, _ = p.communicate(timeout=240)
     finally:
         kill_tree(p.pid)
