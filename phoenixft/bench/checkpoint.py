@@ -5,7 +5,7 @@ optimizer and data, one mode after the other:
 
 - none: the step time with no checkpoint at all (the reference);
 - phoenixft: a standalone `Session` with `--persist` to a local directory: each step's
-  snapshot copied off the critical path, then a base (every K steps) or a delta persisted in
+  snapshot copied off the critical path, then a base (every K records) or a delta persisted in
   the background, at the steps its CPU share allows (`--persist-cpu-share`, 5% of a core by
   default: every stride-th step). Stall = the time the training thread waited for a
   snapshot copy; durable = from the end of the step to its manifest; beside it the same

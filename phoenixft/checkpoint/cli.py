@@ -79,7 +79,7 @@ def _verify(args) -> int:
         m = tier.read_manifest(s)
         for r in range(m["world_size"]):
             try:
-                tier.get(s, r)
+                tier.get(s, r, m)
                 print(f"step {s} rank {r}: ok")
             except (IntegrityError, KeyError) as exc:
                 bad += 1
@@ -98,7 +98,7 @@ def _inspect(args) -> int:
     print(f"model: {len(meta['params'])} trainable tensors, {meta['numel']} parameters "
           f"({meta['dtype']}), config: {'yes' if meta.get('config') else 'none'}, "
           f"untrained tensors: {m['model'].get('fixed')}")
-    hdr, tensors = blob_tensors(tier.get(s, 0), s)
+    hdr, tensors = blob_tensors(tier.get(s, 0, m), s)
     print(f"rank 0 snapshot: {hdr['data_nbytes']} bytes of state")
     for name, t in tensors.items():
         print(f"  {name:40} {str(t.dtype):16} {list(t.shape)}")

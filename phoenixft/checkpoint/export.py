@@ -21,7 +21,7 @@ def model_state(tier: FsspecTier, step: int) -> tuple[dict[str, torch.Tensor], d
     meta = manifest["model"]["meta"]
     shards = []
     for r in range(manifest["world_size"]):
-        _, tensors = blob_tensors(tier.get(step, r), step, f"{tier.url} rank {r} step {step}")
+        _, tensors = blob_tensors(tier.get(step, r, manifest), step, f"{tier.url} rank {r} step {step}")
         shards.append(tensors["param_shard"])
     flat = torch.cat(shards)[:meta["numel"]]
     state: dict[str, torch.Tensor] = {}

@@ -3,8 +3,8 @@ blocking a training step, and rank 0 commits each step that every rank made dura
 
 Per rank, after the snapshot thread copied step t into shared memory it *offers* t to the
 `Persister` thread (never waits). The thread copies the slot's bytes, verifies them, and
-writes a record: a *base* (the whole blob) every `every` steps, else a *delta* against the
-rank's last base. One offer is pending at most: when storage is slower than training, an
+writes a record: a *base* (the whole blob) every `every` records, else a *delta* against
+the rank's last base. One offer is pending at most: when storage is slower than training, an
 older pending step is replaced by the newer one (coalesced, counted, logged), so host
 memory stays bounded at two blobs per rank (the base and the one being written) whatever
 the storage does. A step whose slot was rewritten before it could be read is skipped the
@@ -14,10 +14,12 @@ CPU share: a record costs CPU (reading and verifying the slot, a delta: hashing,
 zstd of the whole blob, checksums): about 50 ms for 20 MB here, more than a small model's
 whole step, so persisting every step made such a job's steps 3-4x slower. Records are
 therefore taken only at steps that are multiples of a *stride*, a power of two that rank
-0 sets from its measured CPU per record and the time between steps so that a persister
-uses at most `cpu_share` of one core on average (5% by default), and publishes in the
-store (`Keys.PERSIST_STRIDE`): every rank persists the same steps, so they all become
-durable and commit, and a coarser stride's steps are steps of every finer one. The memory
+0 sets from its measured CPU per record (smoothed, over records actually written; lowered
+only when half the stride would still fit comfortably) and the time between steps so that
+a persister uses at most `cpu_share` of one core on average (5% by default), and
+publishes in the store per generation (`Keys.persist_stride`): every rank persists the
+same steps, so they all become durable and commit, and a coarser stride's steps are steps
+of every finer one. The memory
 tiers still hold every step; storage lags further behind on a busy machine instead of
 training slowing down. `flush` (the end of training) persists the last step offered,
 wherever it falls.
@@ -54,7 +56,7 @@ from phoenixft.cluster.keys import Keys
 
 @dataclass(kw_only=True)
 class PersistConfig:
-    every: int = 10  # a base record every `every` steps, deltas between
+    every: int = 10  # a base record every `every` records, deltas between
     keep: int = 2  # bases kept (with the deltas and manifests that use them)
     chunk: int = CHUNK  # delta granularity in bytes
     cpu_share: float = 0.05  # of one core, on average (see the module doc)
@@ -107,6 +109,7 @@ class Persister:
         self._base: tuple[int, bytes] | None = None
         self._base_hashes = None  # its chunks' hashes, computed once
         self._pending: int | None = None
+        self._writing = -1  # the step the thread is persisting now (-1: none)
         self._done_step = -1  # newest step this rank made durable (or gave up on)
         self._committed = -1  # rank 0: newest manifest written
         self._candidates: list[int] = []
@@ -115,6 +118,8 @@ class Persister:
         self._cond = threading.Condition()
         self._stopped = False
         self.stride = 1  # persist only steps that are multiples of it (rank 0 decides)
+        self._record_cpu_s = 0.0  # CPU per record written, smoothed (rank 0: the stride's input)
+        self._since_base = 0  # records written since the last base
         self._latest = -1  # the newest step offered, on the stride or not
         self._last_offer_t: float | None = None
         self._step_s = 0.0  # time between offers (one per step), smoothed
@@ -152,7 +157,9 @@ class Persister:
         this rank failed to write it, else when the deadline passed (storage slow)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            if self._latest > max(self._done_step, -1 if self._pending is None else self._pending):
+            taken = max(self._done_step, self._writing,
+                        -1 if self._pending is None else self._pending)
+            if self._latest > taken:  # (not one being written: it would be written twice)
                 self._take(self._latest)  # the last step offered is persisted, off the stride too
             while (self._committed if self.rank == 0 else self._done_step) < step:
                 left = deadline - time.monotonic()
@@ -180,40 +187,49 @@ class Persister:
                 if self._stopped:
                     return
                 step, self._pending = self._pending, None
+                self._writing = -1 if step is None else step
             cpu0 = time.thread_time()
+            wrote = False
             try:
                 if step is not None:
-                    self._persist(store, step)
+                    wrote = self._persist(store, step)
                 if self.rank == 0:
                     self._commit(store)
             except Exception as exc:  # noqa: BLE001 - storage trouble never stops training
                 self._failed(store, step, exc)
             cpu = time.thread_time() - cpu0
             self.stats.cpu_s += cpu
-            if step is not None:
-                self._set_stride(store, cpu)
+            if wrote:  # (a skipped slot or a failed write says nothing of a record's cost)
+                self._record_cpu_s = (cpu if not self._record_cpu_s
+                                      else 0.7 * self._record_cpu_s + 0.3 * cpu)
+                self._set_stride(store)
             with self._cond:
                 if step is not None:
                     self._done_step = max(self._done_step, step)
+                self._writing = -1
                 self._cond.notify_all()
 
-    def _set_stride(self, store: dist.Store, cpu_s: float) -> None:
+    def _set_stride(self, store: dist.Store) -> None:
         """Rank 0: the stride that keeps a record's CPU within `cpu_share` of the steps
-        between records (the smallest power of two that does); the others take it. A share
-        of 1 persists every step it can (stride 1, coalescing when busy); no stride is set
+        between records (the smallest power of two that does, raised at once, lowered only
+        when a quarter less than half of it would do); the others take it. A share of 1
+        persists every step it can (stride 1, coalescing when busy); no stride is set
         before a step's time is known."""
         if self.cfg.cpu_share >= 1 or (self.rank == 0 and not self._step_s):
             return
+        key = Keys.persist_stride(self.job.generation)
         try:
             if self.rank == 0:
-                want = cpu_s / self.cfg.cpu_share / max(self._step_s, 1e-4)
+                want = self._record_cpu_s / self.cfg.cpu_share / max(self._step_s, 1e-4)
                 stride = 1 << max(0, math.ceil(math.log2(max(want, 1.0))))
+                if stride < self.stride and want > 0.75 * self.stride / 2:
+                    stride = self.stride  # (no flapping between two strides)
                 if stride != self.stride:
-                    store.set(Keys.PERSIST_STRIDE, str(stride))
-                    self._emit("persist_stride", stride=stride, cpu_s=round(cpu_s, 4),
-                               step_s=round(self._step_s, 4))
+                    store.set(key, str(stride))
+                    self._emit("persist_stride", stride=stride,
+                               cpu_s=round(self._record_cpu_s, 4), step_s=round(self._step_s, 4))
             else:
-                stride = kv.get_int(store, Keys.PERSIST_STRIDE, self.stride)
+                stride = kv.get_int(store, key, self.stride)
         except Exception:  # noqa: BLE001 - the store is gone: keep the stride we have
             return
         self.stride = stride
@@ -230,13 +246,14 @@ class Persister:
         except IntegrityError:
             return None
 
-    def _persist(self, store: dist.Store, step: int) -> None:
+    def _persist(self, store: dist.Store, step: int) -> bool:
+        """Write `step`'s record; False when its slot was rewritten first (nothing written)."""
         blob = self._read_slot(step)
         if blob is None:  # rewritten before we could read it: a newer step will come
             self.stats.coalesced += 1
-            return
+            return False
         base = self._base
-        if base is not None and (step - base[0] >= self.cfg.every or len(base[1]) != len(blob)):
+        if base is not None and (self._since_base >= self.cfg.every or len(base[1]) != len(blob)):
             base = None
         t0 = time.perf_counter()
         info = self.tier.put(step, self.rank, blob, base=base, chunk=self.cfg.chunk,
@@ -246,8 +263,10 @@ class Persister:
             self._base = (step, blob)
             self._base_hashes = chunk_hashes(blob, self.cfg.chunk)
             self.stats.bases += 1
+            self._since_base = 1
         else:
             self.stats.delta_bytes.append(info.nbytes)
+            self._since_base += 1
         self.stats.records += 1
         self.stats.bytes_written += info.nbytes
         self.stats.blob_bytes += len(blob)
@@ -256,6 +275,7 @@ class Persister:
         kv.set_json(store, Keys.persisted(step, self.rank), info_dict(info))
         if self.rank == 0:
             self._candidates.append(step)
+        return True
 
     def _commit(self, store: dist.Store) -> None:
         """Rank 0: write the manifest of the newest step every rank made durable."""

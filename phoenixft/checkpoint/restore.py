@@ -106,7 +106,7 @@ class PersistentSource:
     def open(self, rank: int, step: int) -> SlotFile:
         """The verified snapshot of (rank, step); IntegrityError names what is damaged."""
         if (rank, step) not in self._opened:
-            self._scratch.put(step, rank, self.tier.get(step, rank))
+            self._scratch.put(step, rank, self.tier.get(step, rank, self.manifest(step)))
             self._opened[rank, step] = SlotFile(slot_path(self._scratch.shm_dir, "disk", rank, step))
         return self._opened[rank, step]
 

@@ -207,8 +207,21 @@ class FsspecTier:
     def _url_of(self, path: str) -> str:
         return f"{self.url}/{path[len(self.root):].lstrip('/')}"
 
-    def get(self, step: int, rank: int) -> bytes:
-        for kind in ("delta", "base"):
+    def get(self, step: int, rank: int, manifest: dict | None = None) -> bytes:
+        """The verified blob of (step, rank). With the step's `manifest`, exactly the record
+        it committed (its kind and checksum): a second record of the same step, of the
+        other kind, is never read in its place (a step persisted twice, as a delta and
+        then as a base, left both files, and a damaged base went unnoticed)."""
+        committed = None
+        if manifest is not None:
+            committed = next((r for r in manifest["records"] if r["rank"] == rank), None)
+            if committed is None:
+                raise KeyError((step, rank))
+        return self._get(step, rank, (committed["kind"],) if committed else ("delta", "base"),
+                         committed.get("checksum") if committed else None)
+
+    def _get(self, step: int, rank: int, kinds: tuple[str, ...], expect: str | None) -> bytes:
+        for kind in kinds:
             path = self.record_path(step, rank, kind)
             if self.fs.exists(path):
                 break
@@ -218,13 +231,16 @@ class FsspecTier:
         if header["kind"] == "base":
             blob = zstandard.ZstdDecompressor().decompress(payload)
         else:
-            base = self.get(header["base_step"], rank)
+            base = self._get(header["base_step"], rank, ("base",), header["base_checksum"])
             if checksum(base) != header["base_checksum"]:
                 raise IntegrityError(f"{self._url_of(path)}: its base (step "
                                      f"{header['base_step']}) is not the one it was made against")
             blob = apply_delta(base, payload)
         if len(blob) != header["blob_nbytes"] or checksum(blob) != header["checksum"]:
             raise IntegrityError(f"{self._url_of(path)}: restored blob fails its checksum")
+        if expect is not None and expect != header["checksum"]:
+            raise IntegrityError(f"{self._url_of(path)}: not the record step {step} was "
+                                 f"committed with (another write of the same step)")
         return bytes(blob)
 
     def list(self) -> list[RecordInfo]:

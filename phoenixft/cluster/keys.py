@@ -133,8 +133,13 @@ class Keys:
 
     # -- persistence ---------------------------------------------------------------------
     PERSISTED = "persisted"  # rank 0's persister: newest step committed by a manifest
-    PERSIST_STRIDE = "persist_stride"  # rank 0's persister: persist steps that are multiples
     RESUMED_FROM = "resumed_from"  # rank 0 of generation 0: the persisted step it resumed
+
+    @staticmethod
+    def persist_stride(generation: int) -> str:
+        """Rank 0's persister: the generation's ranks persist the steps that are multiples
+        of this (1 until set; a new generation starts afresh)."""
+        return f"persist_stride/{generation}"
 
     @staticmethod
     def persisted(step: int, rank: int) -> str:  # rank's persister: its durable record

@@ -84,7 +84,8 @@ def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None =
                      help="persist every rank's snapshots to a directory or s3://bucket/prefix "
                           "in the background (bases + deltas, a manifest commits each step)")
     run.add_argument("--persist-every", type=int, default=10, metavar="K",
-                     help="a base record every K steps, deltas in between")
+                     help="a base record every K records, deltas in between (a record is "
+                          "taken every stride-th step, see --persist-cpu-share)")
     run.add_argument("--persist-keep", type=int, default=2, metavar="N",
                      help="bases kept in storage (with their deltas and manifests)")
     run.add_argument("--persist-cpu-share", type=float, default=0.05, metavar="F",

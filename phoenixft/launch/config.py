@@ -113,7 +113,7 @@ class AgentConfig:
     respawn: int = 0  # replacement workers this agent may start for dead ones (they grow
                       # the job back at a step boundary)
     persist: str | None = None  # URL of the persistent tier (a directory or s3://...)
-    persist_every: int = 10  # a base record every K steps
+    persist_every: int = 10  # a base record every K records (deltas between)
     persist_keep: int = 2  # bases kept
     persist_cpu_share: float = 0.05  # of one core, for each rank's persister on average
     resume: bool = False  # continue the job persisted at `persist`

@@ -34,7 +34,7 @@ class SessionConfig:
     snapshot_blocks: int = 0
     policy: str = "constant"  # microbatches per step when the world shrinks: constant | shrink-batch
     persist_url: str | None = None  # a directory or s3://bucket/prefix for persistent records
-    persist_every: int = 10  # a base record every K steps, deltas between
+    persist_every: int = 10  # a base record every K records, deltas between
     persist_keep: int = 2  # bases kept in persistent storage
     persist_cpu_share: float = 0.05  # of one core, the persister's average (checkpoint/persist.py)
 

@@ -88,3 +88,29 @@ def test_save_change_restore_corrupt_detect(tier, tmp_path):
         assert where.rsplit("/", 1)[-1] in str(err.value)
     t.delete(11, 3)
     assert [(r.step, r.rank) for r in t.list()] == [(10, 3)]
+
+
+@pytest.mark.timeout(60)
+def test_a_step_stored_as_both_kinds_is_read_as_its_manifest_committed_it(tmp_path):
+    """A resumed job wrote step 11 again as a base beside the first job's delta of it:
+    a manifest names which record it committed, and only that one is read (the other one,
+    damaged here, was read in its place and the good base's damage went unnoticed)."""
+    from phoenixft.checkpoint.tiers import info_dict
+    t = FsspecTier(str(tmp_path / "ckpt"))
+    b10, b11 = blob(tmp_path, 10, state(10)), blob(tmp_path, 11, state(11))
+    t.put(10, 3, b10)
+    t.put(11, 3, b11, base=(10, b10))  # the first job's delta
+    again = t.put(11, 3, b11)  # the resumed job's base of the same step
+    manifest = {"records": [info_dict(again)]}
+    delta = t.record_path(11, 3, "delta")
+    data = bytearray(t.fs.cat_file(delta))
+    data[-7] ^= 0x20
+    t.fs.pipe_file(delta, bytes(data))
+    assert t.get(11, 3, manifest) == b11  # the damaged delta is not the committed record
+    base = t.record_path(11, 3, "base")
+    data = bytearray(t.fs.cat_file(base))
+    t.fs.pipe_file(base, bytes(data[:len(data) // 2]))
+    with pytest.raises(IntegrityError, match=r"s0000000011\.base"):
+        t.get(11, 3, manifest)  # the committed one is damaged: named, no fallback to the delta
+    with pytest.raises(KeyError):
+        t.get(11, 4, manifest)  # no record of that rank in the manifest
