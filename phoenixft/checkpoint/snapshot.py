@@ -184,7 +184,12 @@ class Snapshotter:
                     self._fail(CommFailure(f"snapshot replication failed: {exc}"))
                     return
                 local_only = True  # (the rest of the queue until stop's None)
+                with self._cond:  # a pre-hook waiting for this commit gives up now, not
+                    self._cond.notify_all()  # at its next 0.5 s wake
             except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
+                if local_only or self._stopped:  # nobody waits for this thread any more
+                    self._on_degraded(f"snapshot {task[0]} not kept in host memory after the "
+                                      f"generation changed: {type(exc).__name__}: {exc}")
                 self._fail(exc)
                 return
 
@@ -241,14 +246,18 @@ class Snapshotter:
         self._write_local(step, tensors, header, ready)
 
     def _write_local(self, step: int, tensors: dict, header: dict,
-                     ready: torch.cuda.Event | None) -> tuple[SlotFile, Layout]:
-        """Copy the snapshot into this rank's slot for `step` and say so."""
+                     ready: torch.cuda.Event | None,
+                     then: Callable[[int], None] = lambda step: None) -> tuple[SlotFile, Layout]:
+        """Copy the snapshot into this rank's slot for `step`, call `then(step)`, and say
+        so (`then` first: the training thread's end-of-job flush waits for the copy, then
+        for the persister to have been offered the last step)."""
         layout = Layout.of(tensors)
         slot = self._slot("snap", self.rank, step)
         slot.ensure(HEADER_BYTES + layout.data_nbytes)
         slot.begin_write(step)
         digest = self._copy(slot, layout, tensors, ready, halfway=lambda: self._fault(step, "snapshot"))
         slot.finish_write(step, layout, dict(header, generation=self.generation), digest)
+        then(step)
         with self._cond:
             self._copied_step = step
             self._cond.notify_all()
@@ -257,9 +266,8 @@ class Snapshotter:
     def _copy_and_replicate(self, store: dist.Store, step: int, tensors: dict,
                             header: dict, ready: torch.cuda.Event | None = None) -> None:
         t0 = time.perf_counter()
-        slot, layout = self._write_local(step, tensors, header, ready)
+        slot, layout = self._write_local(step, tensors, header, ready, then=self._after_copy)
         t1 = time.perf_counter()
-        self._after_copy(step)
         if self._announce:
             store.set(Keys.copied(self.generation, self.rank, step), "1")
         acks = 1  # this rank's own copy; sent with the replicas it verified, in one request

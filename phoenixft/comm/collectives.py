@@ -93,16 +93,33 @@ class Pending:
     def __init__(self, fn: Callable[[], T], interrupt: Interrupt, what: str) -> None:
         self._box: dict = {}
         self._interrupt, self.what = interrupt, what
+        self._lock = threading.Lock()
+        self._release: Callable[[T], None] | None = None  # set by `discard`
 
         def run() -> None:
             try:
-                self._box["value"] = fn()
+                value = fn()
+                with self._lock:
+                    release = self._release
+                    if release is None:
+                        self._box["value"] = value
+                if release is not None:
+                    release(value)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 self._box["error"] = exc
             finally:
                 interrupt.notify()
 
         threading.Thread(target=run, name=f"phoenixft-{what}", daemon=True).start()
+
+    def discard(self, release: Callable[[T], None]) -> None:
+        """Nobody will take the result: `release(value)` it now if it came, or when it
+        comes (a process group built for a generation that was superseded is aborted)."""
+        with self._lock:
+            self._release = release
+            value = self._box.pop("value", None)
+        if value is not None:
+            release(value)
 
     def result(self, timeout_s: float):
         box = self._box

@@ -99,6 +99,7 @@ class Member:
         self._device: torch.device | None = None  # where the training group lives
         self._builds: dict[int, dict[str, Pending]] = {}  # generation -> its group builds
         self._builds_lock = threading.Lock()
+        self._built_upto = -1  # the newest generation whose builds began (never lowered)
 
     def connect(self) -> dist.Store:
         """A new store connection (one per blocking thread or group build)."""
@@ -297,7 +298,7 @@ class Member:
         self.ops = GroupOps(builds["train"].result(wait_s), self.interrupt,
                             self.cfg.collective_timeout_s)
         phases = {"group": time.time() - t0}
-        self._rep_pg = builds["replicate"].result(wait_s)
+        self._rep_pg = builds["replicate"].result(wait_s) if "replicate" in builds else None
         return phases
 
     def _start_builds(self, plan: Plan) -> dict[str, Pending]:
@@ -314,22 +315,30 @@ class Member:
         Builds only go forward: a join of a generation older than one whose builds began
         is stale (raises GenerationChanged), and a generation's groups are never built
         twice (a second build under the same store prefix would meet the first one's
-        peers)."""
+        peers; a generation whose groups were buried after a failed join is not built
+        again either). The replication group is built only when some rank's replica is
+        held on another node (the only copies it carries)."""
         g, rank, size = plan.generation, plan.rank_of(self.wid), plan.world_size
         host, timeout = self.cfg.local_addr, self.cfg.collective_timeout_s
         with self._builds_lock:
-            newest = max(self._builds, default=-1)
-            if g < newest:
-                raise GenerationChanged(f"joining generation {g}: generation {newest} was "
-                                        "published")
+            if g < self._built_upto or (g == self._built_upto and g not in self._builds):
+                raise GenerationChanged(f"joining generation {g}: generation "
+                                        f"{self._built_upto}'s groups were already built")
             if g not in self._builds:
                 def pending(name: str, device: torch.device) -> Pending:
                     return Pending(lambda: new_group(self.connect(), Keys.group(g, name), rank,
                                                      size, device=device, bind_host=host,
                                                      timeout_s=timeout),
                                    self.interrupt, f"building generation {g}'s {name} group")
-                self._builds = {g: {"train": pending("train", self._device),
-                                    "replicate": pending("replicate", torch.device("cpu"))}}
+                builds = {"train": pending("train", self._device)}
+                holders = self._replica_holders(plan)
+                if any(plan.nodes[h] != plan.nodes[r] for r, hs in holders.items() for h in hs):
+                    builds["replicate"] = pending("replicate", torch.device("cpu"))
+                for k, old in self._builds.items():
+                    if k != self.generation:  # never joined (that one is buried on failure)
+                        for p in old.values():
+                            p.discard(abort_group)
+                self._builds, self._built_upto = {g: builds}, g
             return self._builds[g]  # (older generations' builds are dropped: abandoned)
 
     def _prepare(self, state: RankState, first: bool) -> None:
@@ -484,7 +493,7 @@ class Member:
     def _replica_holders(self, plan: Plan) -> dict[int, list[int]]:
         """Who holds whose replica in this generation (`SessionConfig.replicas`)."""
         k = self.cfg.replicas
-        return replica_holders(plan.nodes, min(1 if k is None else k, self.world_size - 1),
+        return replica_holders(plan.nodes, min(1 if k is None else k, plan.world_size - 1),
                                same_node=k is not None)
 
     def _on_commit(self, step: int, t: float) -> None:

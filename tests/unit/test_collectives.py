@@ -35,3 +35,23 @@ def test_a_pending_call_is_given_up_on_a_newer_generation_and_on_its_deadline():
             Pending(lambda: release.wait(30), it, "a hung build").result(0.1)
     finally:
         release.set()
+
+
+def test_a_discarded_call_releases_its_value_whether_it_came_before_or_after():
+    """A group built for a generation that was superseded before anyone joined it is
+    aborted, not left to spin on its dead peer's socket."""
+    it = Interrupt()
+    it.enter(0)
+    released = []
+    done = Pending(lambda: "group 1", it, "building 1")
+    it.wait_until(lambda: "value" in done._box, 5, "the first build")
+    done.discard(released.append)
+    assert released == ["group 1"]
+
+    gate = threading.Event()
+    late = Pending(lambda: gate.wait(30) and "group 2", it, "building 2")
+    late.discard(released.append)
+    assert released == ["group 1"]  # not come yet
+    gate.set()
+    it.wait_until(lambda: len(released) == 2, 5, "the late value released")
+    assert released == ["group 1", "group 2"] and "value" not in late._box
