@@ -208,9 +208,9 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
         held = set()  # the steps node 0 holds a complete replica of rank 1 for
         for slot in shm[0].glob("rep.r1.s*"):  # a slot file can be longer than what it holds
             complete, step = SlotFile(slot).peek()
-            if complete:
-                held.add(step)
-            damage(str(slot), "flip", used=SlotFile(slot).used_nbytes())
+            if complete:  # (one still being received is left alone: rank 0 goes on
+                held.add(step)  # receiving it after SIGCONT, and a damaged transfer stops
+                damage(str(slot), "flip", used=SlotFile(slot).used_nbytes())  # the job)
         for slot in shm[1].glob("*"):
             slot.unlink()
         psutil.Process(joined["n1w0"]["pid"]).kill()
