@@ -18,9 +18,10 @@ KIND, what the worker holding rank R does when WHEN comes:
 
 WHEN:
     step=T                  as it starts step T
-    step=T:microbatch=J     right after its J-th microbatch (from 0) of step T, once its
-                            snapshot of step T-1 is in host memory (so the fault tests the
-                            step, not the race with that copy; phase=snapshot tests it)
+    step=T:microbatch=J     right after its J-th microbatch (from 0) of step T, once
+                            snapshot T-1 is committed: every rank finished step T-1 and
+                            holds its copy (so the fault tests step T, not a race with the
+                            end of T-1 or with that copy; phase=snapshot tests the copy)
     step=T:phase=P          at phase P of step T: reduce (before the gradient all-reduce),
                             update (after it, before the optimizer step), snapshot (in the
                             middle of copying snapshot T), replicate (snapshot T copied,
