@@ -47,6 +47,45 @@ class EngineProc:
         return self.popen.pid
 
 
+SOCK_PREFIX = "phoenixft-serve-"  # + the front's pid + "-": its engines' socket directory
+
+
+def remove_stale_socket_dirs() -> list[str]:
+    """Remove the socket directories of fronts that are gone (a SIGKILLed front cannot
+    clean up after itself): those whose pid no longer exists and whose socket nobody
+    listens on. Returns what was removed."""
+    import shutil
+    gone = []
+    for d in Path(tempfile.gettempdir()).glob(f"{SOCK_PREFIX}*-*"):
+        pid = d.name[len(SOCK_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not d.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's: not ours to remove)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        if _listening(d / "engines.sock"):
+            continue  # a front in another pid namespace that shares this directory
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            gone.append(str(d))
+    return gone
+
+
+def _listening(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:  # refused (nobody listens) or no socket there
+        return False
+    finally:
+        probe.close()
+
+
 class EngineSupervisor:
     def __init__(self, model_dir: str | Path, engine_config: dict, log_dir: str | Path,
                  work_dir: str | Path, *, threads: int | None = None,
@@ -57,7 +96,8 @@ class EngineSupervisor:
         self.log_dir, self.work_dir = Path(log_dir), Path(work_dir)  # log: outlives engines
         self.threads, self.ring_bytes, self.compact_bytes = threads, ring_bytes, compact_bytes
         self.on_message, self.on_ready, self.emit = on_message, on_ready, emit
-        self._sock_dir = tempfile.mkdtemp(prefix="phoenixft-serve-")
+        remove_stale_socket_dirs()
+        self._sock_dir = tempfile.mkdtemp(prefix=f"{SOCK_PREFIX}{os.getpid()}-")
         self.sock_path = os.path.join(self._sock_dir, "engines.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.sock_path)

@@ -154,3 +154,44 @@ def test_state_dict_restore_continues_identically(hf_models):
         b.engine.step()
     assert [seqs[f"q{i}"].completion_token_ids for i in range(2)] == [
         r.token_ids for r in ref]
+
+
+def test_socket_dirs_of_fronts_that_are_gone_are_removed(tmp_path):
+    """A SIGKILLed front leaves its engines' socket directory behind (87 of them had piled
+    up in /tmp here): the next front removes those whose pid is gone, and only those."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from phoenixft.serve.supervisor import SOCK_PREFIX, EngineSupervisor, remove_stale_socket_dirs
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tmp = Path(tempfile.gettempdir())
+    stale, live, other = (tmp / f"{SOCK_PREFIX}{dead.pid}-t{os.getpid()}",
+                          tmp / f"{SOCK_PREFIX}{os.getpid()}-t", tmp / f"{SOCK_PREFIX}run-t{os.getpid()}")
+    try:
+        for d in (stale, live, other):
+            d.mkdir()
+            (d / "engines.sock").write_bytes(b"")
+        import socket
+        (stale / "engines.sock").unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(stale / "engines.sock"))
+        listener.listen(1)  # pid gone but someone listens (another pid namespace): kept
+        assert str(stale) not in remove_stale_socket_dirs() and stale.exists()
+        listener.close()
+        assert str(stale) in remove_stale_socket_dirs()
+        assert not stale.exists() and live.exists() and other.exists()
+        sup = EngineSupervisor(tmp_path, {}, tmp_path / "log", tmp_path, on_message=print,
+                               on_ready=lambda *a: None, emit=lambda *a, **k: None)
+        try:
+            assert Path(sup.sock_path).parent.name.startswith(f"{SOCK_PREFIX}{os.getpid()}-")
+        finally:
+            sup.stop()
+        assert not Path(sup.sock_path).parent.exists()
+    finally:
+        for d in (stale, live, other):
+            shutil.rmtree(d, ignore_errors=True)
