@@ -217,10 +217,16 @@ class FsspecTier:
             committed = next((r for r in manifest["records"] if r["rank"] == rank), None)
             if committed is None:
                 raise KeyError((step, rank))
-        return self._get(step, rank, (committed["kind"],) if committed else ("delta", "base"),
-                         committed.get("checksum") if committed else None)
+        blob, path, full = self._read(step, rank, (committed["kind"],) if committed
+                                      else ("delta", "base"))
+        if committed is not None and committed.get("checksum") not in (None, full):
+            raise IntegrityError(f"{self._url_of(path)}: not the record step {step} was "
+                                 f"committed with (another write of the same step)")
+        return bytes(blob)
 
-    def _get(self, step: int, rank: int, kinds: tuple[str, ...], expect: str | None) -> bytes:
+    def _read(self, step: int, rank: int, kinds: tuple[str, ...]) -> tuple[bytes, str, str]:
+        """The first of `kinds` stored for (step, rank), restored and verified: (blob, its
+        path, the blob's checksum as its header records it)."""
         for kind in kinds:
             path = self.record_path(step, rank, kind)
             if self.fs.exists(path):
@@ -231,17 +237,14 @@ class FsspecTier:
         if header["kind"] == "base":
             blob = zstandard.ZstdDecompressor().decompress(payload)
         else:
-            base = self._get(header["base_step"], rank, ("base",), header["base_checksum"])
-            if checksum(base) != header["base_checksum"]:
+            base, _, base_sum = self._read(header["base_step"], rank, ("base",))
+            if base_sum != header["base_checksum"]:  # (base_sum was checked against the bytes)
                 raise IntegrityError(f"{self._url_of(path)}: its base (step "
                                      f"{header['base_step']}) is not the one it was made against")
             blob = apply_delta(base, payload)
         if len(blob) != header["blob_nbytes"] or checksum(blob) != header["checksum"]:
             raise IntegrityError(f"{self._url_of(path)}: restored blob fails its checksum")
-        if expect is not None and expect != header["checksum"]:
-            raise IntegrityError(f"{self._url_of(path)}: not the record step {step} was "
-                                 f"committed with (another write of the same step)")
-        return bytes(blob)
+        return blob, path, header["checksum"]
 
     def list(self) -> list[RecordInfo]:
         out = []
