@@ -244,19 +244,10 @@ def _torchft_table(d: dict) -> list[str]:
 
 
 def _checkpoint_table(d: dict) -> list[str]:
-    """Every mode's cost: the training thread's stall, and its wall per step against the
-    plain loop's (background work competes for the same cores: a stall alone hides it)."""
-    rows = ["| mode | every | stall per checkpoint ms | stall, % of a step | wall per step vs "
-            "no checkpoint | durable after ms |", "|---|---|---|---|---|---|"]
-    for mode, by_freq in d["modes"].items():
-        if mode == "none":
-            continue
-        for freq, r in by_freq.items():
-            durable = "-" if r.get("durable_s") is None else f"{1000 * r['durable_s']:.0f}"
-            per_ckpt = r.get("stall_per_ckpt_s", r["stall_per_step_s"])
-            rows.append(f"| {mode} | {freq} | {1000 * per_ckpt:.1f} | "
-                        f"{100 * r['stall_per_step_s'] / d['step_s']:.2f}% | {r['step_vs_none']:.2f}x | "
-                        f"{durable} |")
+    """bench checkpoint's cost table (`checkpoint.cost_rows`), as markdown."""
+    from .checkpoint import COST_COLUMNS, cost_rows
+    rows = ["| " + " | ".join(COST_COLUMNS) + " |", "|" + "---|" * len(COST_COLUMNS)]
+    rows += ["| " + " | ".join(r) + " |" for r in cost_rows(d)]
     p = d["modes"].get("phoenixft", {}).get("1", {})
     return rows + ["", f"Plain loop: {1000 * d['step_s']:.0f} ms a step. phoenixft persisted every "
                    f"{p.get('stride')}th step (its persister's CPU share, 5% of a core by default)."]
