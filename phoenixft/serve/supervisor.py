@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -54,7 +55,6 @@ def remove_stale_socket_dirs() -> list[str]:
     """Remove the socket directories of fronts that are gone (a SIGKILLed front cannot
     clean up after itself): those whose pid no longer exists and whose socket nobody
     listens on. Returns what was removed."""
-    import shutil
     gone = []
     for d in Path(tempfile.gettempdir()).glob(f"{SOCK_PREFIX}*-*"):
         pid = d.name[len(SOCK_PREFIX):].split("-", 1)[0]

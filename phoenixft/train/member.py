@@ -80,7 +80,7 @@ class Member:
         self.interrupt = Interrupt()
         self.injector = Injector(parse_env(cfg.inject), WorkerHooks(
             claim=self._claim_injection, on_fire=self._on_injection,
-            settle=self._snapshot_copied, damage=self._damage_shm, agent_pid=cfg.agent_pid))
+            settle=self._previous_step_committed, damage=self._damage_shm, agent_pid=cfg.agent_pid))
         self.tier = FsspecTier(cfg.persist_url) if cfg.persist_url else None
         self.planner = RestorePlanner.for_node(
             cfg.shm_dir, self.tier, report=lambda tier, error: self.events.emit(
@@ -510,7 +510,7 @@ class Member:
         except Exception:
             pass
 
-    def _snapshot_copied(self) -> None:
+    def _previous_step_committed(self) -> None:
         """Before a microbatch fault of step T: snapshot T-1 committed, so every rank has
         finished step T-1 (a kill while a survivor was still inside T-1's all-gather made
         that survivor redo the whole step: 8 microbatch passes more than the test counted)."""
