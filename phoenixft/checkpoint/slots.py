@@ -4,7 +4,8 @@ A slot is a file (in /dev/shm, owned by the node's agent, so it outlives the wor
 that wrote it) laid out as::
 
     [0:8)   magic b"PHXSLOT1"
-    [8:16)  state: 0 = being written, 1 = complete
+    [8:16)  state: 0 = being written, 1 = complete, 2 = rejected (it failed its checksum
+            as it was written: a damaged transfer or copy; kept only to be passed over)
     [16:24) step
     [24:32) header JSON length
     [64:HEADER_BYTES)  header JSON: step, generation, rank, entries (name, dtype, shape,
@@ -36,6 +37,7 @@ import torch
 from phoenixft.checkpoint.integrity import IntegrityError, checksum, hasher
 
 MAGIC = b"PHXSLOT1"
+REJECTED = 2  # the state word of a copy that failed its check when it was written
 HEADER_BYTES = 64 * 1024
 _ALIGN = 64
 CHUNK = 256 << 10  # copied, then hashed while it is still in the core's cache (1 MiB L2)
@@ -166,8 +168,13 @@ class SlotFile:
         try:
             return _verify(self.np, step, self.path, digest=h.hexdigest(), end=n)
         except IntegrityError:
-            self.np[8:16] = 0
+            self.reject()
             raise
+
+    def reject(self) -> None:
+        """Mark a copy that failed its check as rejected: never loaded, and a restore
+        that passes over it says why."""
+        self.np[8:16] = np.frombuffer(struct.pack("<q", REJECTED), dtype=np.uint8)
 
     def finish_write(self, step: int, layout: Layout, header: dict, digest: str | None = None) -> str:
         """Write the header and mark the slot complete; `digest` is the data's checksum
@@ -212,10 +219,15 @@ class SlotFile:
 
 
 def _peek(buf: np.ndarray) -> tuple[bool, int]:
-    if len(buf) < 32 or bytes(buf[0:8]) != MAGIC:
-        return False, -1
-    state, step = struct.unpack("<qq", bytes(buf[8:24]))
+    state, step = _state(buf)
     return state == 1, step
+
+
+def _state(buf: np.ndarray) -> tuple[int, int]:
+    if len(buf) < 32 or bytes(buf[0:8]) != MAGIC:
+        return 0, -1
+    state, step = struct.unpack("<qq", bytes(buf[8:24]))
+    return state, step
 
 
 def _header(buf: np.ndarray, where) -> dict:
@@ -233,8 +245,12 @@ def _verify(buf: np.ndarray, step: int, where, digest: str | None = None,
     """The header of a complete snapshot of `step` whose data match its checksum; `digest`
     is the checksum of buf[HEADER_BYTES:end) when the caller hashed the data as it wrote
     them (`end` must then be where the header says the data end)."""
-    complete, got = _peek(buf)
-    if not complete:
+    state, got = _state(buf)
+    if state == REJECTED:
+        raise IntegrityError(f"{where}: the copy of step {got} failed its checksum when it "
+                             "was written or received (a damaged transfer or copy), and was "
+                             "marked rejected")
+    if state != 1:
         raise IntegrityError(f"{where}: snapshot incomplete (writer died mid-copy?)")
     if got != step:
         raise IntegrityError(f"{where}: holds step {got}, wanted step {step}")

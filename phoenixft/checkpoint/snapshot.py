@@ -72,7 +72,8 @@ class Snapshotter:
                  on_commit: Callable[[int, float], None] | None = None,
                  fault: Callable[[int, str], None] | None = None,
                  on_degraded: Callable[[str], None] | None = None,
-                 after_copy: Callable[[int], None] | None = None) -> None:
+                 after_copy: Callable[[int], None] | None = None,
+                 garble: Callable[[int], bool] | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.rank = rank
         self.generation = generation
@@ -94,6 +95,8 @@ class Snapshotter:
         self._fault = fault or (lambda step, phase: None)  # fault-injection points
         self._on_degraded = on_degraded or (lambda detail: None)
         self._after_copy = after_copy or (lambda step: None)  # e.g. the persister's offer
+        # fault injection: True when the replicas received of this step are to arrive damaged
+        self._garble = garble or (lambda step: False)
         self._slots: dict[tuple[str, int, int], SlotFile] = {}
         self._device = DeviceCopier()  # only used for tensors on a CUDA device
         self._tasks: queue.Queue = queue.Queue()
@@ -278,9 +281,11 @@ class Snapshotter:
                            send_nbytes=HEADER_BYTES + layout.data_nbytes,
                            dsts=self._remote_holders, recv=recv, interrupt=self._interrupt,
                            timeout_s=self._timeout)
-            for rslot in recv.values():
-                rslot.verify(step)  # a corrupt transfer raises here and is never acknowledged
-                acks += 1
+            garble = bool(recv) and self._garble(step)  # an injected damaged transfer
+            for src, rslot in recv.items():
+                if garble:
+                    rslot.np[HEADER_BYTES + 7] ^= 0xFF
+                acks += self._check_replica(src, rslot, step)
         for src in self._local_sources:
             self._wait_key(store, Keys.copied(self.generation, src, step))
             acks += self._copy_local_replica(src, step)
@@ -307,6 +312,22 @@ class Snapshotter:
             self._device.copy(slot.view(e), tensors[e.name].detach().reshape(e.shape), ready)
         self._device.synchronize()
         return None
+
+    def _check_replica(self, src: int, rslot: SlotFile, step: int) -> bool:
+        """Verify a replica received from another node. One that arrived damaged (a bad
+        link, bad memory) is marked rejected, named in the event log, and acknowledged all
+        the same: the sender's own copy verified as it was written, so the step commits
+        without this replica (until the next commit, that rank's state lives only on its
+        own node and in persistent storage), and the restore passes over it. Not
+        acknowledging it would stall the commit until the deadline and stop the job over
+        a copy it can do without. Returns whether to acknowledge (always)."""
+        try:
+            rslot.verify(step)
+        except IntegrityError as exc:
+            rslot.reject()
+            self._on_degraded(f"the replica of rank {src}'s snapshot {step} arrived damaged and "
+                              f"is rejected; the step commits without it: {exc}")
+        return True
 
     def _copy_local_replica(self, src: int, step: int) -> bool:
         """Copy a same-node peer's slot out of shared memory and verify the copy (it is

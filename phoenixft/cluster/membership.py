@@ -45,6 +45,13 @@ class Plan:
         return cls(**d)
 
 
+def crossing_replicas(nodes: dict[int, int],
+                      holders: dict[int, list[int]]) -> list[tuple[int, int]]:
+    """The (rank, holder) pairs of `holders` whose replica leaves the rank's node: those
+    travel over the replication group (a same-node holder copies from shared memory)."""
+    return [(r, h) for r, hs in holders.items() for h in hs if nodes[h] != nodes[r]]
+
+
 def replica_holders(nodes: dict[int, int], k: int = 1,
                     same_node: bool = True) -> dict[int, list[int]]:
     """For each rank, the k ranks that hold its replica: the next ranks in ring order,

@@ -15,6 +15,10 @@ KIND, what the worker holding rank R does when WHEN comes:
               must not load the damaged copy)
     shm       delete its node's shared memory, then SIGKILL itself
     raise     raise an exception, as a bug in the training script would
+    garble    flip a byte in each replica it receives from another node of snapshot T, as
+              a bad link or bad memory would, and carry on (the step must commit without
+              them, and no restore may load them); only with step=T, and only for a rank
+              that holds a replica for a rank on another node
 
 WHEN:
     step=T                  as it starts step T
@@ -43,7 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise")
+KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble")
 PHASES = ("start", "reduce", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch")
 
@@ -107,6 +111,9 @@ def parse_spec(text: str) -> InjectSpec:
         raise InjectSpecError(f"microbatch=J and phase=P need step=T in --inject; {usage}")
     if "microbatch" in values and "phase" in values:
         raise InjectSpecError(f"give microbatch=J or phase=P, not both, in --inject; {usage}")
+    if kind == "garble" and ("step" not in values or "microbatch" in values or "phase" in values):
+        raise InjectSpecError(f"garble takes step=T only (it lands when the replicas of "
+                              f"snapshot T arrive), got {text!r}")
     if values.get("phase") == "start":
         del values["phase"]
     return InjectSpec(kind=kind, **values)
@@ -141,10 +148,16 @@ class Injector:
         self.specs = specs
         self.hooks = hooks
 
-    def check_plan(self, per_rank: list[int]) -> None:
-        """Refuse a microbatch spec that can never fire: rank R computes `per_rank[R]`
-        microbatches per step, so its J-th (from 0) exists only when J < per_rank[R]."""
+    def check_plan(self, per_rank: list[int], receivers: set[int] | None = None) -> None:
+        """Refuse a spec that can never fire: rank R computes `per_rank[R]` microbatches
+        per step, so its J-th (from 0) exists only when J < per_rank[R]; a garble needs
+        rank R among `receivers`, the ranks that receive a replica from another node."""
         for s in self.specs:
+            if s.kind == "garble" and s.rank not in (receivers or set()):
+                raise InjectSpecError(
+                    f"--inject {s} can never fire: rank {s.rank} receives no replica from "
+                    f"another node (replicas cross nodes only in a job of several nodes, "
+                    f"with snapshots on)")
             if s.microbatch is not None and s.rank < len(per_rank) and s.microbatch >= per_rank[s.rank]:
                 raise InjectSpecError(
                     f"--inject {s} can never fire: rank {s.rank} computes {per_rank[s.rank]} "
@@ -152,21 +165,29 @@ class Injector:
         if self.hooks.agent_pid is None and any(s.kind == "node" for s in self.specs):
             raise InjectSpecError("--inject node:... needs an agent: run under `phoenixft run`")
 
-    def _fire(self, point: dict) -> None:
+    def _fire(self, point: dict) -> bool:
+        """Land every spec matching `point`; True when one fired (and did not kill)."""
+        fired = False
         for s in self.specs:
-            if any(getattr(s, k) != point.get(k) for k in ("rank", "step", "gen", "microbatch",
-                                                           "phase")):
+            if (s.kind == "garble") != point.get("received", False) or any(
+                    getattr(s, k) != point.get(k) for k in ("rank", "step", "gen", "microbatch",
+                                                            "phase")):
                 continue
             if s.microbatch is not None and self.hooks.settle is not None:
                 self.hooks.settle()
             if self.hooks.claim(str(s)):
                 if self.hooks.on_fire is not None:
                     self.hooks.on_fire(s, time.time(), {k: v for k, v in point.items()
-                                                       if k != "rank" and v is not None})
+                                                       if k not in ("rank", "received")
+                                                       and v is not None})
                 self._land(s)
+                fired = True
+        return fired
 
     def _land(self, s: InjectSpec) -> None:
         me = os.getpid()
+        if s.kind == "garble":
+            return  # the caller damages what it received (`garbles`)
         if s.kind == "raise":
             raise InjectedFault(f"injected fault {s}")
         if s.kind == "stop":
@@ -181,6 +202,13 @@ class Injector:
     def at_step(self, rank: int, step: int, phase: str | None = None) -> None:
         if self.specs:
             self._fire({"rank": rank, "step": step, "phase": phase})
+
+    def garbles(self, rank: int, step: int) -> bool:
+        """The snapshot thread, replicas of `step` received: True when a garble spec
+        fires now (the caller then damages them)."""
+        if not any(s.kind == "garble" for s in self.specs):
+            return False
+        return self._fire({"rank": rank, "step": step, "received": True})
 
     def at_recovery(self, rank: int, gen: int) -> None:
         if self.specs:

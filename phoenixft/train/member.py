@@ -42,7 +42,7 @@ from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
-from phoenixft.cluster.membership import Plan, replica_holders
+from phoenixft.cluster.membership import Plan, crossing_replicas, replica_holders
 from phoenixft.comm.collectives import (
     CommFailure,
     GenerationChanged,
@@ -331,8 +331,7 @@ class Member:
                                                      timeout_s=timeout),
                                    self.interrupt, f"building generation {g}'s {name} group")
                 builds = {"train": pending("train", self._device)}
-                holders = self._replica_holders(plan)
-                if any(plan.nodes[h] != plan.nodes[r] for r, hs in holders.items() for h in hs):
+                if crossing_replicas(plan.nodes, self._replica_holders(plan)):
                     builds["replicate"] = pending("replicate", torch.device("cpu"))
                 for k, old in self._builds.items():
                     if k != self.generation:  # never joined (that one is buried on failure)
@@ -403,7 +402,8 @@ class Member:
             fault=lambda step, phase: self.injector.at_step(self.rank, step, phase),
             on_degraded=lambda detail: self.events.emit("snapshot_degraded", rank=self.rank,
                                                         gen=self.generation, detail=detail),
-            after_copy=self.persister.offer if self.persister is not None else None)
+            after_copy=self.persister.offer if self.persister is not None else None,
+            garble=lambda step: self.injector.garbles(self.rank, step))
         if fresh:
             self.snapshot(state)
 
@@ -490,6 +490,12 @@ class Member:
         self.snap.begin(state.step, tensors, header)
 
     # -- plumbing ----------------------------------------------------------------------
+    def replica_receivers(self) -> set[int]:
+        """The ranks of this generation that receive a replica from another node."""
+        if not self.cfg.snapshots:
+            return set()
+        return {h for _, h in crossing_replicas(self.plan.nodes, self._replica_holders(self.plan))}
+
     def _replica_holders(self, plan: Plan) -> dict[int, list[int]]:
         """Who holds whose replica in this generation (`SessionConfig.replicas`)."""
         k = self.cfg.replicas

@@ -132,7 +132,8 @@ class Session:
         self._warm_up()
         self._pending = self.member.start(self.state)
         m = self.state.m_for(self.world_size)
-        self.member.injector.check_plan([len(ids) for ids in quota.plan(m, self.world_size)])
+        self.member.injector.check_plan([len(ids) for ids in quota.plan(m, self.world_size)],
+                                        receivers=self.member.replica_receivers())
 
     def _warm_up(self) -> None:
         """Pay lazy imports and first-call costs now, not on activation: constructing and

@@ -21,6 +21,7 @@ from jobs import (
     kill_tree,
     load,
     run,
+    run_two_nodes,
     start,
     wait_until,
 )
@@ -235,6 +236,29 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
         # socket after SIGCONT (seen in CI): that replica is undamaged and newer than all
         # the damaged ones, and only it may have been used
         assert restored["restore_step"] > max(held), (restored, held)
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_damaged_in_transit_is_rejected_and_storage_serves_instead(
+        tmp_path, tmp_path_factory):
+    """Two nodes. Rank 1's replica of snapshot 20 arrives damaged on node 0 (an injected
+    bad link): the job goes on, step 20 commits without that copy, and the damage is
+    named. Then node 1's shared memory is deleted and rank 1 killed, once step 20 is
+    committed: the rejected replica was rank 1's only copy in memory, and the spare
+    restores from storage instead of loading it."""
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    url = str(tmp_path / "ckpt")
+    job, _ = run_two_nodes(tmp_path / "run", (), ("--spares", "1"), "--nproc", "1",
+                           "--persist", url, *PER_STEP, "--inject", "garble:rank=0:step=20",
+                           "--inject", "shm:rank=1:step=21:microbatch=0", steps=STEPS)
+    same_result(job, ref)
+    [garbled] = [e for e in job.of("snapshot_degraded") if "arrived damaged" in e["detail"]]
+    assert garbled["rank"] == 0 and "rank 1's snapshot 20" in garbled["detail"], garbled
+    [rec] = job.summary["recoveries"]
+    assert rec["rank"] == 1 and rec["source"] == "persistent", rec
+    failed = job.of("restore_source_failed")
+    assert any(e["tier"] == "local_replica" and "marked rejected" in e["error"] for e in failed), \
+        failed
 
 
 @pytest.fixture()

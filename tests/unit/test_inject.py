@@ -68,3 +68,21 @@ def test_a_microbatch_that_no_rank_computes_is_refused():
     inj.check_plan([2, 2])
     with pytest.raises(InjectSpecError, match="can never fire: rank 1 computes 1"):
         inj.check_plan([1, 1])
+
+
+def test_a_garble_lands_only_where_replicas_arrive(monkeypatch):
+    for bad in ("garble:rank=0:gen=2", "garble:rank=0:step=3:phase=replicate",
+                "garble:rank=0:step=3:microbatch=0"):
+        with pytest.raises(InjectSpecError, match="garble takes step=T only"):
+            parse_spec(bad)
+    claimed: set[str] = set()
+    monkeypatch.setattr("os.kill", lambda pid, sig: pytest.fail("a garble killed a process"))
+    inj = Injector(parse_env("garble:rank=1:step=4"),
+                   WorkerHooks(claim=lambda s: not (s in claimed or claimed.add(s))))
+    inj.at_step(1, 4)  # the step's start is not where it lands
+    assert not claimed
+    assert not inj.garbles(0, 4) and not inj.garbles(1, 3)
+    assert inj.garbles(1, 4) and not inj.garbles(1, 4)  # once per job
+    inj.check_plan([1, 1], receivers={0, 1})
+    with pytest.raises(InjectSpecError, match="can never fire: rank 1 receives no replica"):
+        inj.check_plan([1, 1], receivers={0})

@@ -53,7 +53,7 @@ def state(rank, step):
     return {"param_shard": torch.randn(1000, generator=g), "opt.exp_avg": torch.randn(1000, generator=g)}
 
 
-def snapshot_steps(addr, shm, steps, gen=0, nodes=None):
+def snapshot_steps(addr, shm, steps, gen=0, nodes=None, garble=None, degraded=None):
     nodes = nodes or {0: 0, 1: 1}
     holders = replica_holders(nodes, 1)
 
@@ -64,8 +64,9 @@ def snapshot_steps(addr, shm, steps, gen=0, nodes=None):
         snap = Snapshotter(shm_dir=shm[r], rank=r, generation=gen, connect=lambda: kv.connect(addr),
                            rep_pg=pg, holders=holders[r],
                            sources=[s for s, hs in holders.items() if r in hs], world_size=2,
-                           nodes=nodes,
-                           interrupt=it, timeout_s=30)
+                           nodes=nodes, interrupt=it, timeout_s=30,
+                           garble=(lambda step: garble == (r, step)),
+                           on_degraded=degraded.append if degraded is not None else None)
         for s in steps:
             snap.begin(s, state(r, s), {"rank": r, "world_size": 2})
             snap.wait_copied()
@@ -148,6 +149,24 @@ def test_restore_falls_back_to_replica_then_peer_then_fails_clearly(tmp_path, st
     shutil.rmtree(fresh)
     with pytest.raises(IntegrityError, match="no surviving copy of rank 1's snapshot for step 1"):
         restore(store_addr, [shm[0], fresh], 1, "d/")
+
+
+def test_a_replica_that_arrives_damaged_is_rejected_and_the_step_still_commits(tmp_path,
+                                                                              store_addr):
+    """Rank 1's replica of snapshot 1 arrives damaged on node 0: the job does not stop
+    (the commit goes on without that copy), the damage is named, and the copy is marked
+    rejected so that a restore passes over it, saying why, and never loads it."""
+    shm = [tmp_path / "node0", tmp_path / "node1"]
+    degraded: list[str] = []
+    assert snapshot_steps(store_addr, shm, [0, 1, 2], garble=(0, 1), degraded=degraded) == [2, 2]
+    assert len(degraded) == 1 and "rank 1's snapshot 1 arrived damaged" in degraded[0], degraded
+    shutil.rmtree(shm[1])  # node 1 lost: the rejected replica was rank 1's only other copy
+    seen: list[tuple[str, str]] = []
+    planner = RestorePlanner.for_node(shm[0], report=lambda tier, error: seen.append((tier, error)))
+    assert planner.local_copy(1, 1) is None and planner.local_copy(1, 2) is not None
+    assert seen and seen[0][0] == "local_replica" and "marked rejected" in seen[0][1], seen
+    with pytest.raises(IntegrityError, match="no surviving copy of rank 1's snapshot for step 1"):
+        restore(store_addr, [shm[0], shm[0]], 1, "e/")
 
 
 def test_a_begun_snapshot_is_kept_in_host_memory_when_the_generation_changes(tmp_path, store_addr):
