@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from phoenixft.train.zero import FlatParams, ShardedOptimizer
 
@@ -59,3 +60,55 @@ def test_sharded_optimizer_state_roundtrip():
     o.load_state(tensors, meta)
     assert torch.equal(o.shard, tensors["param_shard"])
     assert torch.equal(o.inner.state[o.shard]["exp_avg"], tensors["opt.exp_avg"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+])
+def test_a_chunked_shard_steps_and_snapshots_exactly_as_one_tensor(monkeypatch, make):
+    """On CPU the optimizer steps the shard in chunks (cache-sized; see chunk_bounds). The
+    result must be bit for bit that of one tensor, the snapshot must hold each state key
+    whole, and a snapshot taken in either layout must load into the other."""
+    def run(chunk, steps, start=None, first=0):
+        monkeypatch.setattr("phoenixft.train.zero.CPU_CHUNK", chunk)
+        torch.manual_seed(0)
+        flat = FlatParams(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 7)))
+        flat.layout(1)
+        opt = ShardedOptimizer(flat, make, 0)
+        if start is not None:
+            opt.load_state(*start)
+        for i in range(first, first + steps):
+            g = torch.Generator().manual_seed(i)
+            opt.step(torch.randn(flat.buf.numel(), generator=g))
+        return opt, {k: v.clone() for k, v in opt.state_tensors().items()}, opt.state_meta()
+
+    one, whole, meta = run(1 << 20, 3)
+    chunked, parts, meta_c = run(100, 3)
+    assert len(one.params) == 1 and len(chunked.params) == 15  # 1447 elements, 100 each
+    assert whole.keys() == parts.keys() and len(whole) > 1
+    for k in whole:
+        assert torch.equal(whole[k], parts[k]), k
+    assert meta == meta_c
+    for chunk, other in ((100, (whole, meta)), (1 << 20, (parts, meta_c))):
+        _, resumed, _ = run(chunk, 2, start=other, first=3)
+        _, straight, _ = run(1 << 20, 5)
+        for k in straight:
+            assert torch.equal(resumed[k], straight[k]), (chunk, k)
+
+
+def test_a_non_elementwise_optimizer_state_is_refused_by_name(monkeypatch):
+    class Rowwise(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                self.state[p]["stats"] = torch.zeros(2)
+
+    monkeypatch.setattr("phoenixft.train.zero.CPU_CHUNK", 100)
+    flat = FlatParams(nn.Linear(40, 30))
+    flat.layout(1)
+    opt = ShardedOptimizer(flat, Rowwise, 0)
+    with pytest.raises(TypeError, match="Rowwise's state 'stats' has shape .* elementwise"):
+        opt.step(torch.zeros(flat.buf.numel()))
