@@ -19,7 +19,9 @@ only when half the stride would still fit comfortably) and the time between step
 a persister uses at most `cpu_share` of one core on average (5% by default), and
 publishes in the store per generation (`Keys.persist_stride`): every rank persists the
 same steps, so they all become durable and commit, and a coarser stride's steps are steps
-of every finer one. The memory
+of every finer one. The step time is the median of the last few gaps between offers;
+after a persister's first record, offers are passed over until a few gaps are known (the
+first steps' warm-up would otherwise set a stride far too fine). The memory
 tiers still hold every step; storage lags further behind on a busy machine instead of
 training slowing down. `flush` (the end of training) persists the last step offered,
 wherever it falls.
@@ -36,8 +38,10 @@ every 20th), announced in the store for the console, and the next step tries aga
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +56,9 @@ from phoenixft.checkpoint.slots import SlotFile, slot_path, verify_blob
 from phoenixft.checkpoint.tiers import FsspecTier, info_dict
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
+
+GAPS = 9  # the step time the stride is set from: the median of this many recent gaps
+MIN_GAPS = 4  # offers after the first wait for this many gaps (module doc: CPU share)
 
 
 @dataclass(kw_only=True)
@@ -122,7 +129,12 @@ class Persister:
         self._since_base = 0  # records written since the last base
         self._latest = -1  # the newest step offered, on the stride or not
         self._last_offer_t: float | None = None
-        self._step_s = 0.0  # time between offers (one per step), smoothed
+        # time between offers (one per step): the median of the last GAPS gaps. A smoothed
+        # mean kept the first steps' warm-up (or a pause) for dozens of steps, so the
+        # stride came out too fine and the persister took far more than its share early on
+        # (seen: 7 records in 55 steps where the share allowed 2)
+        self._gaps: collections.deque[float] = collections.deque(maxlen=GAPS)
+        self._step_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"phoenixft-persist-r{rank}",
                                         daemon=True)
         self._thread.start()
@@ -135,9 +147,11 @@ class Persister:
         with self._cond:
             now = time.perf_counter()
             if self._last_offer_t is not None and step > self._latest:
-                gap = (now - self._last_offer_t) / (step - self._latest)
-                self._step_s = gap if not self._step_s else 0.8 * self._step_s + 0.2 * gap
+                self._gaps.append((now - self._last_offer_t) / (step - self._latest))
+                self._step_s = statistics.median(self._gaps)
             self._last_offer_t, self._latest = now, step
+            if self.cfg.cpu_share < 1 and 0 < len(self._gaps) < MIN_GAPS:
+                return  # the step time is not known yet: only the first offer is taken
             if step % self.stride:
                 return  # not a step to persist (a later one on the stride will be)
             self._take(step)

@@ -113,7 +113,9 @@ class FsspecTier:
 
     name = "persistent"
 
-    def __init__(self, url: str, *, level: int = 3) -> None:
+    # zstd level 1: a base of fp32 weights and optimizer state shrinks by about 8% at
+    # level 1 or 3 alike, and level 3 took 2.3x the CPU (61 ms against 27 ms for 20 MB here)
+    def __init__(self, url: str, *, level: int = 1) -> None:
         import fsspec
 
         self.url = url.rstrip("/")
