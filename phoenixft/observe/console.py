@@ -6,6 +6,7 @@ job started by anyone, and it never slows the job down.
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from phoenixft.observe.events import read_events
+from phoenixft.observe.events import EventFollower
 
 _STATE_STYLE = {"running": "green", "waiting": "cyan", "dead": "red", "fenced": "red",
                 "exited": "dim", "starting": "yellow"}
@@ -29,7 +30,9 @@ class RunView:
                                  TextColumn("step {task.completed}/{task.total}"),
                                  TextColumn("{task.fields[loss]}"), TimeElapsedColumn())
         self.task = self.progress.add_task(title, total=total_steps, loss="")
-        self.lines: list[str] = []
+        self.follower = EventFollower(self.run_dir / "events.jsonl")
+        self.loss = ""
+        self.notable: collections.deque[str] = collections.deque(maxlen=8)
 
     def _status(self) -> dict:
         p = self.run_dir / "status.json"
@@ -38,32 +41,30 @@ class RunView:
         except (OSError, ValueError):
             return {}
 
-    def _notable(self) -> list[str]:
-        out = []
-        for e in read_events(self.run_dir / "events.jsonl"):
+    def _read_new(self) -> None:
+        """Take in the events logged since the last render (`EventFollower`)."""
+        for e in self.follower.poll():
             ev = e["event"]
-            if ev == "inject":
-                out.append(f"[yellow]fault injected[/]: {e['spec']} (pid {e['pid']})")
+            if ev == "step":
+                self.loss = f"loss {e['loss']:.4f}"
+            elif ev == "inject":
+                self.notable.append(f"[yellow]fault injected[/]: {e['spec']} (pid {e['pid']})")
             elif ev == "failure":
-                out.append(f"[red]failure detected[/]: {e['wid']} rank {e['rank']} "
-                           f"({e['detail']}) in {e['detect_s']:.3f}s")
+                self.notable.append(f"[red]failure detected[/]: {e['wid']} rank {e['rank']} "
+                                    f"({e['detail']}) in {e['detect_s']:.3f}s")
             elif ev == "generation" and e["kind"] == "run" and e["gen"] > 0:
-                out.append(f"generation {e['gen']}: ranks {e['members']}")
+                self.notable.append(f"generation {e['gen']}: ranks {e['members']}")
             elif ev == "recovered":
-                out.append(f"[green]recovered[/] at step {e['restore_step']} in "
-                           f"{e['recover_s']:.3f}s (lost {e['lost_steps']} step)")
+                self.notable.append(f"[green]recovered[/] at step {e['restore_step']} in "
+                                    f"{e['recover_s']:.3f}s (lost {e['lost_steps']} step)")
             elif ev == "abort":
-                out.append(f"[red]stopped[/]: {e['reason'].splitlines()[0]}")
-        return out[-8:]
+                self.notable.append(f"[red]stopped[/]: {e['reason'].splitlines()[0]}")
 
     def render(self):
         st = self._status()
         step = st.get("step", 0)
-        loss = ""
-        for e in read_events(self.run_dir / "events.jsonl"):
-            if e["event"] == "step":
-                loss = f"loss {e['loss']:.4f}"
-        self.progress.update(self.task, completed=min(step, self.total), loss=loss)
+        self._read_new()
+        self.progress.update(self.task, completed=min(step, self.total), loss=self.loss)
         members = Table(box=None, show_header=True, header_style="bold")
         for col in ("rank", "role", "worker", "pid", "state"):
             members.add_column(col)
@@ -74,7 +75,6 @@ class RunView:
         info = (f"generation {st.get('generation', '-')}   world size {st.get('world_size', '-')}"
                 f"   committed snapshot: step {st.get('committed_step', '-')}")
         body = [self.progress, info, members]
-        notable = self._notable()
-        if notable:
-            body.append(Panel("\n".join(notable), title="events", border_style="dim"))
+        if self.notable:
+            body.append(Panel("\n".join(self.notable), title="events", border_style="dim"))
         return Panel(Group(*body), title=self.title)

@@ -41,3 +41,26 @@ def test_json_file_rewritten_by_many_threads_of_one_process(tmp_path):
     assert errors == []
     assert json.loads(path.read_text())["n"] == 149
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary left
+
+
+def test_the_follower_reads_only_what_was_appended_and_waits_for_a_line_to_end(tmp_path):
+    from phoenixft.observe.events import EventFollower
+
+    p = tmp_path / "events.jsonl"
+    f = EventFollower(p)
+    assert f.poll() == []  # no log yet
+    log = EventLog(p)
+    log.emit("step", step=1)
+    log.emit("step", step=2)
+    assert [e["step"] for e in f.poll()] == [1, 2]
+    assert f.poll() == []
+    with p.open("a") as raw:
+        raw.write('{"t": 1, "event": "step", "st')  # a line being written
+    assert f.poll() == []
+    with p.open("a") as raw:
+        raw.write('ep": 3}\nnot json\n')  # its end, then a torn line from a killed writer
+    assert [e["step"] for e in f.poll()] == [3]
+    log.close()
+    p.unlink()  # a new job in the same directory: read from its start
+    EventLog(p).emit("step", step=1)
+    assert [e["step"] for e in f.poll()] == [1]
