@@ -459,7 +459,13 @@ class Member:
                 if pg is not None]
         self.ops = self._rep_pg = None
         with self._builds_lock:  # the builds hold them too: the helper thread drops the last
-            self._builds.pop(self.generation, None)
+            builds = self._builds.pop(self.generation, {})
+        # A join that failed before taking a build's group (a generation announced while
+        # it waited) leaves that build running: its group is aborted when it forms
+        # (a group already taken is in `dead`; aborting it twice is harmless)
+        for p in builds.values():
+            p.discard(abort_group)
+        del builds
         list(map(abort_group, dead))  # (no loop variable left holding the last one)
         threading.Thread(target=dead.clear, name="phoenixft-bury-groups", daemon=True).start()
 
