@@ -157,6 +157,9 @@ class GroupOps:
 
     def all_gather_into(self, out, t, what: str):
         """`out` = the concatenation of every member's `t` (in rank order)."""
+        if self.pg.size() == 1:  # gloo's all-gather of one member took 2.3 ms for 6.8 MB
+            out.copy_(t.reshape(out.shape))  # here, against 0.25 ms for this copy
+            return out
         self.wait(self.pg._allgather_base(out, t.contiguous()), what)
         return out
 
