@@ -114,3 +114,34 @@ def test_a_step_stored_as_both_kinds_is_read_as_its_manifest_committed_it(tmp_pa
         t.get(11, 3, manifest)  # the committed one is damaged: named, no fallback to the delta
     with pytest.raises(KeyError):
         t.get(11, 4, manifest)  # no record of that rank in the manifest
+
+
+def test_a_base_is_compressed_only_when_a_sample_of_it_shrinks(tmp_path):
+    """fp32 noise (what weights and optimizer state look like to zstd) is stored raw;
+    a compressible blob is compressed; both read back verified; a codec the reader does
+    not know is named, never guessed."""
+    import json
+
+    tier = FsspecTier(str(tmp_path / "ckpt"))
+    noisy = blob(tmp_path, 1, {"w": torch.randn(600_000)})
+    zeros = blob(tmp_path, 2, {"w": torch.zeros(600_000)})
+    codecs = {}
+    for step, b in ((1, noisy), (2, zeros)):
+        info = tier.put(step, 0, b)
+        header, payload = tier._read_record(tier.record_path(step, 0, "base"))
+        codecs[step] = (header["codec"], len(payload) / len(b))
+        assert info.kind == "base" and tier.get(step, 0) == b
+    assert codecs[1][0] == "raw" and codecs[1][1] == 1.0, codecs
+    assert codecs[2][0] == "zstd" and codecs[2][1] < 0.01, codecs
+    from phoenixft.checkpoint.tiers import _LEN, _RECORD
+
+    path = tier.record_path(1, 0, "base")
+    data = tier.fs.cat_file(path)
+    (n,) = _LEN.unpack_from(data, len(_RECORD))
+    start = len(_RECORD) + _LEN.size
+    header = json.loads(data[start:start + n])
+    header["codec"] = "lz5"
+    new = json.dumps(header).encode()
+    tier.fs.pipe_file(path, _RECORD + _LEN.pack(len(new)) + new + data[start + n:])
+    with pytest.raises(IntegrityError, match="unknown base codec 'lz5'"):
+        tier.get(1, 0)
