@@ -183,6 +183,18 @@ class Persister:
                 self._cond.wait(min(left, 0.2))
         return True
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (bounded) until nothing is pending or being written; False at the deadline.
+        For measurements that must charge a record's work to the steps that caused it."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending is not None or self._writing >= 0:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopped:
+                    return False
+                self._cond.wait(min(left, 0.2))
+        return True
+
     def stop(self, join_timeout_s: float = 5.0) -> None:
         with self._cond:
             self._stopped = True

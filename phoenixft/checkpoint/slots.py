@@ -4,8 +4,8 @@ A slot is a file (in /dev/shm, owned by the node's agent, so it outlives the wor
 that wrote it) laid out as::
 
     [0:8)   magic b"PHXSLOT1"
-    [8:16)  state: 0 = being written, 1 = complete, 2 = rejected (it failed its checksum
-            as it was written: a damaged transfer or copy; kept only to be passed over)
+    [8:16)  state: 0 = being written, 1 = complete, 2 = rejected (it failed its check as
+            it was written: a damaged transfer or copy; kept only to be passed over)
     [16:24) step
     [24:32) header JSON length
     [64:HEADER_BYTES)  header JSON: step, generation, rank, entries (name, dtype, shape,
@@ -152,7 +152,8 @@ class SlotFile:
         """Write a whole slot image (another slot's bytes, a received blob) and verify it
         in the same pass; returns its header. The data go first, then the header, and the
         image's own state word last, so the slot never looks complete before it is; a copy
-        that does not verify is left marked incomplete and raises `IntegrityError`."""
+        that does not verify (incomplete, another step, a checksum mismatch) is marked
+        rejected and raises `IntegrityError`."""
         n = len(image)
         if n < HEADER_BYTES:
             raise IntegrityError(f"{self.path}: a slot image of {n} bytes has no header")
@@ -247,8 +248,8 @@ def _verify(buf: np.ndarray, step: int, where, digest: str | None = None,
     them (`end` must then be where the header says the data end)."""
     state, got = _state(buf)
     if state == REJECTED:
-        raise IntegrityError(f"{where}: the copy of step {got} failed its checksum when it "
-                             "was written or received (a damaged transfer or copy), and was "
+        raise IntegrityError(f"{where}: the copy of step {got} failed its check when it was "
+                             "written or received (a damaged transfer or copy), and was "
                              "marked rejected")
     if state != 1:
         raise IntegrityError(f"{where}: snapshot incomplete (writer died mid-copy?)")

@@ -15,10 +15,14 @@ Guarantees:
 - Slot s % 2 is only rewritten once the previous snapshot (s-1, or the last one taken
   before a gap of an even number of steps) is committed, so the newest committed
   snapshot is always intact on every rank and every replica holder. A gap of odd length
-  would put s in the slot of the newest committed snapshot: `begin` refuses it.
+  would put s in the slot of the newest committed snapshot: `begin` refuses it. (A
+  rejected replica is the exception: its slot holds nothing loadable.)
 - Snapshot t is committed when every rank's local copy and every replica are
   acknowledged in the store (``ack/{g}/{t}`` reaches its target); the acker that
-  completes it sets ``commit/{t}`` and raises ``committed`` (monotonic).
+  completes it sets ``commit/{t}`` and raises ``committed`` (monotonic). A replica that
+  arrives damaged from another node is acknowledged too, marked rejected (never loaded)
+  and reported: the step commits with one copy fewer (`_check_replica`, which stops the
+  job when it happens `REJECT_LIMIT` times in a row).
 - Errors in the thread are re-raised in the training thread at the next `wait_copied`;
   a newer generation stops the thread quietly (the session is recovering anyway).
 - A snapshot begun but not copied when the generation changes (the thread was still busy,
@@ -48,6 +52,8 @@ from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.store import StoreGone, wait_for
 from phoenixft.comm.collectives import CommFailure, Interrupt
+
+REJECT_LIMIT = 3  # damaged replicas in a row from one rank that stop the job (_check_replica)
 
 
 def mark_committed(store: dist.Store, step: int, info: dict) -> None:
@@ -97,6 +103,7 @@ class Snapshotter:
         self._after_copy = after_copy or (lambda step: None)  # e.g. the persister's offer
         # fault injection: True when the replicas received of this step are to arrive damaged
         self._garble = garble or (lambda step: False)
+        self._rejected: dict[int, int] = {}  # damaged arrivals in a row, by sending rank
         self._slots: dict[tuple[str, int, int], SlotFile] = {}
         self._device = DeviceCopier()  # only used for tensors on a CUDA device
         self._tasks: queue.Queue = queue.Queue()
@@ -318,16 +325,28 @@ class Snapshotter:
         link, bad memory) is marked rejected, named in the event log, and acknowledged all
         the same: the sender's own copy verified as it was written, so the step commits
         without this replica (until the next commit, that rank's state lives only on its
-        own node and in persistent storage), and the restore passes over it. Not
-        acknowledging it would stall the commit until the deadline and stop the job over
-        a copy it can do without. Returns whether to acknowledge (always)."""
+        own node, and in persistent storage if that step was persisted), and the restore
+        passes over it. Not acknowledging it would stall the commit until the deadline and
+        stop the job over a copy it can do without. But `REJECT_LIMIT` damaged arrivals in
+        a row from one rank are no passing fault: the job would run on without the copy
+        on another node it was set up to keep (and the sender's own memory may be what is
+        bad), so that stops the job, naming the link. Returns whether to acknowledge."""
         try:
             rslot.verify(step)
+            self._rejected.pop(src, None)
+            return True
         except IntegrityError as exc:
             rslot.reject()
+            n = self._rejected[src] = self._rejected.get(src, 0) + 1
+            if n >= REJECT_LIMIT:
+                raise IntegrityError(
+                    f"rank {src}'s replicas arrived damaged {n} times in a row on rank "
+                    f"{self.rank} (snapshot {step}: {exc}): the network path or the memory "
+                    f"between their nodes is faulty; check the hosts (dmesg, NIC error "
+                    f"counters, ECC) before resuming (--persist, --resume)") from None
             self._on_degraded(f"the replica of rank {src}'s snapshot {step} arrived damaged and "
                               f"is rejected; the step commits without it: {exc}")
-        return True
+            return True
 
     def _copy_local_replica(self, src: int, step: int) -> bool:
         """Copy a same-node peer's slot out of shared memory and verify the copy (it is

@@ -151,9 +151,10 @@ class Injector:
     def check_plan(self, per_rank: list[int], receivers: set[int] | None = None) -> None:
         """Refuse a spec that can never fire: rank R computes `per_rank[R]` microbatches
         per step, so its J-th (from 0) exists only when J < per_rank[R]; a garble needs
-        rank R among `receivers`, the ranks that receive a replica from another node."""
+        rank R among `receivers`, the ranks that receive a replica from another node
+        (None: not checked)."""
         for s in self.specs:
-            if s.kind == "garble" and s.rank not in (receivers or set()):
+            if s.kind == "garble" and receivers is not None and s.rank not in receivers:
                 raise InjectSpecError(
                     f"--inject {s} can never fire: rank {s.rank} receives no replica from "
                     f"another node (replicas cross nodes only in a job of several nodes, "

@@ -21,13 +21,19 @@ class _Watched:
 
     def __init__(self, run_dir: Path) -> None:
         self.follower = EventFollower(run_dir / "events.jsonl")
+        self._clear()
+
+    def _clear(self) -> None:
         self.recent: collections.deque[float] = collections.deque()  # step times, last 10 s
         self.loss: float | None = None
         self.fails: collections.deque[dict] = collections.deque(maxlen=5)
         self.recs: collections.deque[dict] = collections.deque(maxlen=5)
 
     def update(self) -> None:
-        for e in self.follower.poll():
+        new = self.follower.poll()
+        if self.follower.restarted:  # a new job in this directory
+            self._clear()
+        for e in new:
             if e["event"] == "step":
                 self.loss = e["loss"]
                 self.recent.append(e["t"])

@@ -43,7 +43,11 @@ class RunView:
 
     def _read_new(self) -> None:
         """Take in the events logged since the last render (`EventFollower`)."""
-        for e in self.follower.poll():
+        new = self.follower.poll()
+        if self.follower.restarted:  # a new job in this directory
+            self.loss = ""
+            self.notable.clear()
+        for e in new:
             ev = e["event"]
             if ev == "step":
                 self.loss = f"loss {e['loss']:.4f}"

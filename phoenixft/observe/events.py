@@ -62,35 +62,41 @@ class EventFollower:
     appended since the previous one, so following a long job costs what it logs from now
     on, not everything it logged (a view that re-read the whole log on every refresh
     parsed tens of MB a second on a job of 100k steps). A line not yet ended waits for its
-    end; a log replaced or truncated (a new job in the same directory) is read afresh."""
+    end. A log replaced or truncated (a new job in the same directory) is read from its
+    start, and `restarted` says so until the next poll, so a view can drop what it kept."""
+
+    READ_BYTES = 4 << 20  # read (and parse) at most this much at a time
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.restarted = False
         self._pos = 0
         self._ino: int | None = None
         self._partial = b""
 
     def poll(self) -> list[dict]:
+        self.restarted = False
         try:
             f = self.path.open("rb")
         except FileNotFoundError:
             return []
+        out: list[dict] = []
         with f:
             st = os.fstat(f.fileno())
             if st.st_ino != self._ino or st.st_size < self._pos:
+                self.restarted = self._ino is not None
                 self._ino, self._pos, self._partial = st.st_ino, 0, b""
             f.seek(self._pos)
-            data = f.read()
-        self._pos += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        out = []
-        for line in lines:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:  # a torn line (its writer killed mid-write)
-                    continue
+            while data := f.read(self.READ_BYTES):
+                self._pos += len(data)
+                lines = (self._partial + data).split(b"\n")
+                self._partial = lines.pop()
+                for line in lines:
+                    if line.strip():
+                        try:
+                            out.append(json.loads(line))
+                        except ValueError:  # a torn line (its writer killed mid-write)
+                            continue
         return out
 
 

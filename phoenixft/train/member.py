@@ -333,11 +333,14 @@ class Member:
                 builds = {"train": pending("train", self._device)}
                 if crossing_replicas(plan.nodes, self._replica_holders(plan)):
                     builds["replicate"] = pending("replicate", torch.device("cpu"))
+                kept = {}
                 for k, old in self._builds.items():
-                    if k != self.generation:  # never joined (that one is buried on failure)
-                        for p in old.values():
-                            p.discard(abort_group)
-                self._builds, self._built_upto = {g: builds}, g
+                    if k == self.generation:  # joined, or being joined: `_bury_groups`
+                        kept[k] = old  # aborts what it holds when it leaves
+                        continue
+                    for p in old.values():  # never joined
+                        p.discard(abort_group)
+                self._builds, self._built_upto = {**kept, g: builds}, g
             return self._builds[g]  # (older generations' builds are dropped: abandoned)
 
     def _prepare(self, state: RankState, first: bool) -> None:

@@ -132,8 +132,11 @@ class Session:
         self._warm_up()
         self._pending = self.member.start(self.state)
         m = self.state.m_for(self.world_size)
-        self.member.injector.check_plan([len(ids) for ids in quota.plan(m, self.world_size)],
-                                        receivers=self.member.replica_receivers())
+        # (a garble is checked against the job's first placement: a spare or a respawned
+        # worker sets up later, when the ranks that receive replicas may have changed)
+        self.member.injector.check_plan(
+            [len(ids) for ids in quota.plan(m, self.world_size)],
+            receivers=self.member.replica_receivers() if self.generation == 0 else None)
 
     def _warm_up(self) -> None:
         """Pay lazy imports and first-call costs now, not on activation: constructing and

@@ -97,6 +97,12 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], object]
 # passes a Python-level call. On a GPU one tensor is best (one kernel per pass).
 CPU_CHUNK = 1 << 18
 MAX_CHUNKS = 64
+# Chunks change nothing only for an optimizer whose update of each element depends on
+# that element alone: torch's own elementwise ones. Any other (Adafactor, LAMB, LARS:
+# per-tensor norms) steps the shard as one tensor.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "RMSprop", "ASGD", "Rprop")
+    if hasattr(torch.optim, name))
 
 
 def chunk_bounds(n: int, device: torch.device) -> list[tuple[int, int]]:
@@ -130,6 +136,9 @@ class ShardedOptimizer:
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise TypeError("optimizer factory must return a torch.optim.Optimizer built on "
                             "the parameters it is given, e.g. lambda p: torch.optim.AdamW(p, lr=3e-4)")
+        if len(self.params) > 1 and type(self.inner) not in ELEMENTWISE:
+            self.bounds, self.params = [(0, self.shard.numel())], [self.shard]
+            self.inner = factory(self.params)  # (built anew, on the whole shard: no state yet)
         self.sched = scheduler(self.inner) if scheduler is not None else None
         if self.sched is not None and not (hasattr(self.sched, "step") and
                                            hasattr(self.sched, "state_dict")):
@@ -158,21 +167,35 @@ class ShardedOptimizer:
     def _consolidate(self) -> None:
         """Make every chunk's per-element state tensor a view of its key's flat tensor
         (after the first step, or after an optimizer replaced a state tensor instead of
-        updating it in place); 0-dim tensors (a step count) stay per chunk."""
+        updating it in place); 0-dim tensors (a step count) stay per chunk, and must agree
+        across chunks (the snapshot takes chunk 0's)."""
+        first = self.inner.state.get(self.params[0], {})
+        name = type(self.inner).__name__
+        checking = not self._flat_state  # the first step (after a restore: known good)
         for p, (a, b) in zip(self.params, self.bounds):
             st = self.inner.state.get(p, {})
+            if checking and st.keys() != first.keys():
+                raise TypeError(f"{name}'s state keys differ between chunks of the shard "
+                                f"({sorted(first)} and {sorted(st)})")
             for k, v in st.items():
-                if not torch.is_tensor(v) or v.dim() == 0:
+                if not torch.is_tensor(v):
+                    continue
+                if v.dim() == 0:
+                    if checking and not torch.equal(v, first[k]):
+                        raise TypeError(f"{name}'s state {k!r} differs between chunks of the "
+                                        "shard: it is not an elementwise optimizer")
                     continue
                 if v.shape != p.shape:
-                    raise TypeError(f"{type(self.inner).__name__}'s state {k!r} has shape "
-                                    f"{tuple(v.shape)} for a parameter of shape {tuple(p.shape)}: "
-                                    "phoenixft shards optimizer state element by element, so it "
-                                    "needs an elementwise optimizer (SGD, Adam, AdamW, ...)")
+                    raise TypeError(f"{name}'s state {k!r} has shape {tuple(v.shape)} for a "
+                                    f"parameter of shape {tuple(p.shape)}: phoenixft shards "
+                                    "optimizer state element by element")
                 flat = self._flat_state.get(k)
-                if flat is None or flat.dtype != v.dtype:
+                if flat is None:
                     flat = self._flat_state[k] = torch.empty(self.shard.numel(), dtype=v.dtype,
                                                              device=v.device)
+                elif flat.dtype != v.dtype:
+                    raise TypeError(f"{name}'s state {k!r} has dtype {v.dtype} in one chunk and "
+                                    f"{flat.dtype} in another")
                 view = flat[a:b]
                 if v.data_ptr() != view.data_ptr():
                     view.copy_(v)

@@ -60,7 +60,13 @@ def test_the_follower_reads_only_what_was_appended_and_waits_for_a_line_to_end(t
     with p.open("a") as raw:
         raw.write('ep": 3}\nnot json\n')  # its end, then a torn line from a killed writer
     assert [e["step"] for e in f.poll()] == [3]
+    assert not f.restarted
     log.close()
-    p.unlink()  # a new job in the same directory: read from its start
+    p.write_text("")  # a new job in the same directory: read from its start, say so
     EventLog(p).emit("step", step=1)
-    assert [e["step"] for e in f.poll()] == [1]
+    assert [e["step"] for e in f.poll()] == [1] and f.restarted
+    f.READ_BYTES = 7  # records that span reads
+    log = EventLog(p)
+    for i in range(2, 6):
+        log.emit("step", step=i)
+    assert [e["step"] for e in f.poll()] == [2, 3, 4, 5] and not f.restarted

@@ -84,5 +84,6 @@ def test_a_garble_lands_only_where_replicas_arrive(monkeypatch):
     assert not inj.garbles(0, 4) and not inj.garbles(1, 3)
     assert inj.garbles(1, 4) and not inj.garbles(1, 4)  # once per job
     inj.check_plan([1, 1], receivers={0, 1})
+    inj.check_plan([1], receivers=None)  # a spare's later setup: not checked again
     with pytest.raises(InjectSpecError, match="can never fire: rank 1 receives no replica"):
         inj.check_plan([1, 1], receivers={0})

@@ -12,7 +12,7 @@ import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.restore import RestorePlanner
-from phoenixft.checkpoint.slots import slot_path
+from phoenixft.checkpoint.slots import HEADER_BYTES, slot_path
 from phoenixft.checkpoint.snapshot import Snapshotter, mark_committed
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
@@ -167,6 +167,39 @@ def test_a_replica_that_arrives_damaged_is_rejected_and_the_step_still_commits(t
     assert seen and seen[0][0] == "local_replica" and "marked rejected" in seen[0][1], seen
     with pytest.raises(IntegrityError, match="no surviving copy of rank 1's snapshot for step 1"):
         restore(store_addr, [shm[0], shm[0]], 1, "e/")
+
+
+def test_replicas_damaged_again_and_again_stop_the_job_naming_the_link(tmp_path, store_addr):
+    """A damaged arrival now and then is passed over; three in a row from one rank are a
+    faulty link or memory, and the job must not run on without its off-node copies."""
+    from phoenixft.checkpoint.slots import Layout, SlotFile
+
+    degraded: list[str] = []
+    snap = Snapshotter(shm_dir=tmp_path, rank=0, generation=0,
+                       connect=lambda: kv.connect(store_addr), rep_pg=None, holders=[],
+                       sources=[], world_size=1, nodes={0: 0}, interrupt=Interrupt(),
+                       timeout_s=30, on_degraded=degraded.append)
+
+    def arrival(step, damaged):
+        f = SlotFile(tmp_path / f"rep.{step}")
+        t = state(1, step)
+        lay = Layout.of(t)
+        f.ensure(HEADER_BYTES + lay.data_nbytes)
+        f.begin_write(step)
+        f.finish_write(step, lay, {"rank": 1}, f.write_data(lay, t, lambda: None))
+        if damaged:
+            f.np[HEADER_BYTES + 7] ^= 0xFF
+        return f
+
+    try:
+        for step, damaged in enumerate([True, True, False, True, True]):
+            assert snap._check_replica(1, arrival(step, damaged), step)
+        assert len(degraded) == 4
+        with pytest.raises(IntegrityError, match="rank 1's replicas arrived damaged 3 times in a "
+                                                 "row on rank 0 .* network path or the memory"):
+            snap._check_replica(1, arrival(5, True), 5)
+    finally:
+        snap.stop()
 
 
 def test_a_begun_snapshot_is_kept_in_host_memory_when_the_generation_changes(tmp_path, store_addr):

@@ -97,18 +97,18 @@ def test_a_chunked_shard_steps_and_snapshots_exactly_as_one_tensor(monkeypatch, 
             assert torch.equal(resumed[k], straight[k]), (chunk, k)
 
 
-def test_a_non_elementwise_optimizer_state_is_refused_by_name(monkeypatch):
-    class Rowwise(torch.optim.Optimizer):
-        def __init__(self, params):
-            super().__init__(params, {})
-
-        def step(self, closure=None):
-            for p in self.param_groups[0]["params"]:
-                self.state[p]["stats"] = torch.zeros(2)
+def test_an_optimizer_with_per_tensor_norms_steps_the_shard_whole(monkeypatch):
+    """Chunks would change the update of Adafactor (per-tensor RMS) or of any optimizer
+    phoenixft does not know to be elementwise: those step the shard as one tensor."""
+    class Custom(torch.optim.SGD):  # a subclass may change the update: not trusted either
+        pass
 
     monkeypatch.setattr("phoenixft.train.zero.CPU_CHUNK", 100)
     flat = FlatParams(nn.Linear(40, 30))
     flat.layout(1)
-    opt = ShardedOptimizer(flat, Rowwise, 0)
-    with pytest.raises(TypeError, match="Rowwise's state 'stats' has shape .* elementwise"):
-        opt.step(torch.zeros(flat.buf.numel()))
+    for make in (lambda p: torch.optim.Adafactor(p, lr=1e-2), lambda p: Custom(p, lr=0.1)):
+        opt = ShardedOptimizer(flat, make, 0)
+        assert opt.params == [opt.shard] and opt.inner.param_groups[0]["params"] == [opt.shard]
+        opt.step(torch.ones(flat.buf.numel()))
+        assert opt.state_tensors()["param_shard"] is not None
+    assert len(ShardedOptimizer(flat, lambda p: torch.optim.SGD(p, lr=0.1), 0).params) > 1
