@@ -59,7 +59,7 @@ from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 
 GAPS = 9  # the step time the stride is set from: the median of this many recent gaps
-MIN_GAPS = 4  # offers after the first wait for this many gaps (module doc: CPU share)
+MIN_GAPS = 8  # offers after the first wait for this many gaps (module doc: CPU share)
 
 
 @dataclass(kw_only=True)
