@@ -217,6 +217,19 @@ def _base_step_s(row: dict) -> float:
     return sorted(gaps)[len(gaps) // 2]
 
 
+def _step_s_by_world(row: dict) -> dict[int, float]:
+    """The run's median step time at each world size it ran at (consecutive steps of one
+    epoch and world size): on a machine with fewer cores than workers, a shrunk job's
+    steps are not slower in proportion to its survivors (measured: 4 workers on 2 cores
+    ran as fast after losing two), so the replay takes the speed measured at each size."""
+    gaps: dict[int, list[float]] = {}
+    prog = row.get("progress", [])
+    for a, b in zip(prog, prog[1:]):
+        if b[1] == a[1] + 1 and b[2] == a[2] and b[3] == a[3]:
+            gaps.setdefault(b[2], []).append(b[0] - a[0])
+    return {w: sorted(g)[len(g) // 2] for w, g in gaps.items() if len(g) >= 3}
+
+
 def _fault_cost(mode: str, goodput: dict, row: dict, rec: list[dict], step_s: float):
     """Seconds one fault costs, as a function of the steps done (for lost work)."""
     if mode in ("spares", "shrink"):
@@ -235,7 +248,9 @@ def validate(goodput: dict, recovery: dict | None) -> list[dict]:
     schedule, phoenixft's per-fault cost from `bench recovery` (detect + recover + lost
     steps: a separate run), torchrun's restart time (the run's kill-to-next-step less a
     step: no other benchmark measures it) and work lost since its last checkpoint, and the
-    machine model (throughput follows min(workers, cores) after a shrink)."""
+    machine's speed after a shrink: the run's median step time at each world size
+    (`_step_s_by_world`), or, where too few steps ran at a size, throughput following
+    min(workers, cores)."""
     modes, n = goodput["modes"], goodput["nproc"]
     clean_eff = modes["clean"]["eff_steps_s"]
     cores = goodput.get("cpu_count") or 1
@@ -253,9 +268,16 @@ def validate(goodput: dict, recovery: dict | None) -> list[dict]:
         kills = [k["t_rel"] - first for k in row["kills"]]
         steps = row["final_step"] - 1
         cost = _fault_cost(mode, goodput, row, rec, step_s)
-        shrink = mode == "shrink"
-        wall = _replay(kills, steps, step_s, cost,
-                       lambda k, shrink=shrink: min(n, cores) / max(1, min(n - k, cores)) if shrink else 1.0)
+        by_world = _step_s_by_world(row) if mode == "shrink" else {}
+
+        def slow(k: int, shrink: bool = mode == "shrink", by_world=by_world,
+                 step_s: float = step_s) -> float:
+            if not shrink:
+                return 1.0
+            if n - k in by_world:
+                return by_world[n - k] / step_s
+            return min(n, cores) / max(1, min(n - k, cores))
+        wall = _replay(kills, steps, step_s, cost, slow)
         predicted = (steps / wall) / clean_eff
         measured = row["eff_steps_s"] / clean_eff
         out.append({"mode": mode, "predicted_ratio": round(predicted, 4),
