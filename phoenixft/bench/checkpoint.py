@@ -28,7 +28,8 @@ writes for the same model. The untrained tensors (the frozen backbone) are persi
 per generation, not per step: shown apart.
 
 Then the session against a plain loop in alternating blocks of 3 steps in one process
-(`--pairs` pairs), without checkpoints and with snapshots + persistence: the goal "with vs
+(`--pairs` pairs), without checkpoints, with snapshots only, and with snapshots +
+persistence: the goal "with vs
 without" is the quotient of these two paired ratios, since single runs one after the other
 swing 10-20% here from run to run. Each checkpointing block ends by waiting for its
 snapshot's commit and for the persister to go idle, so its background work is charged to
@@ -292,14 +293,15 @@ def _phoenix_run(args, kind: str, every: int, steps: int, settle: bool = False,
             "bytes_per_step": pers.bytes_written / max(1, pers.records)}
 
 
-def _session_vs_plain(args, checkpoints: bool, block: int = 3) -> dict:
+def _session_vs_plain(args, mode: str, block: int = 3) -> dict:
     """The Session's wall per step against a plain loop's, measured in alternating blocks
     of `block` steps in one process (a plain loop on one copy of the model, the Session on
     another, same data): single runs one after the other swing 10-20% here from run to
-    run, more than the differences measured. `checkpoints`: the Session snapshots every
-    step and persists as `phoenixft` mode 1 does (a base per record, the persister's CPU
-    share as given); else neither. Returns the mean of the per-pair ratios (session block
-    / plain block) with its standard error."""
+    run, more than the differences measured. `mode`: "without" (no snapshots, no
+    persistence), "snapshots" (a snapshot every step, nothing persisted) or "with"
+    (snapshots, and persistence as `phoenixft` mode 1 does: a base per record, the
+    persister's CPU share as given). Returns the mean of the per-pair ratios (session
+    block / plain block) with its standard error."""
     from phoenixft.train.config import SessionConfig
     from phoenixft.train.session import Session
 
@@ -307,9 +309,9 @@ def _session_vs_plain(args, checkpoints: bool, block: int = 3) -> dict:
     plain = _Workload(args.preset, "full")
     opt = plain.optimizer()(list(plain.model.parameters()))
     root = Path(tempfile.mkdtemp(prefix="phoenixft-", dir=args.dir))
-    extra = (dict(persist_url=str(root / "ckpt"), persist_every=1, persist_keep=2,
-                  persist_cpu_share=args.persist_cpu_share) if checkpoints else
-             {"snapshots": False})
+    extra = {"without": {"snapshots": False}, "snapshots": {},
+             "with": dict(persist_url=str(root / "ckpt"), persist_every=1, persist_keep=2,
+                          persist_cpu_share=args.persist_cpu_share)}[mode]
     sess = Session(SessionConfig(run_dir=str(root / "run"), shm_dir=str(root / "shm"), **extra))
     work = _Workload(args.preset, "full")
     sess.setup(work.model, work.optimizer())
@@ -328,11 +330,12 @@ def _session_vs_plain(args, checkpoints: bool, block: int = 3) -> dict:
                 st = next(steps)
                 for _ in st.microbatches():
                     st.backward(work.loss(st.index))
-            if checkpoints:  # the block's background work is charged to it, not to the
-                # plain block after it: its snapshot committed, its record written (an upper
-                # bound: what would have overlapped the next steps is waited for here)
+            if mode != "without":  # the block's background work is charged to it, not to
+                # the plain block after it: its snapshot committed, its record written (an
+                # upper bound: what would have overlapped the next steps is waited for here)
                 sess.member.snap.wait_copied(committed=True)
-                sess.member.persister.wait_idle(60)
+                if sess.member.persister is not None:
+                    sess.member.persister.wait_idle(60)
             t2 = time.perf_counter()
             step += block
             if i >= warm:
@@ -396,8 +399,7 @@ def cmd_checkpoint(args) -> int:
     modes["phoenixft, no checkpoint"] = {1: _phoenix_run(args, "full", 1, args.steps,
                                                          checkpoints=False)}
     print("[checkpoint] the session vs a plain loop, alternating blocks", flush=True)
-    session_vs_plain = {"without": _session_vs_plain(args, checkpoints=False),
-                        "with": _session_vs_plain(args, checkpoints=True)}
+    session_vs_plain = {m: _session_vs_plain(args, m) for m in ("without", "snapshots", "with")}
     modes["phoenixft"] = {1: _phoenix_run(args, "full", 1, args.steps),
                           args.every: _phoenix_run(args, "full", args.every, args.steps)}
     for by_freq in modes.values():  # wall per step, waits included, against the plain loop
@@ -489,9 +491,12 @@ def session_line(result: dict) -> str:
     if not p:
         return ""
     wo, w = p["without"], p["with"]
+    snap = p.get("snapshots")
+    snaps = (f"; with snapshots, nothing persisted, {snap['mean']:.3f}x +- {snap['se']:.3f}"
+             if snap else "")
     return (f"Against a plain loop, in {wo['pairs']} alternating pairs of {wo['block']}-step "
             f"blocks in one process (mean of the pair ratios +- standard error): the session "
-            f"alone {wo['mean']:.3f}x +- {wo['se']:.3f}; with snapshots and persistence "
+            f"alone {wo['mean']:.3f}x +- {wo['se']:.3f}{snaps}; with snapshots and persistence "
             f"{w['mean']:.3f}x +- {w['se']:.3f} ({w['records']} records in "
             f"{(w['pairs'] + 2) * w['block'] + 1} steps). The table's single runs, one mode "
             f"after the other, swing more than that from run to run.")
