@@ -66,7 +66,8 @@ def main() -> None:
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
-    dist.destroy_process_group()
+    dist.barrier()  # leave together: a rank that tore its group down while rank 0 was still
+    dist.destroy_process_group()  # saving was aborted by gloo once ("terminate called ...")
 
 
 if __name__ == "__main__":
