@@ -62,6 +62,11 @@ from phoenixft.train.reduce_layout import ReduceLayout
 from phoenixft.train.step import Step
 from phoenixft.train.zero import ShardedOptimizer
 
+# A spare waits at most this long for survivors' in-flight snapshot copies before it
+# computes ahead (`_local_step_of_every_rank`); the survivors meanwhile finish their
+# microbatches, which take a step's compute
+AHEAD_WAIT_S = 0.5
+
 
 class Member:
     """The generation protocol for one worker. `rank`, `world_size`, `generation` and
@@ -253,7 +258,26 @@ class Member:
 
     def _local_step_of_every_rank(self, r: int, world: int, numel: int):
         """(t, [(slot, header)] by rank) for the newest step t of which this node holds a
-        verified copy of every rank's snapshot, all written by one generation; or None."""
+        verified copy of every rank's snapshot, all written by one generation; or None.
+
+        When rank r's newest copy, of step t, is here but some survivor's is not yet, that
+        survivor is still copying it: rank r finished step t, so every rank got through
+        t's all-gather, and a survivor copies a snapshot it began even after the failure.
+        So wait for it, up to `AHEAD_WAIT_S`, rather than compute ahead from an older
+        step, work the restore of t would then drop (seen: a spare computed from 6 while
+        everyone restored 7)."""
+        deadline = time.monotonic() + AHEAD_WAIT_S
+        while True:
+            newest, got = self._scan_local_steps(r, world, numel)
+            if (got is not None and got[0] == newest) or newest < 0 \
+                    or time.monotonic() > deadline:
+                return got
+            time.sleep(0.005)  # the survivors' snapshot threads finish their copies
+            self.planner.forget()  # (a copy found missing is looked for again)
+
+    def _scan_local_steps(self, r: int, world: int, numel: int):
+        """(the newest step of rank r's own copies here, the newest step found whole
+        as `_local_step_of_every_rank` returns it, or None)."""
         steps = set()
         for kind in ("snap", "rep"):
             for parity in (0, 1):
@@ -272,8 +296,8 @@ class Member:
                     break
                 copies.append((found[0], hdr))
             if len(copies) == world and len({h.get("generation") for _, h in copies}) == 1:
-                return t, copies
-        return None
+                return max(steps), (t, copies)
+        return max(steps, default=-1), None
 
     def _enter_generation(self, plan: Plan) -> None:
         g = plan.generation
