@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -205,29 +206,43 @@ def _replay(kills_s: list[float], steps: int, step_s: float, cost, slow) -> floa
     return t + max(0.0, steps - done) * step_s * slow(len(kills_s))
 
 
+def _step_gaps(row: dict, before: float = float("inf")) -> dict[int, list[float]]:
+    """The run's gaps between consecutive steps of one epoch and world size, by world
+    size, for steps ending before `before` (seconds after launch)."""
+    gaps: dict[int, list[float]] = {}
+    prog = row.get("progress", [])
+    for a, b in zip(prog, prog[1:]):
+        if b[1] == a[1] + 1 and b[2] == a[2] and b[3] == a[3] and b[0] < before:
+            gaps.setdefault(b[2], []).append(b[0] - a[0])
+    return gaps
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def _base_step_s(row: dict) -> float:
     """The run's own failure-free step time: the median gap between consecutive steps
     before its first fault (the machine's speed during that run, an input)."""
     first_kill = min((k["t_rel"] for k in row.get("kills", [])), default=float("inf"))
-    prog = row.get("progress", [])
-    gaps = [b[0] - a[0] for a, b in zip(prog, prog[1:])
-            if b[1] == a[1] + 1 and b[3] == a[3] and b[0] < first_kill]
+    gaps = [g for gs in _step_gaps(row, first_kill).values() for g in gs]
     if not gaps:
         return row.get("median_step_s") or 1 / row["eff_steps_s"]
-    return sorted(gaps)[len(gaps) // 2]
+    return _median(gaps)
 
 
-def _step_s_by_world(row: dict) -> dict[int, float]:
-    """The run's median step time at each world size it ran at (consecutive steps of one
-    epoch and world size): on a machine with fewer cores than workers, a shrunk job's
-    steps are not slower in proportion to its survivors (measured: 4 workers on 2 cores
-    ran as fast after losing two), so the replay takes the speed measured at each size."""
-    gaps: dict[int, list[float]] = {}
-    prog = row.get("progress", [])
-    for a, b in zip(prog, prog[1:]):
-        if b[1] == a[1] + 1 and b[2] == a[2] and b[3] == a[3]:
-            gaps.setdefault(b[2], []).append(b[0] - a[0])
-    return {w: sorted(g)[len(g) // 2] for w, g in gaps.items() if len(g) >= 3}
+def _slowdown(mode: str, row: dict, n: int, cores: int,
+              step_s: float) -> Callable[[int], float]:
+    """How much longer than `step_s` a step takes after k faults. Only a shrink changes
+    it: at the speed the run measured at each world size (on a machine with fewer cores
+    than workers a shrunk job's steps are not slower in proportion to its survivors:
+    4 workers on 2 cores ran as fast after losing two), or, where fewer than 3 steps ran
+    at a size, throughput following min(workers, cores)."""
+    if mode != "shrink":
+        return lambda k: 1.0
+    by_world = {w: _median(g) for w, g in _step_gaps(row).items() if len(g) >= 3}
+    return lambda k: (by_world[n - k] / step_s if n - k in by_world
+                      else min(n, cores) / max(1, min(n - k, cores)))
 
 
 def _fault_cost(mode: str, goodput: dict, row: dict, rec: list[dict], step_s: float):
@@ -248,9 +263,7 @@ def validate(goodput: dict, recovery: dict | None) -> list[dict]:
     schedule, phoenixft's per-fault cost from `bench recovery` (detect + recover + lost
     steps: a separate run), torchrun's restart time (the run's kill-to-next-step less a
     step: no other benchmark measures it) and work lost since its last checkpoint, and the
-    machine's speed after a shrink: the run's median step time at each world size
-    (`_step_s_by_world`), or, where too few steps ran at a size, throughput following
-    min(workers, cores)."""
+    machine's speed after a shrink (`_slowdown`)."""
     modes, n = goodput["modes"], goodput["nproc"]
     clean_eff = modes["clean"]["eff_steps_s"]
     cores = goodput.get("cpu_count") or 1
@@ -268,16 +281,7 @@ def validate(goodput: dict, recovery: dict | None) -> list[dict]:
         kills = [k["t_rel"] - first for k in row["kills"]]
         steps = row["final_step"] - 1
         cost = _fault_cost(mode, goodput, row, rec, step_s)
-        by_world = _step_s_by_world(row) if mode == "shrink" else {}
-
-        def slow(k: int, shrink: bool = mode == "shrink", by_world=by_world,
-                 step_s: float = step_s) -> float:
-            if not shrink:
-                return 1.0
-            if n - k in by_world:
-                return by_world[n - k] / step_s
-            return min(n, cores) / max(1, min(n - k, cores))
-        wall = _replay(kills, steps, step_s, cost, slow)
+        wall = _replay(kills, steps, step_s, cost, _slowdown(mode, row, n, cores, step_s))
         predicted = (steps / wall) / clean_eff
         measured = row["eff_steps_s"] / clean_eff
         out.append({"mode": mode, "predicted_ratio": round(predicted, 4),
