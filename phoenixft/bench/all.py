@@ -245,10 +245,9 @@ def _torchft_table(d: dict) -> list[str]:
 
 def _checkpoint_table(d: dict) -> list[str]:
     """bench checkpoint's cost table (`checkpoint.cost_rows`), as markdown."""
-    from .checkpoint import COST_COLUMNS, cost_rows
+    from .checkpoint import COST_COLUMNS, cost_rows, session_line
     rows = ["| " + " | ".join(COST_COLUMNS) + " |", "|" + "---|" * len(COST_COLUMNS)]
     rows += ["| " + " | ".join(r) + " |" for r in cost_rows(d)]
-    from .checkpoint import session_line
     p = d["modes"].get("phoenixft", {}).get("1", {})
     return rows + ["", f"Plain loop: {1000 * d['step_s']:.0f} ms a step. phoenixft persisted every "
                    f"{p.get('stride')}th step (its persister's CPU share, 5% of a core by default). "

@@ -316,7 +316,8 @@ def _session_vs_plain(args, mode: str, block: int = 3) -> dict:
     work = _Workload(args.preset, "full")
     sess.setup(work.model, work.optimizer())
     warm = 2  # pairs not timed: first calls, allocations, the persister's first records
-    steps = sess.steps((args.pairs + warm) * block + 1)
+    total = (args.pairs + warm) * block + 1
+    steps = sess.steps(total)
     ratios, step = [], 0
     try:
         for i in range(args.pairs + warm):
@@ -350,8 +351,8 @@ def _session_vs_plain(args, mode: str, block: int = 3) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     mean = statistics.mean(ratios)
     se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
-    return {"mean": mean, "se": se, "pairs": len(ratios), "block": block, "records": records,
-            "stride": stride}
+    return {"mean": mean, "se": se, "pairs": len(ratios), "block": block, "steps": total,
+            "records": records, "stride": stride}
 
 
 def _full_state_bytes(sess, model) -> int:
@@ -498,7 +499,7 @@ def session_line(result: dict) -> str:
             f"blocks in one process (mean of the pair ratios +- standard error): the session "
             f"alone {wo['mean']:.3f}x +- {wo['se']:.3f}{snaps}; with snapshots and persistence "
             f"{w['mean']:.3f}x +- {w['se']:.3f} ({w['records']} records in "
-            f"{(w['pairs'] + 2) * w['block'] + 1} steps). The table's single runs, one mode "
+            f"{w['steps']} steps). The table's single runs, one mode "
             f"after the other, swing more than that from run to run.")
 
 
