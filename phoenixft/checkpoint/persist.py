@@ -176,23 +176,26 @@ class Persister:
                         -1 if self._pending is None else self._pending)
             if self._latest > taken:  # (not one being written: it would be written twice)
                 self._take(self._latest)  # the last step offered is persisted, off the stride too
-            while (self._committed if self.rank == 0 else self._done_step) < step:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopped or self._failed_step >= step:
-                    return False
-                self._cond.wait(min(left, 0.2))
-        return True
+            return self._wait_locked(
+                lambda: (self._committed if self.rank == 0 else self._done_step) >= step,
+                deadline, failed=lambda: self._failed_step >= step)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (bounded) until nothing is pending or being written; False at the deadline.
         For measurements that must charge a record's work to the steps that caused it."""
-        deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._pending is not None or self._writing >= 0:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopped:
-                    return False
-                self._cond.wait(min(left, 0.2))
+            return self._wait_locked(lambda: self._pending is None and self._writing < 0,
+                                     time.monotonic() + timeout_s)
+
+    def _wait_locked(self, done: Callable[[], bool], deadline: float,
+                     failed: Callable[[], bool] = lambda: False) -> bool:
+        """(Under the lock) wait until `done()`; False at the deadline, once the persister
+        stopped, or once `failed()`."""
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stopped or failed():
+                return False
+            self._cond.wait(min(left, 0.2))
         return True
 
     def stop(self, join_timeout_s: float = 5.0) -> None:
