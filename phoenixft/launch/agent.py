@@ -391,6 +391,10 @@ class Agent:
             self._say(f"phoenixft: node {self.cfg.node_rank} stops: {self._lost_store} at "
                       f"{self.cfg.store} ({who}); its workers were stopped{resume}", err=True)
         elif self.leader is not None:
+            try:
+                self._watch_persistence(store, final=True)
+            except kv.STORE_LOST:
+                pass  # (the summary below does not need the store)
             summary = self.leader.summary(wall_s)
             if self.leader.problems:
                 rc = 1
@@ -429,10 +433,11 @@ class Agent:
         except kv.STORE_LOST:
             return
 
-    def _watch_persistence(self, store) -> None:
-        """Twice a second: remember the newest durable step (for the message if the store
-        goes away) and, on the leader, show storage errors on the console once each."""
-        if not self.cfg.persist or time.monotonic() - self._persist_t < 0.5:
+    def _watch_persistence(self, store, final: bool = False) -> None:
+        """Twice a second, and once more at the end (`final`): remember the newest durable
+        step (for the message if the store goes away) and, on the leader, show storage
+        errors on the console once each (a job shorter than the interval still shows them)."""
+        if not self.cfg.persist or (not final and time.monotonic() - self._persist_t < 0.5):
             return
         self._persist_t = time.monotonic()
         self.persisted_step = kv.get_int(store, Keys.PERSISTED, -1)

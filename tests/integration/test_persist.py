@@ -5,6 +5,7 @@ over, storage that fills up or turns read-only, and export to Hugging Face."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from jobs import (
     kill_tree,
     load,
     run,
+    run_script,
     run_two_nodes,
     start,
     wait_until,
@@ -268,34 +270,59 @@ def test_a_replica_damaged_in_transit_is_rejected_and_storage_serves_instead(
 
 @pytest.fixture()
 def small_disk(tmp_path):
-    """A 2 MiB tmpfs (the test is root in CI): room for a base and a few deltas. Without
-    root the test fails naming why: a skip would let CI pass without checking anything."""
+    """A 4 MiB tmpfs (the test is root in CI): room for the first records whatever order
+    the ranks write them in; the test fills it up itself. Without root the test fails
+    naming why: a skip would let CI pass without checking anything."""
     if os.geteuid() != 0:
         pytest.fail("needs root to mount a small tmpfs (CI runs as root); deselect with "
                     "-k 'not storage_full' to run the rest unprivileged")
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-@pytest.mark.timeout(300)
-def test_storage_full_or_read_only_mid_run_never_stops_training(tmp_path, tmp_path_factory,
-                                                                small_disk):
-    ref = failure_free(tmp_path_factory, 2, STEPS)
-    url = str(small_disk / "ckpt")
-    p = start(tmp_path / "run", "--nproc", "2", "--persist", url, "--persist-every", "50", *PER_STEP,
-              steps=STEPS)
+def fill_up(disk: Path) -> None:
+    """Write a file until the disk has no room left (ENOSPC), as another tenant would."""
+    with (disk / "filler").open("wb") as f:
+        try:
+            while True:
+                f.write(bytes(64 << 10))
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+GATED = Path(__file__).with_name("scripts") / "gated.py"
+HOLD = ("--hold-at", "6", "--hold-until-file", "go")  # the job waits there for the test
+
+
+def storage_changes_while_held(run_dir: Path, url: str, change) -> tuple:
+    """Run the gated job persisting every step to `url`; once a step is committed there
+    (the job holds at step 6 until then), `change()` the storage, then let the job go on."""
+    p = start(run_dir, "--nproc", "2", "--persist", url, "--persist-every", "50", *PER_STEP,
+              script=GATED, steps=STEPS, script_args=HOLD)
     try:
+        wait_until(lambda: persisted_steps(run_dir), 120, "a persisted step")
+        change()
+        (run_dir / "go").touch()
         out, _ = p.communicate(timeout=240)
     finally:
         kill_tree(p.pid)
-        kill_members(tmp_path / "run")
-    job = load(tmp_path / "run", p.returncode, out)
-    same_result(job, ref)  # the disk filled up; training did not notice
+        kill_members(run_dir)
+    return load(run_dir, p.returncode, out), out
+
+
+@pytest.mark.timeout(300)
+def test_storage_full_or_read_only_mid_run_never_stops_training(tmp_path, small_disk):
+    ref = run_script(tmp_path / "ref", GATED, "--nproc", "2", script_args=("--steps", str(STEPS)))
+    assert ref.rc == 0, ref.out
+    url = str(small_disk / "ckpt")
+    job, out = storage_changes_while_held(tmp_path / "run", url, lambda: fill_up(small_disk))
+    same_result(job, ref.summary)  # the disk filled up; training did not notice
     failed = job.of("persist_failed")
     assert failed and "No space left" in failed[0]["error"]
     assert "persisting to" in out and "training goes on" in out
@@ -306,24 +333,19 @@ def test_storage_full_or_read_only_mid_run_never_stops_training(tmp_path, tmp_pa
     assert committed and job.summary["persisted_step"] == committed[-1] < STEPS
 
     # the same disk turned read-only under a running job
-    subprocess.run(["rm", "-rf", url], check=True)
-    run_dir = tmp_path / "ro"
-    p = start(run_dir, "--nproc", "2", "--persist", url, "--persist-every", "50", *PER_STEP,
-              steps=STEPS)
-    try:
-        wait_until(lambda: persisted_steps(run_dir), 120, "a persisted step")
+    subprocess.run(["rm", "-rf", url, str(small_disk / "filler")], check=True)
+
+    def read_only() -> None:
         # the kernel refuses (EBUSY) while a persister holds a file open for writing:
         # try again between its writes
         wait_until(lambda: subprocess.run(["mount", "-o", "remount,ro", str(small_disk)],
                                           capture_output=True).returncode == 0,
                    60, "the disk remounted read-only (busy while a record is written)", 0.01)
-        out, _ = p.communicate(timeout=240)
+    try:
+        job, _ = storage_changes_while_held(tmp_path / "ro", url, read_only)
     finally:
-        kill_tree(p.pid)
-        kill_members(run_dir)
         subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=False)
-    job = load(run_dir, p.returncode, out)
-    same_result(job, ref)
+    same_result(job, ref.summary)
     assert any("Read-only file system" in e["error"] for e in job.of("persist_failed"))
     verify = subprocess.run([*PHOENIXFT, "ckpt", "verify", url], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)

@@ -1,6 +1,7 @@
 """A tiny ReCoVer job (each microbatch's data is a pure function of its id) that can hold
-at a step until a respawned worker has registered. A test that needs the world to grow
-back before the job ends waits for that state, instead of hoping the job is slow enough.
+at a step until a respawned worker has registered, or until the test creates a file in the
+run directory. A test that needs the world to grow back, or the storage to change, while
+the job still runs waits for that state, instead of hoping the job is slow enough.
 
 A respawned worker (one generation 0 did not know) registers only once the leader has
 planned the failure it replaces: a replacement that registered first would take the dead
@@ -33,11 +34,29 @@ def wait_for_failure_plan(run_dir: Path, wid: str) -> None:
         time.sleep(0.05)  # polling the run's event log for a state, bounded
 
 
+def hold(run_dir: Path, until_file: str | None) -> None:
+    """Wait (bounded) for the file in the run directory, or for a respawned worker's
+    registration when no file is named."""
+    def done() -> bool:
+        if until_file is not None:
+            return (run_dir / until_file).exists()
+        return any(e["event"] == "spare_added" for e in read_events(run_dir / "events.jsonl"))
+
+    what = f"{until_file} in the run dir" if until_file else "respawned worker registered"
+    deadline = time.monotonic() + 120
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within 120 s")
+        time.sleep(0.05)  # polling for a state, bounded
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--hold-at", type=int, default=0, help="wait at this step for a new spare")
+    ap.add_argument("--hold-until-file", default=None,
+                    help="at --hold-at, wait for this file in the run directory instead")
     args = ap.parse_args()
     torch.set_num_threads(1)
     run_dir = Path(os.environ["PHOENIXFT_RUN_DIR"])
@@ -48,11 +67,7 @@ def main() -> None:
     sess.setup(model, lambda p: torch.optim.AdamW(p, lr=1e-2), microbatches=args.microbatches)
     for step in sess.steps(args.steps):
         if step.index == args.hold_at and not step.retry:
-            deadline = time.monotonic() + 120
-            while not any(e["event"] == "spare_added" for e in read_events(run_dir / "events.jsonl")):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("no respawned worker registered within 120 s")
-                time.sleep(0.05)  # polling the run's event log for a state, bounded
+            hold(run_dir, args.hold_until_file)
         for j in step.microbatches():
             g = torch.Generator().manual_seed(step.index * 1000 + j)
             x = torch.randn(8, 16, generator=g)
