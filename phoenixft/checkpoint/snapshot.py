@@ -21,8 +21,9 @@ Guarantees:
   acknowledged in the store (``ack/{g}/{t}`` reaches its target); the acker that
   completes it sets ``commit/{t}`` and raises ``committed`` (monotonic). A replica that
   arrives damaged from another node is acknowledged too, marked rejected (never loaded)
-  and reported: the step commits with one copy fewer (`_check_replica`, which stops the
-  job when it happens `REJECT_LIMIT` times in a row).
+  and reported: the step commits with one copy fewer (`_rejected_copy`, which stops the
+  job when it happens `REJECT_LIMIT` times in a row). So is a same-node copy that failed
+  its check while the peer's own slot is whole; a damaged peer slot is not acknowledged.
 - Errors in the thread are re-raised in the training thread at the next `wait_copied`;
   a newer generation stops the thread quietly (the session is recovering anyway).
 - A snapshot begun but not copied when the generation changes (the thread was still busy,
@@ -321,51 +322,71 @@ class Snapshotter:
         return None
 
     def _check_replica(self, src: int, rslot: SlotFile, step: int) -> bool:
-        """Verify a replica received from another node. One that arrived damaged (a bad
-        link, bad memory) is marked rejected, named in the event log, and acknowledged all
-        the same: the sender's own copy verified as it was written, so the step commits
-        without this replica (until the next commit, that rank's state lives only on its
-        own node, and in persistent storage if that step was persisted), and the restore
-        passes over it. Not acknowledging it would stall the commit until the deadline and
-        stop the job over a copy it can do without. But `REJECT_LIMIT` damaged arrivals in
-        a row from one rank are no passing fault: the job would run on without the copy
-        on another node it was set up to keep (and the sender's own memory may be what is
-        bad), so that stops the job, naming the link. Returns whether to acknowledge."""
+        """Verify a replica received from another node; one that arrived damaged is
+        rejected (`_rejected_copy`). Returns whether to acknowledge."""
         try:
             rslot.verify(step)
             self._rejected.pop(src, None)
             return True
         except IntegrityError as exc:
             rslot.reject()
-            n = self._rejected[src] = self._rejected.get(src, 0) + 1
-            if n >= REJECT_LIMIT:
-                raise IntegrityError(
-                    f"rank {src}'s replicas arrived damaged {n} times in a row on rank "
-                    f"{self.rank} (snapshot {step}: {exc}): the network path or the memory "
-                    f"between their nodes is faulty; check the hosts (dmesg, NIC error "
-                    f"counters, ECC) before resuming (--persist, --resume)") from None
-            self._on_degraded(f"the replica of rank {src}'s snapshot {step} arrived damaged and "
-                              f"is rejected; the step commits without it: {exc}")
-            return True
+            return self._rejected_copy(src, step, "arrived damaged", exc)
+
+    def _rejected_copy(self, src: int, step: int, how: str, exc: IntegrityError) -> bool:
+        """A replica whose sender's own copy is whole but which itself failed its check (a
+        bad link, bad memory; already marked rejected) is named in the event log and
+        acknowledged all the same: the step commits without this replica (until the next
+        commit, that rank's state lives only in its own slot, and in persistent storage if
+        that step was persisted), and the restore passes over it. Not acknowledging it
+        would stall the commit until the deadline and stop the job over a copy it can do
+        without. But `REJECT_LIMIT` damaged copies in a row from one rank are no passing
+        fault: the job would run on without the copy it was set up to keep (and the
+        sender's own memory may be what is bad), so that stops the job, naming the link.
+        Returns True (acknowledge) or raises."""
+        n = self._rejected[src] = self._rejected.get(src, 0) + 1
+        if n >= REJECT_LIMIT:
+            raise IntegrityError(
+                f"rank {src}'s replicas {how} {n} times in a row on rank {self.rank} "
+                f"(snapshot {step}: {exc}): the network path or the memory between them is "
+                f"faulty; check the hosts (dmesg, NIC error counters, ECC) before resuming "
+                f"(--persist, --resume)") from None
+        self._on_degraded(f"the replica of rank {src}'s snapshot {step} {how} and is "
+                          f"rejected; the step commits without it: {exc}")
+        return True
 
     def _copy_local_replica(self, src: int, step: int) -> bool:
-        """Copy a same-node peer's slot out of shared memory and verify the copy (it is
-        acknowledged only if whole: a slot damaged while it was copied must not count as a
-        replica). If the peer's file is gone (the node's shared memory was deleted by hand)
+        """Copy a same-node peer's slot out of shared memory, verifying the copy as it is
+        written. If the peer's file is gone (the node's shared memory was deleted by hand)
         the replica cannot exist: the step still commits, with one copy fewer, and says so.
-        Returns whether to acknowledge."""
+        A copy that fails its check is told apart by checking the peer's slot itself: if
+        that is whole, the copy went wrong and is rejected like a replica damaged in
+        transit (`_rejected_copy`: acknowledged, the step commits without it); if the
+        peer's own snapshot is damaged, no intact copy of it exists on this node and it
+        is not acknowledged, so the step cannot commit (the newest committed one, in the
+        other slot, stays the restore point). Returns whether to acknowledge."""
         try:
             source = self._peer_slot(src, step)
             n = source.used_nbytes()
         except (IntegrityError, OSError) as exc:  # OSError: deleted while we opened it
             self._on_degraded(f"no replica of rank {src}'s snapshot {step}: {exc}")
             return True
+        image = source.np[:n]
+        if self._garble(step):  # an injected damaged read
+            image = image.copy()
+            image[HEADER_BYTES + 7] ^= 0xFF
         try:
-            self._slot("rep", src, step).put_image(source.np[:n], step)
+            self._slot("rep", src, step).put_image(image, step)
+            self._rejected.pop(src, None)
             return True
         except IntegrityError as exc:
-            self._on_degraded(f"the replica of rank {src}'s snapshot {step} is damaged: {exc}")
-            return False
+            try:
+                source.verify(step)
+            except IntegrityError as bad:
+                self._on_degraded(f"rank {src}'s own snapshot {step} is damaged in shared "
+                                  f"memory, so no intact copy of it exists on this node: not "
+                                  f"acknowledged, the step does not commit: {bad}")
+                return False
+            return self._rejected_copy(src, step, "was damaged in the copy", exc)
 
     def _peer_slot(self, src: int, step: int) -> SlotFile:
         """A same-node peer's slot, kept mapped across steps: mapping 5 MB afresh each step

@@ -15,10 +15,10 @@ KIND, what the worker holding rank R does when WHEN comes:
               must not load the damaged copy)
     shm       delete its node's shared memory, then SIGKILL itself
     raise     raise an exception, as a bug in the training script would
-    garble    flip a byte in each replica it receives from another node of snapshot T, as
-              a bad link or bad memory would, and carry on (the step must commit without
-              them, and no restore may load them); only with step=T, and only for a rank
-              that holds a replica for a rank on another node
+    garble    flip a byte in each replica of snapshot T it receives from another node or
+              copies from a same-node peer (--replicas 1), as a bad link or bad memory
+              would, and carry on (the step must commit without them, and no restore may
+              load them); only with step=T, and only for a rank that holds a replica
 
 WHEN:
     step=T                  as it starts step T
@@ -151,14 +151,13 @@ class Injector:
     def check_plan(self, per_rank: list[int], receivers: set[int] | None = None) -> None:
         """Refuse a spec that can never fire: rank R computes `per_rank[R]` microbatches
         per step, so its J-th (from 0) exists only when J < per_rank[R]; a garble needs
-        rank R among `receivers`, the ranks that receive a replica from another node
-        (None: not checked)."""
+        rank R among `receivers`, the ranks that hold a replica (None: not checked)."""
         for s in self.specs:
             if s.kind == "garble" and receivers is not None and s.rank not in receivers:
                 raise InjectSpecError(
-                    f"--inject {s} can never fire: rank {s.rank} receives no replica from "
-                    f"another node (replicas cross nodes only in a job of several nodes, "
-                    f"with snapshots on)")
+                    f"--inject {s} can never fire: rank {s.rank} holds no replica (replicas "
+                    f"go to another node in a job of several nodes, or to a peer on the "
+                    f"same node with --replicas 1; snapshots on)")
             if s.microbatch is not None and s.rank < len(per_rank) and s.microbatch >= per_rank[s.rank]:
                 raise InjectSpecError(
                     f"--inject {s} can never fire: rank {s.rank} computes {per_rank[s.rank]} "

@@ -524,10 +524,11 @@ class Member:
 
     # -- plumbing ----------------------------------------------------------------------
     def replica_receivers(self) -> set[int]:
-        """The ranks of this generation that receive a replica from another node."""
+        """The ranks of this generation that hold a replica (from another node, or a
+        same-node peer's with `--replicas 1`)."""
         if not self.cfg.snapshots:
             return set()
-        return {h for _, h in crossing_replicas(self.plan.nodes, self._replica_holders(self.plan))}
+        return {h for hs in self._replica_holders(self.plan).values() for h in hs}
 
     def _replica_holders(self, plan: Plan) -> dict[int, list[int]]:
         """Who holds whose replica in this generation (`SessionConfig.replicas`)."""

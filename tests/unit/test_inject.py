@@ -85,5 +85,5 @@ def test_a_garble_lands_only_where_replicas_arrive(monkeypatch):
     assert inj.garbles(1, 4) and not inj.garbles(1, 4)  # once per job
     inj.check_plan([1, 1], receivers={0, 1})
     inj.check_plan([1], receivers=None)  # a spare's later setup: not checked again
-    with pytest.raises(InjectSpecError, match="can never fire: rank 1 receives no replica"):
+    with pytest.raises(InjectSpecError, match="can never fire: rank 1 holds no replica"):
         inj.check_plan([1, 1], receivers={0})

@@ -17,7 +17,7 @@ from phoenixft.checkpoint.snapshot import Snapshotter, mark_committed
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import replica_holders
-from phoenixft.comm.collectives import GroupOps, Interrupt
+from phoenixft.comm.collectives import CommFailure, GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
 
 
@@ -130,6 +130,66 @@ def test_same_node_replicas_are_copied_through_shared_memory(tmp_path, store_add
         assert slot_path(shm[0], "rep", r, 2).exists()
         slot_path(shm[0], "snap", r, 2).unlink()  # own copies gone: the replicas serve
     assert restore(store_addr, shm, 2, "s/") == ["local_replica", "local_replica"]
+
+
+def test_a_same_node_copy_damaged_in_the_copy_is_rejected_and_the_step_still_commits(
+        tmp_path, store_addr):
+    """`--replicas 1` on one node: rank 0's copy of rank 1's snapshot 1 goes wrong (a
+    damaged read) while rank 1's own slot is whole. The copy is rejected as a replica
+    damaged in transit is: named, never loaded, and the step commits without it (before,
+    it was not acknowledged and the commit waited out its deadline)."""
+    shm = [tmp_path / "node0", tmp_path / "node0"]
+    degraded: list[str] = []
+    assert snapshot_steps(store_addr, shm, [0, 1, 2], nodes={0: 0, 1: 0}, garble=(0, 1),
+                          degraded=degraded) == [2, 2]
+    assert len(degraded) == 1 and "rank 1's snapshot 1 was damaged in the copy" in degraded[0]
+    slot_path(shm[0], "snap", 1, 1).unlink()  # rank 1's own copy gone: only the rejected one
+    seen: list[tuple[str, str]] = []
+    planner = RestorePlanner.for_node(shm[0], report=lambda tier, error: seen.append((tier, error)))
+    assert planner.local_copy(1, 1) is None and planner.local_copy(1, 2) is not None
+    assert seen and seen[0][0] == "local_replica" and "marked rejected" in seen[0][1], seen
+
+
+def test_a_same_node_peer_whose_own_snapshot_is_damaged_gets_no_acknowledgement(tmp_path,
+                                                                                store_addr):
+    """Rank 0's own snapshot 1 is damaged in shared memory after it was written, before its
+    holder copies it: no intact copy of step 1 exists on the node, so the holder does not
+    acknowledge its copy, step 1 never commits (the snapshot threads give up at their
+    deadline) and step 0, in the other slot, stays the newest committed step."""
+    nodes = {0: 0, 1: 0}
+    holders = replica_holders(nodes, 1)
+    degraded: list[str] = []
+
+    def damage_own_slot(step):  # rank 0, after writing its slot, before saying so
+        if step == 1:
+            with slot_path(tmp_path, "snap", 0, 1).open("r+b") as f:
+                f.seek(HEADER_BYTES + 7)
+                b = f.read(1)
+                f.seek(HEADER_BYTES + 7)
+                f.write(bytes([b[0] ^ 0xFF]))
+
+    def rank(r):
+        it = Interrupt()
+        it.enter(0)
+        snap = Snapshotter(shm_dir=tmp_path, rank=r, generation=0,
+                           connect=lambda: kv.connect(store_addr), rep_pg=None,
+                           holders=holders[r], sources=[s for s, hs in holders.items() if r in hs],
+                           world_size=2, nodes=nodes, interrupt=it, timeout_s=3,
+                           on_degraded=degraded.append,
+                           after_copy=damage_own_slot if r == 0 else None)
+        try:
+            snap.begin(0, state(r, 0), {"rank": r, "world_size": 2})
+            snap.wait_copied(committed=True)
+            snap.begin(1, state(r, 1), {"rank": r, "world_size": 2})
+            with pytest.raises(CommFailure, match="commit/1 not set within 3"):
+                snap.wait_copied(committed=True)
+        finally:
+            snap.stop()
+
+    ranks(rank)
+    assert int(kv.connect(store_addr).get(Keys.COMMITTED)) == 0
+    assert len(degraded) == 1 and "rank 0's own snapshot 1 is damaged in shared memory" in \
+        degraded[0], degraded
 
 
 def test_restore_falls_back_to_replica_then_peer_then_fails_clearly(tmp_path, store_addr):
