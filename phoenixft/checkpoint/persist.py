@@ -116,6 +116,7 @@ class Persister:
         self.stats = PersistStats()
         self._base: tuple[int, bytes] | None = None
         self._base_hashes = None  # its chunks' hashes, computed once
+        self._base_checksum: str | None = None  # its checksum (its record's), likewise
         self._pending: int | None = None
         self._writing = -1  # the step the thread is persisting now (-1: none)
         self._done_step = -1  # newest step this rank made durable (or gave up on)
@@ -287,10 +288,11 @@ class Persister:
             base = None
         t0 = time.perf_counter()
         info = self.tier.put(step, self.rank, blob, base=base, chunk=self.cfg.chunk,
-                             base_hashes=self._base_hashes if base is not None else None)
+                             base_hashes=self._base_hashes if base is not None else None,
+                             base_checksum=self._base_checksum if base is not None else None)
         self.stats.write_s += time.perf_counter() - t0
         if info.kind == "base":
-            self._base = (step, blob)
+            self._base, self._base_checksum = (step, blob), info.checksum
             self._base_hashes = chunk_hashes(blob, self.cfg.chunk)
             self.stats.bases += 1
             self._since_base = 1

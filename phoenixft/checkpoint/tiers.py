@@ -178,13 +178,19 @@ class FsspecTier:
         return self._path(f"r{rank}", f"s{step:010d}.{kind}")
 
     def put(self, step: int, rank: int, blob, *, base: tuple[int, bytes] | None = None,
-            chunk: int = CHUNK, base_hashes=None) -> RecordInfo:
+            chunk: int = CHUNK, base_hashes=None, base_checksum: str | None = None
+            ) -> RecordInfo:
+        """Write (step, rank)'s record: a delta against `base` (step, blob) when given and
+        of the same size, else a base. A caller that keeps the base across deltas passes
+        what it already knows of it (its chunk hashes, its checksum: the base record's
+        `RecordInfo.checksum`) so that no delta hashes the whole base blob again."""
         blob = memoryview(blob)
         full = checksum(blob)
         if base is not None and len(base[1]) == len(blob):
             kind = "delta"
             payload = encode_delta(base[1], blob, chunk=chunk, base_hashes=base_hashes)
-            meta = {"base_step": base[0], "base_checksum": checksum(base[1])}
+            meta = {"base_step": base[0],
+                    "base_checksum": base_checksum or checksum(base[1])}
         else:
             kind = "base"
             codec = self._base_codec(blob)
