@@ -63,15 +63,21 @@ class EventFollower:
     on, not everything it logged (a view that re-read the whole log on every refresh
     parsed tens of MB a second on a job of 100k steps). A line not yet ended waits for its
     end. A log replaced or truncated (a new job in the same directory) is read from its
-    start, and `restarted` says so until the next poll, so a view can drop what it kept."""
+    start, and `restarted` says so until the next poll, so a view can drop what it kept.
+    A replacement is told by the file's inode, its size, and its first bytes: a log
+    rewritten in place (or a new file that got the old inode number back) that grew past
+    the old position between two polls has the same inode and no smaller size, but not
+    the same head (its first record names its job and time)."""
 
     READ_BYTES = 4 << 20  # read (and parse) at most this much at a time
+    HEAD_BYTES = 256  # the log's first bytes, kept to tell a replaced log from a grown one
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.restarted = False
         self._pos = 0
         self._ino: int | None = None
+        self._head = b""
         self._partial = b""
 
     def poll(self) -> list[dict]:
@@ -83,9 +89,10 @@ class EventFollower:
         out: list[dict] = []
         with f:
             st = os.fstat(f.fileno())
-            if st.st_ino != self._ino or st.st_size < self._pos:
+            if st.st_ino != self._ino or st.st_size < self._pos or \
+                    f.read(len(self._head)) != self._head:
                 self.restarted = self._ino is not None
-                self._ino, self._pos, self._partial = st.st_ino, 0, b""
+                self._ino, self._pos, self._head, self._partial = st.st_ino, 0, b"", b""
             f.seek(self._pos)
             while data := f.read(self.READ_BYTES):
                 self._pos += len(data)
@@ -97,6 +104,9 @@ class EventFollower:
                             out.append(json.loads(line))
                         except ValueError:  # a torn line (its writer killed mid-write)
                             continue
+            if len(self._head) < min(self.HEAD_BYTES, self._pos):
+                f.seek(0)
+                self._head = f.read(min(self.HEAD_BYTES, self._pos))
         return out
 
 

@@ -70,3 +70,9 @@ def test_the_follower_reads_only_what_was_appended_and_waits_for_a_line_to_end(t
     for i in range(2, 6):
         log.emit("step", step=i)
     assert [e["step"] for e in f.poll()] == [2, 3, 4, 5] and not f.restarted
+    log.close()
+    ino = p.stat().st_ino
+    with p.open("w") as raw:  # rewritten in place (same inode), past the old position
+        raw.writelines(json.dumps({"t": 2, "event": "step", "step": i}) + "\n" for i in range(9))
+    assert p.stat().st_ino == ino
+    assert [e["step"] for e in f.poll()] == list(range(9)) and f.restarted
