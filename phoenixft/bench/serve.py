@@ -27,6 +27,13 @@ steps cost what generate's do and that computes no token nobody asked for. Where
 cost hardly depends on how many rows it holds (a model large enough that reading its
 weights dominates, as the medium one on this CPU), that is about as far as batching
 alone can go; beyond it an engine needs cheaper steps, not better scheduling.
+
+``step_cost_ratio`` says how cheap the engine's steps are: one decoding step of N
+sequences at the workload's mean context, transformers' (its forward with its KV cache)
+over the engine's (``step()``: scheduling, paged attention, sampling), each the median of
+``STEP_SAMPLES`` steps, the two measured in turn. ``ceiling x step_cost_ratio`` is then
+about the most this workload can show (the engine's batch also thins out at the end of a
+run, when the last clients have no request left).
 """
 
 from __future__ import annotations
@@ -159,6 +166,66 @@ def _run_hf(model, reqs: list[tuple[list[int], int]], clients: int, width: int) 
     return res | {"wall_s": time.monotonic() - t0}
 
 
+STEP_SAMPLES = 12  # decoding steps timed per system and round (`step_cost_ratio`)
+
+
+def _prompt(i: int, ctx: int, vocab: int) -> list[int]:
+    return [(7 * i + j) % min(vocab, 256) for j in range(ctx)]
+
+
+def _engine_step_s(llm, n: int, ctx: int, vocab: int) -> float:
+    """Median seconds of one engine step decoding n sequences at about ctx tokens."""
+    from phoenixft.serve import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(max_tokens=4 * STEP_SAMPLES, temperature=0.0, ignore_eos=True)
+    seqs = [eng.add_request(f"cost-{time.monotonic_ns()}-{i}", _prompt(i, ctx, vocab), params)
+            for i in range(n)]
+    try:
+        while any(s.num_computed_tokens < ctx for s in seqs):
+            eng.step()  # the prefills
+        times = []
+        for _ in range(STEP_SAMPLES):
+            t0 = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        for s in seqs:
+            eng.abort(s.seq_id)
+    return statistics.median(times)
+
+
+def _hf_step_s(model, n: int, ctx: int, vocab: int) -> float:
+    """Median seconds of one transformers forward decoding n sequences at ctx tokens with
+    its KV cache (what each step of ``generate`` runs, less its own bookkeeping)."""
+    import torch
+
+    ids = torch.tensor([_prompt(i, ctx, vocab) for i in range(n)])
+    times = []
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        for _ in range(STEP_SAMPLES):
+            nxt = out.logits[:, -1:].argmax(-1)
+            # transformers 5 calls the KV cache `cache` (`past_key_values` before)
+            kv = {"cache": out["cache"]} if "cache" in out else {
+                "past_key_values": out["past_key_values"]}
+            t0 = time.perf_counter()
+            out = model(nxt, use_cache=True, **kv)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _step_costs(llm, hf, n: int, ctx: int, vocab: int, rounds: int = 2) -> dict:
+    """Both systems' decoding step at batch n, in turn, `rounds` times; the medians."""
+    eng, ref = [], []
+    for _ in range(rounds):
+        eng.append(_engine_step_s(llm, n, ctx, vocab))
+        ref.append(_hf_step_s(hf, n, ctx, vocab))
+    e, h = statistics.median(eng), statistics.median(ref)
+    return {"context": ctx, "engine_step_ms": round(1e3 * e, 3),
+            "transformers_step_ms": round(1e3 * h, 3), "step_cost_ratio": h / e}
+
+
 def run(cfg: ServeBenchConfig) -> dict:
     import torch
     import transformers
@@ -203,6 +270,8 @@ def run(cfg: ServeBenchConfig) -> dict:
             row["speedup"] = row["engine"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
             waves = row["transformers"]
             row["ceiling"] = waves["computed_tokens"] / waves["useful_tokens"]
+            mean_ctx = (sum(cfg.prompt_len) + sum(cfg.output_len) // 2) // 2
+            row |= _step_costs(llm, hf, n, mean_ctx, vocab)
             rows.append(row)
         eng = llm.engine
         return {"bench": "serve", "model": desc, "config": asdict(cfg),
@@ -220,13 +289,14 @@ def _print(result: dict) -> None:
 
     t = Table(title=f"phoenixft bench serve: {result['model']}, {result['threads']} threads")
     for col in ("concurrent", "engine tok/s", "transformers tok/s", "speedup", "ceiling",
-                "engine TTFT ms", "transformers TTFT ms"):
+                "step cost ratio", "engine TTFT ms", "transformers TTFT ms"):
         t.add_column(col, justify="right")
     for r in result["results"]:
         e, h = r["engine"], r["transformers"]
         t.add_row(str(r["concurrency"]), f"{e['tokens_per_s']:.0f}",
                   f"{h['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x", f"{r['ceiling']:.2f}x",
-                  f"{e['ttft_mean_ms']:.1f}", f"{h['ttft_mean_ms']:.1f}")
+                  f"{r['step_cost_ratio']:.2f}x", f"{e['ttft_mean_ms']:.1f}",
+                  f"{h['ttft_mean_ms']:.1f}")
     c = Console()
     c.print(t)
     c.print(f"engine KV cache: {result['kv_bytes_per_token']} bytes/token "

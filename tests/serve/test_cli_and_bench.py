@@ -80,6 +80,10 @@ def test_bench_serve_smoke(hf_models, tmp_path):
         assert row["engine"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
         hf = row["transformers"]
         assert row["ceiling"] == hf["computed_tokens"] / hf["useful_tokens"] >= 1
+        assert row["context"] == (4 + 8 + (2 + 6) // 2) // 2  # the workload's mean
+        assert row["engine_step_ms"] > 0 and row["transformers_step_ms"] > 0
+        assert row["step_cost_ratio"] == pytest.approx(
+            row["transformers_step_ms"] / row["engine_step_ms"], rel=1e-2)
     with pytest.raises(ValueError, match="concurrency"):
         ServeBenchConfig(concurrency=[0])
 
