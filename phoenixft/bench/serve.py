@@ -29,11 +29,14 @@ weights dominates, as the medium one on this CPU), that is about as far as batch
 alone can go; beyond it an engine needs cheaper steps, not better scheduling.
 
 ``step_cost_ratio`` says how cheap the engine's steps are: one decoding step of N
-sequences at the workload's mean context, transformers' (its forward with its KV cache)
-over the engine's (``step()``: scheduling, paged attention, sampling), each the median of
-``STEP_SAMPLES`` steps, the two measured in turn. ``ceiling x step_cost_ratio`` is then
-about the most this workload can show (the engine's batch also thins out at the end of a
-run, when the last clients have no request left).
+sequences, transformers' over the engine's, each the median of ``STEP_SAMPLES`` steps,
+the two measured in turn. The engine runs ``step()`` (scheduling, paged attention,
+sampling) at the workload's mean context; transformers runs the forward that each step
+of a wave runs: its prompts left-padded to the wave's width, with the attention mask, at
+the wave's mean length, its KV cache reused (``generate``'s own bookkeeping per step, the
+logits processors and stopping checks, is left out, which favours it a little).
+``ceiling x step_cost_ratio`` estimates the most this workload can show (the engine's
+batch also thins out at the end of a run, when the last clients have no request left).
 """
 
 from __future__ import annotations
@@ -179,13 +182,18 @@ def _engine_step_s(llm, n: int, ctx: int, vocab: int) -> float:
 
     eng = llm.engine
     params = SamplingParams(max_tokens=4 * STEP_SAMPLES, temperature=0.0, ignore_eos=True)
-    seqs = [eng.add_request(f"cost-{time.monotonic_ns()}-{i}", _prompt(i, ctx, vocab), params)
-            for i in range(n)]
+    seqs: list = []
     try:
+        for i in range(n):
+            seqs.append(eng.add_request(f"cost-{time.monotonic_ns()}-{i}",
+                                        _prompt(i, ctx, vocab), params))
         while any(s.num_computed_tokens < ctx for s in seqs):
             eng.step()  # the prefills
         times = []
         for _ in range(STEP_SAMPLES):
+            if len(eng.scheduler.running) != n:
+                raise RuntimeError(f"bench serve: {len(eng.scheduler.running)} of the {n} "
+                                   f"sequences timed are still decoding")
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
@@ -195,34 +203,44 @@ def _engine_step_s(llm, n: int, ctx: int, vocab: int) -> float:
     return statistics.median(times)
 
 
-def _hf_step_s(model, n: int, ctx: int, vocab: int) -> float:
-    """Median seconds of one transformers forward decoding n sequences at ctx tokens with
-    its KV cache (what each step of ``generate`` runs, less its own bookkeeping)."""
+def _hf_step_s(model, n: int, width: int, length: int, vocab: int) -> float:
+    """Median seconds of one transformers forward decoding n sequences as a wave does:
+    prompts of width - 1 tokens and one left padding column at first, then `length` - width
+    steps (with the mask, as ``generate`` passes it) before the timed ones."""
     import torch
 
-    ids = torch.tensor([_prompt(i, ctx, vocab) for i in range(n)])
+    ids = torch.tensor([[0] + _prompt(i, width - 1, vocab) for i in range(n)])
+    mask = torch.ones_like(ids)
+    mask[:, 0] = 0
     times = []
     with torch.inference_mode():
-        out = model(ids, use_cache=True)
-        for _ in range(STEP_SAMPLES):
+        out = model(ids, attention_mask=mask, use_cache=True)
+        for k in range(length - width + STEP_SAMPLES):
             nxt = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             # transformers 5 calls the KV cache `cache` (`past_key_values` before)
             kv = {"cache": out["cache"]} if "cache" in out else {
                 "past_key_values": out["past_key_values"]}
             t0 = time.perf_counter()
-            out = model(nxt, use_cache=True, **kv)
-            times.append(time.perf_counter() - t0)
+            out = model(nxt, attention_mask=mask, use_cache=True, **kv)
+            if k >= length - width:
+                times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def _step_costs(llm, hf, n: int, ctx: int, vocab: int, rounds: int = 2) -> dict:
-    """Both systems' decoding step at batch n, in turn, `rounds` times; the medians."""
+def _step_costs(llm, hf, n: int, cfg: ServeBenchConfig, vocab: int, rounds: int = 2) -> dict:
+    """Both systems' decoding step at batch n, in turn, `rounds` times; the medians. The
+    engine at the workload's mean context (mean prompt + half the mean output), a wave
+    at its mean length: its width + half its longest output (about the longest allowed)."""
+    ctx = (sum(cfg.prompt_len) + sum(cfg.output_len) // 2) // 2
+    width = cfg.prompt_len[1]
+    length = width + cfg.output_len[1] // 2
     eng, ref = [], []
     for _ in range(rounds):
         eng.append(_engine_step_s(llm, n, ctx, vocab))
-        ref.append(_hf_step_s(hf, n, ctx, vocab))
+        ref.append(_hf_step_s(hf, n, width, length, vocab))
     e, h = statistics.median(eng), statistics.median(ref)
-    return {"context": ctx, "engine_step_ms": round(1e3 * e, 3),
+    return {"context": ctx, "wave_context": length, "engine_step_ms": round(1e3 * e, 3),
             "transformers_step_ms": round(1e3 * h, 3), "step_cost_ratio": h / e}
 
 
@@ -270,8 +288,7 @@ def run(cfg: ServeBenchConfig) -> dict:
             row["speedup"] = row["engine"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
             waves = row["transformers"]
             row["ceiling"] = waves["computed_tokens"] / waves["useful_tokens"]
-            mean_ctx = (sum(cfg.prompt_len) + sum(cfg.output_len) // 2) // 2
-            row |= _step_costs(llm, hf, n, mean_ctx, vocab)
+            row |= _step_costs(llm, hf, n, cfg, vocab)
             rows.append(row)
         eng = llm.engine
         return {"bench": "serve", "model": desc, "config": asdict(cfg),

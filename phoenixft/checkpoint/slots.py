@@ -101,6 +101,10 @@ class SlotFile:
         self.np = np.frombuffer(self._mm, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.np)
 
+    def is_mapped(self) -> bool:
+        """Whether the file existed, with room for a header, when it was opened."""
+        return self._mm is not None
+
     def is_current(self) -> bool:
         """Whether this mapping still shows the whole file at the path: a reader keeping a
         peer's slot mapped from step to step remaps it when its writer grew it or made a

@@ -23,7 +23,8 @@ Guarantees:
   arrives damaged from another node is acknowledged too, marked rejected (never loaded)
   and reported: the step commits with one copy fewer (`_rejected_copy`, which stops the
   job when it happens `REJECT_LIMIT` times in a row). So is a same-node copy that failed
-  its check while the peer's own slot is whole; a damaged peer slot is not acknowledged.
+  its check while the peer's own slot is whole; a damaged peer slot is not acknowledged,
+  and its rank is reported to be replaced (`_copy_local_replica`).
 - Errors in the thread are re-raised in the training thread at the next `wait_copied`;
   a newer generation stops the thread quietly (the session is recovering anyway).
 - A snapshot begun but not copied when the generation changes (the thread was still busy,
@@ -54,7 +55,7 @@ from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.store import StoreGone, wait_for
 from phoenixft.comm.collectives import CommFailure, Interrupt
 
-REJECT_LIMIT = 3  # damaged replicas in a row from one rank that stop the job (_check_replica)
+REJECT_LIMIT = 3  # damaged replicas in a row from one rank that stop the job (_rejected_copy)
 
 
 def mark_committed(store: dist.Store, step: int, info: dict) -> None:
@@ -79,8 +80,10 @@ class Snapshotter:
                  on_commit: Callable[[int, float], None] | None = None,
                  fault: Callable[[int, str], None] | None = None,
                  on_degraded: Callable[[str], None] | None = None,
+                 on_damaged_source: Callable[[int, str], None] | None = None,
                  after_copy: Callable[[int], None] | None = None,
-                 garble: Callable[[int], bool] | None = None) -> None:
+                 garble: Callable[[int], bool] | None = None,
+                 rot: Callable[[int], bool] | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.rank = rank
         self.generation = generation
@@ -102,8 +105,12 @@ class Snapshotter:
         self._fault = fault or (lambda step, phase: None)  # fault-injection points
         self._on_degraded = on_degraded or (lambda detail: None)
         self._after_copy = after_copy or (lambda step: None)  # e.g. the persister's offer
-        # fault injection: True when the replicas received of this step are to arrive damaged
+        # (src rank, why): a same-node peer's own slot is damaged; the peer is to be replaced
+        self._on_damaged_source = on_damaged_source or (lambda src, detail: None)
+        # fault injection: True when the replicas of this step (received from another node
+        # or copied on this one) are to be damaged; when this rank's own copy is (`rot`)
         self._garble = garble or (lambda step: False)
+        self._rot = rot or (lambda step: False)
         self._rejected: dict[int, int] = {}  # damaged arrivals in a row, by sending rank
         self._slots: dict[tuple[str, int, int], SlotFile] = {}
         self._device = DeviceCopier()  # only used for tensors on a CUDA device
@@ -279,24 +286,29 @@ class Snapshotter:
         t0 = time.perf_counter()
         slot, layout = self._write_local(step, tensors, header, ready, then=self._after_copy)
         t1 = time.perf_counter()
+        if self._rot(step):  # injected: its own copy damaged before any holder reads it
+            slot.np[HEADER_BYTES + 7] ^= 0xFF
         if self._announce:
             store.set(Keys.copied(self.generation, self.rank, step), "1")
         acks = 1  # this rank's own copy; sent with the replicas it verified, in one request
         self._fault(step, "replicate")
-        if self._rep_pg is not None and (self._remote_holders or self._remote_sources):
+        remote = self._rep_pg is not None and bool(self._remote_holders or self._remote_sources)
+        # injected: the replicas of this step arriving or copied here damaged (one claim)
+        garble = bool((remote and self._remote_sources) or self._local_sources) and \
+            self._garble(step)
+        if remote:
             recv = {src: self._slot("rep", src, step) for src in self._remote_sources}
             exchange_slots(self._rep_pg, send=slot,
                            send_nbytes=HEADER_BYTES + layout.data_nbytes,
                            dsts=self._remote_holders, recv=recv, interrupt=self._interrupt,
                            timeout_s=self._timeout)
-            garble = bool(recv) and self._garble(step)  # an injected damaged transfer
             for src, rslot in recv.items():
                 if garble:
                     rslot.np[HEADER_BYTES + 7] ^= 0xFF
                 acks += self._check_replica(src, rslot, step)
         for src in self._local_sources:
             self._wait_key(store, Keys.copied(self.generation, src, step))
-            acks += self._copy_local_replica(src, step)
+            acks += self._copy_local_replica(src, step, garble)
         committed_it = self._ack(store, step, acks)
         self._fault(step, "commit")
         self.stats["copy_s"] += t1 - t0
@@ -330,9 +342,10 @@ class Snapshotter:
             return True
         except IntegrityError as exc:
             rslot.reject()
-            return self._rejected_copy(src, step, "arrived damaged", exc)
+            return self._rejected_copy(src, step, "arrived damaged", exc, same_node=False)
 
-    def _rejected_copy(self, src: int, step: int, how: str, exc: IntegrityError) -> bool:
+    def _rejected_copy(self, src: int, step: int, how: str, exc: IntegrityError,
+                       same_node: bool) -> bool:
         """A replica whose sender's own copy is whole but which itself failed its check (a
         bad link, bad memory; already marked rejected) is named in the event log and
         acknowledged all the same: the step commits without this replica (until the next
@@ -345,36 +358,43 @@ class Snapshotter:
         Returns True (acknowledge) or raises."""
         n = self._rejected[src] = self._rejected.get(src, 0) + 1
         if n >= REJECT_LIMIT:
+            fault = ("this node's memory is faulty; check the host (dmesg, ECC)" if same_node
+                     else "the network path or the memory between their nodes is faulty; "
+                          "check the hosts (dmesg, NIC error counters, ECC)")
             raise IntegrityError(
                 f"rank {src}'s replicas {how} {n} times in a row on rank {self.rank} "
-                f"(snapshot {step}: {exc}): the network path or the memory between them is "
-                f"faulty; check the hosts (dmesg, NIC error counters, ECC) before resuming "
-                f"(--persist, --resume)") from None
+                f"(snapshot {step}: {exc}): {fault} before resuming (--persist, --resume)"
+            ) from None
         self._on_degraded(f"the replica of rank {src}'s snapshot {step} {how} and is "
                           f"rejected; the step commits without it: {exc}")
         return True
 
-    def _copy_local_replica(self, src: int, step: int) -> bool:
+    def _copy_local_replica(self, src: int, step: int, garble: bool = False) -> bool:
         """Copy a same-node peer's slot out of shared memory, verifying the copy as it is
-        written. If the peer's file is gone (the node's shared memory was deleted by hand)
-        the replica cannot exist: the step still commits, with one copy fewer, and says so.
-        A copy that fails its check is told apart by checking the peer's slot itself: if
-        that is whole, the copy went wrong and is rejected like a replica damaged in
-        transit (`_rejected_copy`: acknowledged, the step commits without it); if the
-        peer's own snapshot is damaged, no intact copy of it exists on this node and it
-        is not acknowledged, so the step cannot commit (the newest committed one, in the
-        other slot, stays the restore point). Returns whether to acknowledge."""
+        written (`garble`: an injected damaged read). If the peer's file is gone (the
+        node's shared memory was deleted by hand) the replica cannot exist: the step still
+        commits, with one copy fewer, and says so. A copy that fails its check is told
+        apart by checking the peer's slot itself: if that is whole, the copy went wrong
+        and is rejected like a replica damaged in transit (`_rejected_copy`: acknowledged,
+        the step commits without it); if the peer's own snapshot is damaged (its data or
+        its header), no intact copy of that step exists on this node: it is not
+        acknowledged, so the step cannot commit, and the peer is reported
+        (`on_damaged_source`) so that the leader replaces it like a dead rank and the
+        recovery restores the newest committed step, intact in the other slot (a peer that
+        damaged its own slots and died, the `corrupt` fault, is replaced anyway). Returns
+        whether to acknowledge."""
         try:
             source = self._peer_slot(src, step)
-            n = source.used_nbytes()
-        except (IntegrityError, OSError) as exc:  # OSError: deleted while we opened it
+            if not source.is_mapped():
+                raise FileNotFoundError(f"{source.path}: missing or empty")
+        except OSError as exc:  # (also: deleted while we opened it)
             self._on_degraded(f"no replica of rank {src}'s snapshot {step}: {exc}")
             return True
-        image = source.np[:n]
-        if self._garble(step):  # an injected damaged read
-            image = image.copy()
-            image[HEADER_BYTES + 7] ^= 0xFF
         try:
+            image = source.np[:source.used_nbytes()]
+            if garble:
+                image = image.copy()
+                image[HEADER_BYTES + 7] ^= 0xFF
             self._slot("rep", src, step).put_image(image, step)
             self._rejected.pop(src, None)
             return True
@@ -382,11 +402,14 @@ class Snapshotter:
             try:
                 source.verify(step)
             except IntegrityError as bad:
-                self._on_degraded(f"rank {src}'s own snapshot {step} is damaged in shared "
-                                  f"memory, so no intact copy of it exists on this node: not "
-                                  f"acknowledged, the step does not commit: {bad}")
+                why = (f"rank {src}'s own snapshot {step} is damaged in shared memory, so no "
+                       f"intact copy of it exists on this node: not acknowledged, the step "
+                       f"does not commit: {bad}")
+                self._on_degraded(why)
+                self._on_damaged_source(src, why)
                 return False
-            return self._rejected_copy(src, step, "was damaged in the copy", exc)
+            return self._rejected_copy(src, step, "was damaged in the copy", exc,
+                                       same_node=True)
 
     def _peer_slot(self, src: int, step: int) -> SlotFile:
         """A same-node peer's slot, kept mapped across steps: mapping 5 MB afresh each step

@@ -4,8 +4,9 @@ the lead, see `lease.py`), so it outlives any worker, rank 0 included.
 Failure policy (readable here, in one place):
 - a worker that exits before it finished training (any exit code, 0 included: a rank
   that leaves early is a failure of *that* rank), or whose heartbeat has been silent for
-  `heartbeat_timeout_s` (a hang), is dead; a hung one is fenced (its agent SIGKILLs it)
-  before anyone relies on its absence;
+  `heartbeat_timeout_s` (a hang), is dead; so is one whose own snapshot a same-node
+  replica holder found damaged in shared memory (its step can never commit); a hung or
+  damaged one is fenced (its agent SIGKILLs it) before anyone relies on its absence;
 - a dead member's rank goes to a live spare, preferring one on the dead rank's node (it
   maps the dead rank's snapshot from shared memory), else any node (the replica holder
   sends it); the next generation's plan is written and the survivors carry on;
@@ -185,6 +186,13 @@ class Leader:
             if rep["kind"] == "fatal":
                 self._abort(f"recovery is impossible: {rep['detail']}")
                 return []
+            if rep["kind"] == "damaged":  # its snapshot in shared memory: replaced, fenced
+                w.state, w.exit_detail = "fenced", rep["detail"]
+                self.monitor.forget(w.wid)
+                self.store.set(Keys.fence(w.wid), "1")
+                new.append(Failure(w.wid, self.plan.rank_of(w.wid), "damaged", rep["detail"],
+                                   rep["t"], now))
+                continue
             detail = rep["detail"] + (" before training finished" if rep.get("rc") == 0 else "")
             w.state, w.exit_detail = "dead", detail
             self.monitor.forget(w.wid)
@@ -219,7 +227,7 @@ class Leader:
                 break
             self._reports_seen += 1
             rep = kv.get_json(self.store, key)
-            if rep.get("kind") in ("exit", "error", "fatal"):
+            if rep.get("kind") in ("exit", "error", "fatal", "damaged"):
                 out.append(rep)
         return out
 

@@ -19,6 +19,10 @@ KIND, what the worker holding rank R does when WHEN comes:
               copies from a same-node peer (--replicas 1), as a bad link or bad memory
               would, and carry on (the step must commit without them, and no restore may
               load them); only with step=T, and only for a rank that holds a replica
+    rot       flip a byte in its own snapshot T in shared memory as soon as it is written
+              (before a same-node holder copies it), as bad memory would, and carry on:
+              a holder that finds it damaged reports the rank, which is then replaced
+              like a dead one (step T never commits); only with step=T
 
 WHEN:
     step=T                  as it starts step T
@@ -47,7 +51,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble")
+KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot")
+# kinds that land inside the snapshot thread, at a point of their own (the caller does the
+# damage: `garbles`, `rots`), instead of at a step's start or phase
+LANDS_AT = {"garble": "received", "rot": "written"}
 PHASES = ("start", "reduce", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch")
 
@@ -111,9 +118,9 @@ def parse_spec(text: str) -> InjectSpec:
         raise InjectSpecError(f"microbatch=J and phase=P need step=T in --inject; {usage}")
     if "microbatch" in values and "phase" in values:
         raise InjectSpecError(f"give microbatch=J or phase=P, not both, in --inject; {usage}")
-    if kind == "garble" and ("step" not in values or "microbatch" in values or "phase" in values):
-        raise InjectSpecError(f"garble takes step=T only (it lands when the replicas of "
-                              f"snapshot T arrive), got {text!r}")
+    if kind in LANDS_AT and ("step" not in values or "microbatch" in values or "phase" in values):
+        raise InjectSpecError(f"{kind} takes step=T only (it lands when snapshot T is "
+                              f"{LANDS_AT[kind]}), got {text!r}")
     if values.get("phase") == "start":
         del values["phase"]
     return InjectSpec(kind=kind, **values)
@@ -169,7 +176,7 @@ class Injector:
         """Land every spec matching `point`; True when one fired (and did not kill)."""
         fired = False
         for s in self.specs:
-            if (s.kind == "garble") != point.get("received", False) or any(
+            if LANDS_AT.get(s.kind) != point.get("at") or any(
                     getattr(s, k) != point.get(k) for k in ("rank", "step", "gen", "microbatch",
                                                             "phase")):
                 continue
@@ -178,7 +185,7 @@ class Injector:
             if self.hooks.claim(str(s)):
                 if self.hooks.on_fire is not None:
                     self.hooks.on_fire(s, time.time(), {k: v for k, v in point.items()
-                                                       if k not in ("rank", "received")
+                                                       if k not in ("rank", "at")
                                                        and v is not None})
                 self._land(s)
                 fired = True
@@ -186,8 +193,8 @@ class Injector:
 
     def _land(self, s: InjectSpec) -> None:
         me = os.getpid()
-        if s.kind == "garble":
-            return  # the caller damages what it received (`garbles`)
+        if s.kind in LANDS_AT:
+            return  # the caller does the damage (`garbles`, `rots`)
         if s.kind == "raise":
             raise InjectedFault(f"injected fault {s}")
         if s.kind == "stop":
@@ -204,11 +211,19 @@ class Injector:
             self._fire({"rank": rank, "step": step, "phase": phase})
 
     def garbles(self, rank: int, step: int) -> bool:
-        """The snapshot thread, replicas of `step` received: True when a garble spec
-        fires now (the caller then damages them)."""
-        if not any(s.kind == "garble" for s in self.specs):
+        """The snapshot thread, about to check the replicas of `step` it received or
+        copied: True when a garble spec fires now (the caller then damages them)."""
+        return self._lands(rank, step, "garble")
+
+    def rots(self, rank: int, step: int) -> bool:
+        """The snapshot thread, its own snapshot `step` written: True when a rot spec
+        fires now (the caller then damages it)."""
+        return self._lands(rank, step, "rot")
+
+    def _lands(self, rank: int, step: int, kind: str) -> bool:
+        if not any(s.kind == kind for s in self.specs):
             return False
-        return self._fire({"rank": rank, "step": step, "received": True})
+        return self._fire({"rank": rank, "step": step, "at": LANDS_AT[kind]})
 
     def at_recovery(self, rank: int, gen: int) -> None:
         if self.specs:

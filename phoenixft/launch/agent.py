@@ -393,8 +393,8 @@ class Agent:
         elif self.leader is not None:
             try:
                 self._watch_persistence(store, final=True)
-            except kv.STORE_LOST:
-                pass  # (the summary below does not need the store)
+            except Exception:  # noqa: BLE001 - a console line must not cost the summary
+                pass
             summary = self.leader.summary(wall_s)
             if self.leader.problems:
                 rc = 1

@@ -429,8 +429,10 @@ class Member:
             fault=lambda step, phase: self.injector.at_step(self.rank, step, phase),
             on_degraded=lambda detail: self.events.emit("snapshot_degraded", rank=self.rank,
                                                         gen=self.generation, detail=detail),
+            on_damaged_source=lambda src, detail: self._report_damaged(plan, src, detail),
             after_copy=self.persister.offer if self.persister is not None else None,
-            garble=lambda step: self.injector.garbles(self.rank, step))
+            garble=lambda step: self.injector.garbles(self.rank, step),
+            rot=lambda step: self.injector.rots(self.rank, step))
         if fresh:
             self.snapshot(state)
 
@@ -540,15 +542,22 @@ class Member:
         if step % 10 == 0:
             self.events.emit("snapshot_committed", step=step, gen=self.generation)
 
-    def report(self, kind: str, detail: str) -> None:
-        """A failure report for the leader (best effort: the store may be gone)."""
+    def report(self, kind: str, detail: str, wid: str | None = None) -> None:
+        """A failure report for the leader about this worker, or about `wid` (best effort:
+        the store may be gone)."""
         try:
             i = self.store.add(Keys.REPORTS, 1)
-            kv.set_json(self.store, Keys.report(i), {"kind": kind, "wid": self.wid,
+            kv.set_json(self.store, Keys.report(i), {"kind": kind, "wid": wid or self.wid,
                                                       "gen": self.generation, "t": time.time(),
                                                       "detail": detail[:500]})
         except Exception:
             pass
+
+    def _report_damaged(self, plan: Plan, src: int, detail: str) -> None:
+        """(Snapshot thread) a same-node peer's own snapshot is damaged in shared memory:
+        the leader replaces that worker like a dead one (it fences it), so the job restores
+        the newest committed step instead of waiting out the commit's deadline."""
+        self.report("damaged", f"rank {self.rank} found {detail}", wid=plan.members[src])
 
     def _previous_step_committed(self) -> None:
         """Before a microbatch fault of step T: snapshot T-1 committed, so every rank has

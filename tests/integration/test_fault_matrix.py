@@ -91,6 +91,44 @@ def test_corrupted_snapshot_then_death_restores_from_the_replica(tmp_path, tmp_p
     assert [e["copies"] for e in job.of("snapshot_size")] == [2]
 
 
+@pytest.mark.timeout(200)
+def test_a_same_node_copy_damaged_in_the_copy_commits_without_it(tmp_path, tmp_path_factory):
+    """`--replicas 1` on one node, rank 0's copy of rank 1's snapshot 10 damaged as it is
+    read: that copy is rejected and named, and step 10 commits without it at once (before,
+    the copy went unacknowledged and the commit waited out its deadline)."""
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    job = run(tmp_path, "--nproc", "2", "--replicas", "1", "--inject", "garble:rank=0:step=10",
+              steps=STEPS, timeout=150)
+    assert job.rc == 0, job.out[-4000:]
+    assert job.summary["final_state_digest"] == ref["final_state_digest"]
+    assert not job.summary["failures"] and not job.summary["problems"]
+    [damaged] = job.of("snapshot_degraded")
+    assert damaged["rank"] == 0 and "rank 1's snapshot 10 was damaged in the copy" in \
+        damaged["detail"], damaged
+    assert 10 in {e["step"] for e in job.of("snapshot_committed")}
+
+
+@pytest.mark.timeout(200)
+def test_a_snapshot_damaged_in_memory_gets_its_worker_replaced(tmp_path, tmp_path_factory):
+    """`--replicas 1` on one node, rank 1's own snapshot 10 damaged in shared memory as soon
+    as it is written (`rot`, bad memory): its holder finds no intact copy of it, withholds
+    its acknowledgement and reports rank 1, the leader fences rank 1 and gives its rank to
+    the spare, which restores step 9 (10 never committed); the job ends as the
+    failure-free one (before, the commit waited out its deadline and the job stopped)."""
+    ref = failure_free(tmp_path_factory, 2, STEPS)
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--replicas", "1", "--inject",
+              "rot:rank=1:step=10", steps=STEPS, timeout=150)
+    assert job.rc == 0, job.out[-4000:]
+    assert job.summary["final_state_digest"] == ref["final_state_digest"]
+    assert job.summary["losses"] == ref["losses"]
+    [failure] = job.of("failure")
+    assert failure["kind"] == "damaged" and failure["rank"] == 1, failure
+    assert "rank 0 found rank 1's own snapshot 10 is damaged" in failure["detail"], failure
+    [rec] = job.summary["recoveries"]
+    assert rec["kind"] == "damaged" and rec["restore_step"] == 9, rec
+    assert 10 not in {e["step"] for e in job.of("snapshot_committed") if e["gen"] == 0}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["update", "snapshot"])
 def test_a_worker_raising_stops_the_job_with_the_error(tmp_path, where):

@@ -286,27 +286,31 @@ def small_disk(tmp_path):
 
 
 def fill_up(disk: Path) -> None:
-    """Write a file until the disk has no room left (ENOSPC), as another tenant would."""
-    with (disk / "filler").open("wb") as f:
+    """Write a file until the disk has no room left (ENOSPC), as another tenant would.
+    Unbuffered: a buffered file would retry its last partial write on close and raise."""
+    with (disk / "filler").open("wb", buffering=0) as f:
         try:
             while True:
                 f.write(bytes(64 << 10))
-                f.flush()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC, exc
 
 
 GATED = Path(__file__).with_name("scripts") / "gated.py"
-HOLD = ("--hold-at", "6", "--hold-until-file", "go")  # the job waits there for the test
+HOLD_AT = 6
+HOLD = ("--hold-at", str(HOLD_AT), "--hold-until-file", "go")  # the job waits for the test
 
 
 def storage_changes_while_held(run_dir: Path, url: str, change) -> tuple:
-    """Run the gated job persisting every step to `url`; once a step is committed there
-    (the job holds at step 6 until then), `change()` the storage, then let the job go on."""
+    """Run the gated job persisting every step to `url`. It holds at step HOLD_AT until
+    the test creates `go`; once the step before (the last one offered) is committed there,
+    so that no record is being written, `change()` the storage, then let the job go on."""
     p = start(run_dir, "--nproc", "2", "--persist", url, "--persist-every", "50", *PER_STEP,
               script=GATED, steps=STEPS, script_args=HOLD)
     try:
-        wait_until(lambda: persisted_steps(run_dir), 120, "a persisted step")
+        wait_until(lambda: HOLD_AT - 1 in persisted_steps(run_dir) or p.poll() is not None,
+                   120, f"step {HOLD_AT - 1} persisted")
+        assert p.poll() is None, p.communicate()[0][-4000:]  # the job holds, still running
         change()
         (run_dir / "go").touch()
         out, _ = p.communicate(timeout=240)

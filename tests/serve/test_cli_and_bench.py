@@ -81,6 +81,7 @@ def test_bench_serve_smoke(hf_models, tmp_path):
         hf = row["transformers"]
         assert row["ceiling"] == hf["computed_tokens"] / hf["useful_tokens"] >= 1
         assert row["context"] == (4 + 8 + (2 + 6) // 2) // 2  # the workload's mean
+        assert row["wave_context"] == 8 + 6 // 2  # a wave: its width + half its longest
         assert row["engine_step_ms"] > 0 and row["transformers_step_ms"] > 0
         assert row["step_cost_ratio"] == pytest.approx(
             row["transformers_step_ms"] / row["engine_step_ms"], rel=1e-2)

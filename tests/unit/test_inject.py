@@ -87,3 +87,20 @@ def test_a_garble_lands_only_where_replicas_arrive(monkeypatch):
     inj.check_plan([1], receivers=None)  # a spare's later setup: not checked again
     with pytest.raises(InjectSpecError, match="can never fire: rank 1 holds no replica"):
         inj.check_plan([1, 1], receivers={0})
+
+
+def test_a_rot_lands_where_its_own_snapshot_is_written(monkeypatch):
+    for bad in ("rot:rank=0:gen=2", "rot:rank=0:step=3:phase=snapshot"):
+        with pytest.raises(InjectSpecError, match="rot takes step=T only"):
+            parse_spec(bad)
+    claimed: set[str] = set()
+    monkeypatch.setattr("os.kill", lambda pid, sig: pytest.fail("a rot killed a process"))
+    inj = Injector(parse_env("rot:rank=1:step=4;garble:rank=1:step=4"),
+                   WorkerHooks(claim=lambda s: not (s in claimed or claimed.add(s))))
+    inj.at_step(1, 4)
+    inj.at_step(1, 4, "snapshot")  # neither a step's start nor a phase is where they land
+    assert not claimed
+    assert not inj.rots(0, 4) and not inj.rots(1, 3)
+    assert inj.rots(1, 4) and not inj.rots(1, 4)  # once per job
+    assert claimed == {"rot:rank=1:step=4"}  # the garble of the same step is still to come
+    assert inj.garbles(1, 4)

@@ -12,7 +12,7 @@ import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.restore import RestorePlanner
-from phoenixft.checkpoint.slots import HEADER_BYTES, slot_path
+from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, slot_path
 from phoenixft.checkpoint.snapshot import Snapshotter, mark_committed
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
@@ -153,20 +153,14 @@ def test_a_same_node_copy_damaged_in_the_copy_is_rejected_and_the_step_still_com
 def test_a_same_node_peer_whose_own_snapshot_is_damaged_gets_no_acknowledgement(tmp_path,
                                                                                 store_addr):
     """Rank 0's own snapshot 1 is damaged in shared memory after it was written, before its
-    holder copies it: no intact copy of step 1 exists on the node, so the holder does not
-    acknowledge its copy, step 1 never commits (the snapshot threads give up at their
+    holder copies it (the `rot` fault): no intact copy of step 1 exists on the node, so the
+    holder does not acknowledge its copy and reports rank 0 (for the leader to replace it),
+    step 1 never commits (here, with no leader, the snapshot threads give up at their
     deadline) and step 0, in the other slot, stays the newest committed step."""
     nodes = {0: 0, 1: 0}
     holders = replica_holders(nodes, 1)
     degraded: list[str] = []
-
-    def damage_own_slot(step):  # rank 0, after writing its slot, before saying so
-        if step == 1:
-            with slot_path(tmp_path, "snap", 0, 1).open("r+b") as f:
-                f.seek(HEADER_BYTES + 7)
-                b = f.read(1)
-                f.seek(HEADER_BYTES + 7)
-                f.write(bytes([b[0] ^ 0xFF]))
+    reported: list[tuple[int, str]] = []
 
     def rank(r):
         it = Interrupt()
@@ -176,7 +170,8 @@ def test_a_same_node_peer_whose_own_snapshot_is_damaged_gets_no_acknowledgement(
                            holders=holders[r], sources=[s for s, hs in holders.items() if r in hs],
                            world_size=2, nodes=nodes, interrupt=it, timeout_s=3,
                            on_degraded=degraded.append,
-                           after_copy=damage_own_slot if r == 0 else None)
+                           on_damaged_source=lambda src, why: reported.append((src, why)),
+                           rot=lambda step: (r, step) == (0, 1))
         try:
             snap.begin(0, state(r, 0), {"rank": r, "world_size": 2})
             snap.wait_copied(committed=True)
@@ -190,6 +185,38 @@ def test_a_same_node_peer_whose_own_snapshot_is_damaged_gets_no_acknowledgement(
     assert int(kv.connect(store_addr).get(Keys.COMMITTED)) == 0
     assert len(degraded) == 1 and "rank 0's own snapshot 1 is damaged in shared memory" in \
         degraded[0], degraded
+    assert reported == [(0, degraded[0])]
+
+
+def test_a_same_node_peer_slot_with_a_damaged_header_gets_no_acknowledgement(tmp_path,
+                                                                             store_addr):
+    """Damage in the slot's header (its length field) is the peer's snapshot damaged too,
+    not a missing file: not acknowledged, reported (before, it counted as "no replica" and
+    the step committed without any intact copy of rank 0's state)."""
+    from phoenixft.checkpoint.slots import SlotFile
+
+    nodes = {0: 0, 1: 0}
+    holders = replica_holders(nodes, 1)
+    reported: list[int] = []
+    it = Interrupt()
+    it.enter(0)
+    own = SlotFile(slot_path(tmp_path, "snap", 0, 1))
+    t = state(0, 1)
+    lay = Layout.of(t)
+    own.ensure(HEADER_BYTES + lay.data_nbytes)
+    own.begin_write(1)
+    own.finish_write(1, lay, {"rank": 0, "generation": 0}, own.write_data(lay, t, lambda: None))
+    own.np[24:32] = 0xFF  # the header's length: unreadable
+    snap = Snapshotter(shm_dir=tmp_path, rank=1, generation=0,
+                       connect=lambda: kv.connect(store_addr), rep_pg=None, holders=holders[1],
+                       sources=[0], world_size=2, nodes=nodes, interrupt=it, timeout_s=3,
+                       on_damaged_source=lambda src, why: reported.append(src))
+    try:
+        assert snap._copy_local_replica(0, 1) is False and reported == [0]
+        slot_path(tmp_path, "snap", 0, 1).unlink()  # a file that is gone: no replica, ack
+        assert snap._copy_local_replica(0, 1) is True and reported == [0]
+    finally:
+        snap.stop()
 
 
 def test_restore_falls_back_to_replica_then_peer_then_fails_clearly(tmp_path, store_addr):

@@ -21,33 +21,33 @@ import phoenixft
 from phoenixft.observe.events import read_events
 
 
+def wait_until(done, what: str) -> None:
+    """Poll `done()` (bounded: 120 s) for a state of the run."""
+    deadline = time.monotonic() + 120
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within 120 s")
+        time.sleep(0.05)
+
+
 def wait_for_failure_plan(run_dir: Path, wid: str) -> None:
     def generations() -> list[dict]:
         return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "generation"]
     first = generations()
     if not first or wid in first[0]["members"].values():
         return  # a worker of the job's start
-    deadline = time.monotonic() + 120
-    while len(generations()) < 2:
-        if time.monotonic() > deadline:
-            raise TimeoutError("no generation after the first within 120 s")
-        time.sleep(0.05)  # polling the run's event log for a state, bounded
+    wait_until(lambda: len(generations()) >= 2, "generation after the first")
 
 
 def hold(run_dir: Path, until_file: str | None) -> None:
-    """Wait (bounded) for the file in the run directory, or for a respawned worker's
-    registration when no file is named."""
-    def done() -> bool:
-        if until_file is not None:
-            return (run_dir / until_file).exists()
-        return any(e["event"] == "spare_added" for e in read_events(run_dir / "events.jsonl"))
-
-    what = f"{until_file} in the run dir" if until_file else "respawned worker registered"
-    deadline = time.monotonic() + 120
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within 120 s")
-        time.sleep(0.05)  # polling for a state, bounded
+    """Wait for the file in the run directory, or for a respawned worker's registration
+    when no file is named."""
+    if until_file is not None:
+        wait_until((run_dir / until_file).exists, f"{until_file} in the run dir")
+    else:
+        wait_until(lambda: any(e["event"] == "spare_added"
+                               for e in read_events(run_dir / "events.jsonl")),
+                   "respawned worker registered")
 
 
 def main() -> None:
@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--hold-until-file", default=None,
                     help="at --hold-at, wait for this file in the run directory instead")
     args = ap.parse_args()
+    if args.hold_until_file and not args.hold_at:
+        ap.error("--hold-until-file needs --hold-at STEP")
     torch.set_num_threads(1)
     run_dir = Path(os.environ["PHOENIXFT_RUN_DIR"])
     wait_for_failure_plan(run_dir, os.environ["PHOENIXFT_WORKER_ID"])
