@@ -70,37 +70,33 @@ def test_a_microbatch_that_no_rank_computes_is_refused():
         inj.check_plan([1, 1])
 
 
-def test_a_garble_lands_only_where_replicas_arrive(monkeypatch):
-    for bad in ("garble:rank=0:gen=2", "garble:rank=0:step=3:phase=replicate",
-                "garble:rank=0:step=3:microbatch=0"):
-        with pytest.raises(InjectSpecError, match="garble takes step=T only"):
+@pytest.mark.parametrize("kind", ["garble", "rot"])
+def test_a_snapshot_thread_fault_lands_only_at_its_own_point(monkeypatch, kind):
+    """garble lands where a rank checks the replicas it holds, rot where its own snapshot
+    has just been written: never at a step's start or phase, once per job, and the one
+    does not take the other's claim."""
+    for bad in (f"{kind}:rank=0:gen=2", f"{kind}:rank=0:step=3:phase=replicate",
+                f"{kind}:rank=0:step=3:microbatch=0"):
+        with pytest.raises(InjectSpecError, match=f"{kind} takes step=T only"):
             parse_spec(bad)
     claimed: set[str] = set()
-    monkeypatch.setattr("os.kill", lambda pid, sig: pytest.fail("a garble killed a process"))
-    inj = Injector(parse_env("garble:rank=1:step=4"),
+    monkeypatch.setattr("os.kill", lambda pid, sig: pytest.fail(f"a {kind} killed a process"))
+    other = "rot" if kind == "garble" else "garble"
+    inj = Injector(parse_env(f"{kind}:rank=1:step=4;{other}:rank=1:step=4"),
                    WorkerHooks(claim=lambda s: not (s in claimed or claimed.add(s))))
-    inj.at_step(1, 4)  # the step's start is not where it lands
+    lands, other_lands = (inj.garbles, inj.rots) if kind == "garble" else (inj.rots, inj.garbles)
+    inj.at_step(1, 4)
+    inj.at_step(1, 4, "snapshot")
     assert not claimed
-    assert not inj.garbles(0, 4) and not inj.garbles(1, 3)
-    assert inj.garbles(1, 4) and not inj.garbles(1, 4)  # once per job
+    assert not lands(0, 4) and not lands(1, 3)
+    assert lands(1, 4) and not lands(1, 4)  # once per job
+    assert claimed == {f"{kind}:rank=1:step=4"}
+    assert other_lands(1, 4)
+
+
+def test_a_garble_needs_a_rank_that_holds_a_replica():
+    inj = Injector(parse_env("garble:rank=1:step=4"), WorkerHooks(claim=lambda s: True))
     inj.check_plan([1, 1], receivers={0, 1})
     inj.check_plan([1], receivers=None)  # a spare's later setup: not checked again
     with pytest.raises(InjectSpecError, match="can never fire: rank 1 holds no replica"):
         inj.check_plan([1, 1], receivers={0})
-
-
-def test_a_rot_lands_where_its_own_snapshot_is_written(monkeypatch):
-    for bad in ("rot:rank=0:gen=2", "rot:rank=0:step=3:phase=snapshot"):
-        with pytest.raises(InjectSpecError, match="rot takes step=T only"):
-            parse_spec(bad)
-    claimed: set[str] = set()
-    monkeypatch.setattr("os.kill", lambda pid, sig: pytest.fail("a rot killed a process"))
-    inj = Injector(parse_env("rot:rank=1:step=4;garble:rank=1:step=4"),
-                   WorkerHooks(claim=lambda s: not (s in claimed or claimed.add(s))))
-    inj.at_step(1, 4)
-    inj.at_step(1, 4, "snapshot")  # neither a step's start nor a phase is where they land
-    assert not claimed
-    assert not inj.rots(0, 4) and not inj.rots(1, 3)
-    assert inj.rots(1, 4) and not inj.rots(1, 4)  # once per job
-    assert claimed == {"rot:rank=1:step=4"}  # the garble of the same step is still to come
-    assert inj.garbles(1, 4)
