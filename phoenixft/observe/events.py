@@ -93,6 +93,9 @@ class EventFollower:
                     f.read(len(self._head)) != self._head:
                 self.restarted = self._ino is not None
                 self._ino, self._pos, self._head, self._partial = st.st_ino, 0, b"", b""
+            if len(self._head) < self.HEAD_BYTES:  # (before the records are read)
+                f.seek(0)
+                self._head = f.read(self.HEAD_BYTES)
             f.seek(self._pos)
             while data := f.read(self.READ_BYTES):
                 self._pos += len(data)
@@ -104,9 +107,6 @@ class EventFollower:
                             out.append(json.loads(line))
                         except ValueError:  # a torn line (its writer killed mid-write)
                             continue
-            if len(self._head) < min(self.HEAD_BYTES, self._pos):
-                f.seek(0)
-                self._head = f.read(min(self.HEAD_BYTES, self._pos))
         return out
 
 
