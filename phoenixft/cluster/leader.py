@@ -187,11 +187,7 @@ class Leader:
                 self._abort(f"recovery is impossible: {rep['detail']}")
                 return []
             if rep["kind"] == "damaged":  # its snapshot in shared memory: replaced, fenced
-                w.state, w.exit_detail = "fenced", rep["detail"]
-                self.monitor.forget(w.wid)
-                self.store.set(Keys.fence(w.wid), "1")
-                new.append(Failure(w.wid, self.plan.rank_of(w.wid), "damaged", rep["detail"],
-                                   rep["t"], now))
+                new.append(self._fence(w, "damaged", rep["detail"], rep["t"], now))
                 continue
             detail = rep["detail"] + (" before training finished" if rep.get("rc") == 0 else "")
             w.state, w.exit_detail = "dead", detail
@@ -204,13 +200,19 @@ class Leader:
         now, new = time.time(), []
         self.monitor.poll()
         for wid in self.monitor.stale(self.cfg.heartbeat_timeout_s):
-            w = self.workers[wid]
             t_fail = self._fail_time(wid, self.monitor.last_beat_wall(wid))
-            w.state, w.exit_detail = "fenced", "heartbeat silent (hung or lost)"
-            self.monitor.forget(wid)
-            self.store.set(Keys.fence(wid), "1")
-            new.append(Failure(wid, self.plan.rank_of(wid), "hang", w.exit_detail, t_fail, now))
+            new.append(self._fence(self.workers[wid], "hang", "heartbeat silent (hung or lost)",
+                                   t_fail, now))
         return new
+
+    def _fence(self, w: WorkerInfo, kind: str, detail: str, t_fail: float, now: float
+               ) -> Failure:
+        """A worker that may still run but must not (hung, or its snapshot damaged): its
+        agent SIGKILLs it before anyone relies on its absence."""
+        w.state, w.exit_detail = "fenced", detail
+        self.monitor.forget(w.wid)
+        self.store.set(Keys.fence(w.wid), "1")
+        return Failure(w.wid, self.plan.rank_of(w.wid), kind, detail, t_fail, now)
 
     def _fail_time(self, wid: str, fallback: float) -> float:
         key = Keys.failing(wid)
