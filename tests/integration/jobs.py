@@ -18,6 +18,8 @@ from phoenixft.observe.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
+# a tiny job that can hold at a step until a file appears (or a respawned worker registered)
+GATED = Path(__file__).with_name("scripts") / "gated.py"
 PHOENIXFT = [sys.executable, "-m", "phoenixft.cli"]
 # steps for a job that runs until its test stops it (one that could finish first would race it)
 UNTIL_STOPPED = 100_000

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from jobs import (
+    GATED,
     UNTIL_STOPPED,
     failure_free,
     kill_members,
@@ -181,15 +182,21 @@ def test_a_survivor_lets_go_of_the_dead_generations_groups(tmp_path):
     """Kept alive, a gloo group whose peer died spins its transport thread on the dead
     peer's socket for the rest of the job (half a core; steps 20% slower after one
     recovery of 4 workers on 2 cores). After a recovery each survivor has as many
-    transport threads as before it: the dead groups were aborted and destroyed."""
+    transport threads as before it: the dead groups were aborted and destroyed. The job
+    holds at step 3 until the count before is taken (step 3 and the kill at step 6 came
+    22 ms apart, so a count taken "at step 3" could see the next generation's group
+    being built early, and then the survivor ended with fewer threads than that)."""
     p = start(tmp_path, "--nproc", "2", "--spares", "1", "--inject", "kill:rank=1:step=6",
-              steps=UNTIL_STOPPED)
+              script=GATED, steps=UNTIL_STOPPED,
+              script_args=("--hold-at", "3", "--hold-until-file", "go"))
     try:
-        wait_until(lambda: reached_step(tmp_path, 3), 60, "step 3")
+        wait_until(lambda: reached_step(tmp_path, 2), 60, "step 2 (then the job holds)")
         survivor = next(e["pid"] for e in read_events(tmp_path / "events.jsonl")
                         if e["event"] == "joined" and e["rank"] == 0)
         before = _transport_threads(survivor)
         assert before >= 1
+        assert not any(e["event"] == "inject" for e in read_events(tmp_path / "events.jsonl"))
+        (tmp_path / "go").touch()
         wait_until(lambda: any(e["event"] == "recovered"
                                for e in read_events(tmp_path / "events.jsonl")), 60, "recovery")
         wait_until(lambda: reached_step(tmp_path, 10), 60, "step 10")

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from jobs import (
+    GATED,
     PHOENIXFT,
     ROOT,
     failure_free,
@@ -296,7 +297,6 @@ def fill_up(disk: Path) -> None:
             assert exc.errno == errno.ENOSPC, exc
 
 
-GATED = Path(__file__).with_name("scripts") / "gated.py"
 HOLD_AT = 6
 HOLD = ("--hold-at", str(HOLD_AT), "--hold-until-file", "go")  # the job waits for the test
 

@@ -5,10 +5,9 @@ microbatches as a failure-free run (audit), losses and final parameters match it
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from jobs import run, run_script
+from jobs import GATED, run, run_script
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.integration]
@@ -105,7 +104,7 @@ def test_shrink_batch_policy_drops_microbatches(tmp_path):
 def test_replacement_joins_and_the_world_grows_back(tmp_path):
     """A respawned worker is admitted at a committed step boundary; quotas rebalance to 4.
     The job holds at step 8 until the replacement has registered (a state, not a delay)."""
-    script = Path(__file__).with_name("scripts") / "gated.py"
+    script = GATED
     ref = run_script(tmp_path / "ref", script, "--nproc", "4", script_args=("--steps", "14"))
     assert ref.rc == 0, ref.out
     job = run_script(tmp_path / "grow", script, "--nproc", "4", "--min-nproc", "1",
