@@ -41,7 +41,8 @@ from phoenixft.launch.janitor import remove_node_shm
 from phoenixft.launch.resume import newest_persisted, persisted_job
 from phoenixft.launch.rundir import RunDirLock, set_aside_previous_run
 from phoenixft.launch.store_access import StoreAccess
-from phoenixft.observe.events import EventLog, write_json_atomic
+from phoenixft.observe.events import EventFollower, EventLog, write_json_atomic
+from phoenixft.observe.story import Line, Story, done_line, plural
 
 __all__ = ["Agent", "AgentConfig", "LaunchError"]
 
@@ -82,6 +83,10 @@ class Agent:
         self._persist_t = 0.0
         self._persist_errors: dict[int, int] = {}
         self.forks = forks  # --start-method forkserver
+        self.story = Story()  # the console's account of the job (the leader's agent tells it)
+        self._follower: EventFollower | None = None
+        self._told_gen = 0  # newest generation whose recovery the console has told
+        self._progress = (0, time.monotonic())  # (step, when) of the last progress line
         self._helpers: set[int] = {forks.pid} if forks is not None else set()
 
     # -- set-up ---------------------------------------------------------------------
@@ -272,8 +277,8 @@ class Agent:
             self.events.emit("start", store=str(self.access.public), nnodes=cfg.nnodes,
                              nproc=cfg.nproc, spares=cfg.spares, script=cfg.script,
                              args=cfg.script_args, inject=[str(s) for s in cfg.inject])
-            self._say(f"phoenixft: store {self.access.public}, {cfg.nproc} workers + "
-                      f"{cfg.spares} spares, run dir {self.run_dir}")
+            self._say(f"phoenixft: store {self.access.public}, {plural(cfg.nproc, 'worker')} + "
+                      f"{plural(cfg.spares, 'spare')}, run dir {self.run_dir}")
         for i in range(cfg.nproc + cfg.spares):
             self._start_worker(i)
 
@@ -281,7 +286,6 @@ class Agent:
         sel = selectors.DefaultSelector()
         for p in self.procs.values():
             sel.register(p.pidfd, selectors.EVENT_READ, p)
-        last_progress = 0
         try:
             while True:
                 for key, _ in sel.select(timeout=self.cfg.tick_s):
@@ -300,7 +304,8 @@ class Agent:
                     else:
                         self._adopt_spawns(store)
                         self.leader.tick()
-                    last_progress = self._echo_progress(store, last_progress)
+                    self._echo_progress(store)  # (before the account: a step's line
+                    self._tell(store)           # comes before the failure that followed it)
                 self._watch_persistence(store)
                 final = self._final = self._final or self._final_plan(store)
                 if final is not None and (final.kind == "abort" or
@@ -402,15 +407,14 @@ class Agent:
             write_json_atomic(self.run_dir / "status.json", self.leader.status())
             self.events.emit("finished", ok=rc == 0, final_step=summary["final_step"],
                              digest=summary["final_state_digest"], aborted=summary["aborted"])
+            self._tell(store)
             if final is not None and final.kind == "abort":
                 self._say(f"phoenixft: job stopped: {final.reason}", err=True)
             elif rc != 0:
                 self._say(f"phoenixft: training finished, but {'; '.join(self.leader.problems)}",
                           err=True)
             else:
-                self._say(f"phoenixft: done: {summary['final_step']} steps, "
-                          f"{len(summary['failures'])} failures, final loss "
-                          f"{summary['final_loss']}, digest {summary['final_state_digest']}")
+                self._say(done_line(summary, str(self.run_dir)), err=False, always=True)
             self._wait_agents_gone(store)  # let the others read the verdict first
         elif store is not None:
             try:
@@ -453,13 +457,56 @@ class Agent:
                                   f"{self.persisted_step}", err=True)
                     self._persist_errors[r] = err["errors"]
 
-    def _echo_progress(self, store, last: int) -> int:
+    def _echo_progress(self, store) -> None:
+        """A progress line at each multiple of `--log-every N` steps (each one, even when
+        several passed between two ticks), or for the newest step every N seconds."""
+        if not self.cfg.echo:
+            return
         step = kv.get_int(store, Keys.PROGRESS, 0)
-        if step != last and step % 10 == 0 and store.check([Keys.loss(step)]):
-            self._say(f"step {step:5d}  loss {float(store.get(Keys.loss(step))):.4f}  "
-                      f"gen {self.leader.plan.generation if self.leader.plan else 0}")
-        return step
+        last, t_last = self._progress
+        every_steps, every_s = self.cfg.cadence
+        now = time.monotonic()
+        if every_steps is not None:
+            due = list(range((last // every_steps + 1) * every_steps, step + 1, every_steps))
+        else:
+            due = [step] if step > last and now - t_last >= every_s else []
+        for s in due:
+            if not store.check([Keys.loss(s)]):
+                return  # its loss is not written yet: next tick
+            rate = (s - last) / (now - t_last) if now > t_last and s > last else 0.0
+            gen = self.leader.plan.generation if self.leader.plan else 0
+            self._say(f"step {s:6d}  loss {float(store.get(Keys.loss(s))):.4f}  "
+                      f"{rate:5.2f} steps/s  gen {gen}")
+            last, t_last = s, now
+            self._progress = (s, now)
 
-    def _say(self, msg: str, err: bool = False) -> None:
-        if self.cfg.echo or err:
+    def _tell(self, store) -> None:
+        """The console's account of what happened: the leader's events (failures, new
+        generations, stops) as they are logged, and each generation's recovery once rank 0
+        has recorded it in the store (it may run on another node, whose log is not ours)."""
+        if self.events.path is None:
+            return
+        if self._follower is None:
+            self._follower = EventFollower(self.events.path)
+        for e in self._follower.poll():
+            self._show(self.story.tell(e))
+        plan = self.leader.plan
+        if plan is None or plan.kind != "run" or plan.generation <= self._told_gen:
+            return
+        g = plan.generation
+        if store.check([Keys.recovered(g)]):
+            rank = min((r for r in plan.replaced if r < plan.world_size), default=0)
+            src = store.get(Keys.source(g, rank)).decode() if store.check(
+                [Keys.source(g, rank)]) else None
+            self._show(self.story.recovered(kv.get_json(store, Keys.recovered(g)), src))
+            self._told_gen = g
+
+    def _show(self, lines: list[Line]) -> None:
+        for ln in lines:
+            self._say(ln.text, err=ln.failure)
+
+    def _say(self, msg: str, err: bool = False, always: bool = False) -> None:
+        """stdout for progress and the account of recoveries (not with --quiet); stderr,
+        always, for failures and errors; `always` for the summary line."""
+        if self.cfg.echo or err or always:
             print(msg, file=sys.stderr if err else sys.stdout, flush=True)

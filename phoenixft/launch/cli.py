@@ -104,7 +104,10 @@ def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None =
     run.add_argument("--start-method", default="forkserver", choices=["forkserver", "spawn"],
                      help="forkserver (default): workers are forks of one process per node "
                           "that imported torch once; spawn: each a fresh interpreter")
-    run.add_argument("--quiet", action="store_true", help="no progress lines (errors still show)")
+    run.add_argument("--quiet", action="store_true",
+                     help="only failures and the summary (no progress or recovery lines)")
+    run.add_argument("--log-every", default="10", metavar="N|Ns",
+                     help="a progress line every N steps (default 10) or every N seconds (30s)")
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -132,7 +135,8 @@ def agent_config_from_args(args):
                        persist_every=args.persist_every, persist_keep=args.persist_keep,
                        persist_cpu_share=args.persist_cpu_share,
                        resume=args.resume, metrics_port=args.metrics_port,
-                       metrics_host=args.metrics_host, start_method=args.start_method)
+                       metrics_host=args.metrics_host, start_method=args.start_method,
+                       log_every=args.log_every)
 
 
 def cmd_run(args) -> int:

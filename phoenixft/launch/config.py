@@ -124,7 +124,8 @@ class AgentConfig:
     python: str = sys.executable
     start_method: str = "forkserver"  # workers are forks of a server that imported torch
                                       # once (forkserver.py), or fresh interpreters (spawn)
-    echo: bool = True  # print progress lines to stdout (errors are always printed)
+    echo: bool = True  # print progress and recovery lines (failures and the summary always)
+    log_every: str = "10"  # progress lines every N steps ("10") or every N seconds ("30s")
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -182,7 +183,24 @@ class AgentConfig:
             if spec.rank >= world:
                 raise LaunchError(f"--inject {spec} can never fire: rank {spec.rank} does not "
                                   f"exist in a job of {world} ranks")
+        self.cadence  # noqa: B018 - checks log_every
         self._check_run_dir()
+
+    @property
+    def cadence(self) -> tuple[int | None, float | None]:
+        """(steps, seconds) between progress lines: one of them is set."""
+        text = str(self.log_every).strip()
+        try:
+            if text.endswith("s"):
+                secs = float(text[:-1])
+                if math.isfinite(secs) and secs > 0:
+                    return None, secs
+            elif int(text) >= 1:
+                return int(text), None
+        except ValueError:
+            pass
+        raise LaunchError(f"--log-every must be a number of steps >= 1 (e.g. 10) or of seconds "
+                          f"(e.g. 30s), got {self.log_every!r}")
 
     @property
     def hosts_store(self) -> bool:

@@ -1,0 +1,53 @@
+"""What `phoenixft run` prints: a job with a SIGKILL tells who failed, how it was seen, who
+took the rank and where the state came from, once each, with progress lines at a regular
+cadence; `--quiet` keeps the failure and the summary."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from jobs import run
+
+pytestmark = [pytest.mark.integration]
+
+
+def _once(out: str, pattern: str) -> str:
+    found = [ln for ln in out.splitlines() if re.search(pattern, ln)]
+    assert len(found) == 1, f"{pattern!r} on {len(found)} lines of:\n{out}"
+    return found[0]
+
+
+@pytest.mark.timeout(200)
+def test_a_kill_is_told_once_each_with_regular_progress(tmp_path):
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--log-every", "4",
+              "--inject", "kill:rank=1:step=6", steps=16)
+    assert job.rc == 0, job.out
+    out = job.out
+    fail = _once(out, r"failed:")
+    assert "worker n0w1 (rank 1) failed: killed by SIGKILL" in fail
+    assert re.search(r"detected in \d+ ms by process exit", fail), fail
+    _once(out, r"generation 1: n0w2 takes rank 1 from n0w1$")
+    rec = job.summary["recoveries"][0]
+    again = _once(out, r"generation 1 training again")
+    assert f"restored step {rec['restore_step']} from a snapshot in the node's shared memory" \
+        in again, again
+    assert re.search(r"in \d+ ms after detection, \d+ completed steps? lost$", again), again
+    steps = [int(m.group(1)) for m in re.finditer(r"^step +(\d+)  loss \d+\.\d{4} ", out, re.M)]
+    assert steps == [4, 8, 12, 16], out
+    done = _once(out, r"^phoenixft: done:")
+    assert done.startswith("phoenixft: done: 16 steps, 1 failure, 1 recovery; final loss ")
+    assert job.summary["final_state_digest"] in done
+    assert done.endswith(f"details in {tmp_path}/summary.json, timeline: phoenixft plot {tmp_path}")
+    assert "2 workers + 1 spare," in out
+
+
+@pytest.mark.timeout(200)
+def test_quiet_keeps_the_failure_and_the_summary(tmp_path):
+    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--quiet",
+              "--inject", "kill:rank=0:step=3", steps=8)
+    assert job.rc == 0, job.out
+    _once(job.out, r"worker n0w0 \(rank 0\) failed: killed by SIGKILL")
+    _once(job.out, r"^phoenixft: done: 8 steps, 1 failure, 1 recovery")
+    assert not re.search(r"^step ", job.out, re.M), job.out
+    assert "generation 1" not in job.out and "store 127.0.0.1" not in job.out

@@ -1,0 +1,66 @@
+"""The console's wording of a job's events (observe/story.py), from event records alone."""
+
+from phoenixft.observe.story import Story, done_line, duration, number, plural
+
+
+def test_plurals_durations_and_numbers():
+    assert plural(1, "failure") == "1 failure" and plural(2, "failure") == "2 failures"
+    assert plural(0, "recovery") == "0 recoveries" and plural(1, "spare") == "1 spare"
+    assert plural(3, "spare") == "3 spares" and plural(1, "completed step") == "1 completed step"
+    assert duration(0.0176) == "18 ms" and duration(1.44) == "1.4 s"
+    assert duration(125) == "2 min 05 s" and duration(float("nan")) == "?"
+    assert number(2.633335590362549) == "2.633" and number(None) == "?"
+
+
+def _gen(g, members, replaced=None, kind="run"):
+    return {"event": "generation", "gen": g, "kind": kind, "members": members,
+            "replaced": replaced or {}}
+
+
+def test_generations_are_told_as_replace_shrink_and_grow():
+    s = Story()
+    assert s.tell(_gen(0, {"0": "a", "1": "b", "2": "c"})) == []
+    [ln] = s.tell(_gen(1, {"0": "a", "1": "d", "2": "c"}, {"1": "b"}))
+    assert ln.text == "phoenixft: generation 1: d takes rank 1 from b" and not ln.failure
+    [ln] = s.tell(_gen(2, {"0": "a", "1": "c"}, {"1": "d"}))
+    assert "no spare left: 2 ranks go on (was 3), taking over rank 1's microbatches" in ln.text
+    [ln] = s.tell(_gen(3, {"0": "a", "1": "c", "2": "e"}))
+    assert "e admitted: back to 3 ranks (was 2)" in ln.text
+    assert s.tell(_gen(3, {"0": "a", "1": "c", "2": "e"})) == []  # told once
+    assert s.tell(_gen(4, {"0": "a", "1": "c", "2": "e"}, kind="done")) == []
+
+
+def test_failures_hangs_and_damage_are_failure_lines_told_once():
+    s = Story()
+    e = {"event": "failure", "wid": "n0w1", "rank": 1, "kind": "hang", "gen": 0,
+         "detail": "heartbeat silent (hung or lost)", "detect_s": 3.2}
+    [ln] = s.tell(e)
+    assert ln.failure
+    assert ln.text == ("phoenixft: worker n0w1 (rank 1) failed: hung: its heartbeat went "
+                       "silent; detected in 3.2 s by heartbeat deadline")
+    assert s.tell(e) == []
+    [ln] = s.tell({"event": "failure", "wid": "n0w3", "rank": None, "kind": "exit", "gen": 0,
+                   "detail": "killed by SIGKILL", "detect_s": 0.01})
+    assert ln.text.startswith("phoenixft: spare n0w3 failed: killed by SIGKILL")
+    [ln] = s.tell({"event": "failure", "wid": "n0w0", "rank": 0, "kind": "damaged", "gen": 1,
+                   "detail": "checksum mismatch", "detect_s": 0.5})
+    assert "its snapshot is damaged in memory (checksum mismatch)" in ln.text
+    [ln] = s.tell({"event": "abort", "reason": "no spare is left\nmore"})
+    assert ln.failure and ln.text == "phoenixft: stopping the job: no spare is left"
+
+
+def test_a_recovery_names_its_source_and_time_once():
+    s = Story()
+    rec = {"gen": 2, "restore_step": 9, "recover_s": 0.063, "lost_steps": 1}
+    [ln] = s.recovered(rec, "persistent")
+    assert ln.text == ("phoenixft: generation 2 training again: restored step 9 from "
+                       "persistent storage in 63 ms after detection, 1 completed step lost")
+    assert s.recovered(rec, "persistent") == []
+
+
+def test_the_done_line_says_where_to_look():
+    line = done_line({"final_step": 1, "failures": [], "recoveries": [], "final_loss": 3.0,
+                      "final_state_digest": "ab" * 32}, "runs/x")
+    assert line == (f"phoenixft: done: 1 step, 0 failures, 0 recoveries; final loss 3, state "
+                    f"digest {'ab' * 32}; details in runs/x/summary.json, timeline: "
+                    "phoenixft plot runs/x")
