@@ -396,6 +396,15 @@ class Leader:
     def status(self) -> dict:
         return report.status(self.store, self.plan, self.workers, len(self.failures))
 
+    def final_status(self) -> dict:
+        """status.json once the job has ended: every agent stops its workers at the end,
+        so a worker still shown waiting or running (an unused spare, a member whose exit
+        was not read before the end) is shown `stopped`, not alive with a PID now gone."""
+        for w in self.workers.values():
+            if w.state in ("waiting", "running", "starting"):
+                w.state = "stopped"
+        return {**self.status(), "ended": True}
+
     def _write_status(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._status_t < 0.5:
             return

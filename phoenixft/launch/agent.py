@@ -404,7 +404,7 @@ class Agent:
             if self.leader.problems:
                 rc = 1
             write_json_atomic(self.run_dir / "summary.json", summary)
-            write_json_atomic(self.run_dir / "status.json", self.leader.status())
+            write_json_atomic(self.run_dir / "status.json", self.leader.final_status())
             self.events.emit("finished", ok=rc == 0, final_step=summary["final_step"],
                              digest=summary["final_state_digest"], aborted=summary["aborted"])
             self._tell(store)

@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--watch", action="store_true",
                     help="follow the running job: members, step, loss, failures, until it ends")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    st.add_argument("--wait", type=float, default=60.0, metavar="S",
+                    help="with --watch: how long to wait for a job to appear in RUN_DIR "
+                         "(default 60 s)")
     st.set_defaults(func=cmd_status)
 
 
@@ -157,12 +160,25 @@ def cmd_run(args) -> int:
 
 
 def cmd_status(args) -> int:
+    import math
     p = Path(args.run_dir) / "status.json"
     if not args.watch:
         if not p.exists():
             print(f"phoenixft status: no status.json in {args.run_dir}", file=sys.stderr)
             return 2
-        print(json.dumps(json.loads(p.read_text()), indent=2))
+        try:
+            st = json.loads(p.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"phoenixft status: {p} cannot be read ({exc}); the job rewrites it while "
+                  "it runs, and events.jsonl beside it has the whole account", file=sys.stderr)
+            return 2
+        print(json.dumps(st, indent=2))
         return 0
+    for name in ("interval", "wait"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v > 0):
+            print(f"phoenixft status: --{name} must be a number of seconds > 0, got {v}",
+                  file=sys.stderr)
+            return 2
     from phoenixft.launch.watch import watch
-    return watch(Path(args.run_dir), args.interval)
+    return watch(Path(args.run_dir), args.interval, args.wait)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -72,7 +73,26 @@ def _view(run_dir: Path, seen: _Watched) -> tuple[Group, bool]:
     return Group(head, members, last), done
 
 
-def watch(run_dir: Path, interval: float) -> int:
+def _appeared(run_dir: Path, interval: float, wait_s: float) -> bool:
+    """Wait up to `wait_s` for a job to write its status.json, saying so."""
+    p = run_dir / "status.json"
+    if p.exists():
+        return True
+    print(f"phoenixft status: no job in {run_dir} yet; waiting up to {wait_s:g} s for one to "
+          "start there", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(min(interval, 0.5))  # polling a file another process writes
+        if p.exists():
+            return True
+    print(f"phoenixft status: no job appeared in {run_dir} within {wait_s:g} s (no "
+          "status.json); check the path, or pass --wait for longer", file=sys.stderr)
+    return False
+
+
+def watch(run_dir: Path, interval: float, wait_s: float = 60.0) -> int:
+    if not _appeared(run_dir, interval, wait_s):
+        return 2
     seen = _Watched(run_dir)
     view, done = _view(run_dir, seen)
     with Live(view, refresh_per_second=4) as live:

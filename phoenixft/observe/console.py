@@ -18,7 +18,7 @@ from rich.table import Table
 from phoenixft.observe.events import EventFollower
 
 _STATE_STYLE = {"running": "green", "waiting": "cyan", "dead": "red", "fenced": "red",
-                "exited": "dim", "starting": "yellow"}
+                "exited": "dim", "stopped": "dim", "starting": "yellow"}
 
 
 class RunView:

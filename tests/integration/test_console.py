@@ -4,10 +4,12 @@ cadence; `--quiet` keeps the failure and the summary."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 
 import pytest
-from jobs import run
+from jobs import PHOENIXFT, ROOT, run
 
 pytestmark = [pytest.mark.integration]
 
@@ -43,11 +45,32 @@ def test_a_kill_is_told_once_each_with_regular_progress(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_quiet_keeps_the_failure_and_the_summary(tmp_path):
-    job = run(tmp_path, "--nproc", "2", "--spares", "1", "--quiet",
+def test_quiet_keeps_the_failure_and_the_summary_and_status_shows_the_end(tmp_path):
+    job = run(tmp_path, "--nproc", "2", "--spares", "2", "--quiet",
               "--inject", "kill:rank=0:step=3", steps=8)
     assert job.rc == 0, job.out
     _once(job.out, r"worker n0w0 \(rank 0\) failed: killed by SIGKILL")
     _once(job.out, r"^phoenixft: done: 8 steps, 1 failure, 1 recovery")
     assert not re.search(r"^step ", job.out, re.M), job.out
     assert "generation 1" not in job.out and "store 127.0.0.1" not in job.out
+    st = json.loads((tmp_path / "status.json").read_text())
+    states = {m["wid"]: (m["role"], m["state"]) for m in st["members"]}
+    unused = [w for w, (role, _) in states.items() if role == "spare"]
+    assert len(unused) == 1 and states[unused[0]][1] == "stopped", states
+    assert states["n0w0"] == ("failed", "dead") and st["ended"] is True
+    assert not any(state in ("waiting", "running") for _, state in states.values()), states
+
+
+@pytest.mark.timeout(60)
+def test_status_on_a_missing_or_damaged_run_dir_says_so(tmp_path):
+    missing = tmp_path / "nothing-here"
+    r = subprocess.run([*PHOENIXFT, "status", str(missing), "--watch", "--wait", "0.5"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert f"no job in {missing} yet; waiting up to 0.5 s" in r.stderr
+    assert f"no job appeared in {missing} within 0.5 s" in r.stderr
+    (tmp_path / "status.json").write_text('{"generation": 1, "memb')
+    r = subprocess.run([*PHOENIXFT, "status", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{tmp_path / 'status.json'} cannot be read" in r.stderr, r.stderr
