@@ -19,7 +19,7 @@ _COMMANDS = [
     "phoenixft.checkpoint.cli",    # ckpt
     "phoenixft.serve.cli",       # serve, generate
     "phoenixft.bench.simulate",  # simulate
-    "phoenixft.bench.plot",      # plot
+    "phoenixft.observe.plot",    # plot
 ]
 # modules whose register(subparsers) adds `phoenixft bench <name>`.
 _BENCHES = [
