@@ -97,6 +97,7 @@ class Leader:
         self._reports_seen = 0
         self._started = time.monotonic()
         self._status_t = 0.0
+        self.status_failing: OSError | None = None  # why status.json could not be written
 
     @property
     def plan_kind(self) -> str:
@@ -409,7 +410,11 @@ class Leader:
         if not force and time.monotonic() - self._status_t < 0.5:
             return
         self._status_t = time.monotonic()
-        write_json_atomic(self.run_dir / "status.json", self.status())
+        try:
+            write_json_atomic(self.run_dir / "status.json", self.status())
+            self.status_failing = None
+        except OSError as exc:  # a full run-dir disk: the agent says so, training goes on
+            self.status_failing = exc
 
     def summary(self, wall_s: float) -> dict:
         return report.summary(self.store, self.run_dir, self.plan.generation if self.plan else 0,

@@ -87,6 +87,7 @@ class Agent:
         self._follower: EventFollower | None = None
         self._told_gen = 0  # newest generation whose recovery the console has told
         self._progress = (0, time.monotonic())  # (step, when) of the last progress line
+        self._run_dir_error: str | None = None  # told on the console while writes fail
         self._helpers: set[int] = {forks.pid} if forks is not None else set()
 
     # -- set-up ---------------------------------------------------------------------
@@ -307,6 +308,7 @@ class Agent:
                     self._echo_progress(store)  # (before the account: a step's line
                     self._tell(store)           # comes before the failure that followed it)
                 self._watch_persistence(store)
+                self._watch_run_dir()
                 final = self._final = self._final or self._final_plan(store)
                 if final is not None and (final.kind == "abort" or
                                           all(p.done for p in self.procs.values())):
@@ -400,20 +402,20 @@ class Agent:
                 self._watch_persistence(store, final=True)
             except Exception:  # noqa: BLE001 - a console line must not cost the summary
                 pass
-            summary = self.leader.summary(wall_s)
-            if self.leader.problems:
+            summary = self._write_summary(wall_s)
+            if self.leader.problems or summary is None:
                 rc = 1
-            write_json_atomic(self.run_dir / "summary.json", summary)
-            write_json_atomic(self.run_dir / "status.json", self.leader.final_status())
-            self.events.emit("finished", ok=rc == 0, final_step=summary["final_step"],
-                             digest=summary["final_state_digest"], aborted=summary["aborted"])
+            summary = summary or {}
+            self.events.emit("finished", ok=rc == 0, final_step=summary.get("final_step"),
+                             digest=summary.get("final_state_digest"),
+                             aborted=summary.get("aborted"))
             self._tell(store)
             if final is not None and final.kind == "abort":
                 self._say(f"phoenixft: job stopped: {final.reason}", err=True)
-            elif rc != 0:
+            elif rc != 0 and self.leader.problems:
                 self._say(f"phoenixft: training finished, but {'; '.join(self.leader.problems)}",
                           err=True)
-            else:
+            elif rc == 0:
                 self._say(done_line(summary, str(self.run_dir)), err=False, always=True)
             self._wait_agents_gone(store)  # let the others read the verdict first
         elif store is not None:
@@ -424,6 +426,19 @@ class Agent:
         if self.shm_dir is not None:
             remove_node_shm(str(self.shm_dir))
         return 128 + self._signal if self._signal is not None else rc
+
+    def _write_summary(self, wall_s: float) -> dict | None:
+        """summary.json, audit.jsonl and the final status.json; None (said on the console)
+        when the run directory has no room for them."""
+        try:
+            summary = self.leader.summary(wall_s)  # (writes audit.jsonl)
+            write_json_atomic(self.run_dir / "summary.json", summary)
+            write_json_atomic(self.run_dir / "status.json", self.leader.final_status())
+            return summary
+        except OSError as exc:
+            self._say(f"phoenixft: the job ended, but its summary cannot be written to "
+                      f"{self.run_dir} ({exc.strerror or exc}): make room there", err=True)
+            return None
 
     def _wait_agents_gone(self, store) -> None:
         if self.cfg.nnodes == 1:
@@ -456,6 +471,26 @@ class Agent:
                                   f"({err['error']}); training goes on, newest durable step "
                                   f"{self.persisted_step}", err=True)
                     self._persist_errors[r] = err["errors"]
+
+    def _watch_run_dir(self) -> None:
+        """A run directory that cannot be written (a full or read-only disk) costs its
+        records, not the training: say so once when writes start failing and once when
+        they work again, with what was lost."""
+        status_err = self.leader.status_failing if self.leader is not None else None
+        err = status_err or self.events.failing
+        if err is not None and self._run_dir_error is None:
+            self._run_dir_error = err.strerror or str(err)
+            self._say(f"phoenixft: cannot write the run directory {self.run_dir} "
+                      f"({self._run_dir_error}); training goes on, but events.jsonl and "
+                      "status.json fall behind until there is room", err=True)
+        elif self._run_dir_error is not None and status_err is None and self.leader is not None:
+            lost = self.events.lost  # status.json is written again: is the log too?
+            self.events.emit("run_dir_writable", lost_records=lost)
+            if self.events.failing is None:
+                self._run_dir_error = None
+                self._say(f"phoenixft: the run directory {self.run_dir} is writable again "
+                          f"({plural(lost, 'event record')} of this agent lost meanwhile)",
+                          err=True)
 
     def _echo_progress(self, store) -> None:
         """A progress line at each multiple of `--log-every N` steps (each one, even when

@@ -19,6 +19,7 @@ directory first on ``sys.path``, ``sys.argv`` as given), or as ``python -m MODUL
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import runpy
 import sys
@@ -27,6 +28,37 @@ import traceback
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.platform import die_with_parent
+
+
+class _RoomlessTolerant:
+    """A worker's sys.stdout / sys.stderr: a write its log's disk has no room for is
+    dropped instead of raising into the user's training loop (a `print` on a full
+    run-directory disk would otherwise stop the job). Other errors still raise."""
+
+    NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.dropped = 0  # characters not written
+
+    def write(self, s: str) -> int:
+        try:
+            return self._inner.write(s)
+        except OSError as exc:
+            if exc.errno not in self.NO_ROOM:
+                raise
+            self.dropped += len(s)
+            return len(s)
+
+    def flush(self) -> None:
+        try:
+            self._inner.flush()
+        except OSError as exc:
+            if exc.errno not in self.NO_ROOM:
+                raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
 
 
 def exit_code(code: object) -> int:
@@ -116,6 +148,7 @@ def main() -> None:
         die_with_parent(int(env["PHOENIXFT_AGENT_PID"]))
     if "PHOENIXFT_STORE" in env:
         refuse_own_process_groups()
+        sys.stdout, sys.stderr = _RoomlessTolerant(sys.stdout), _RoomlessTolerant(sys.stderr)
     code, error = run_script(sys.argv[1], sys.argv[2:], module=env.get("PHOENIXFT_MODULE") == "1")
     try:
         atexit._run_exitfuncs()

@@ -9,6 +9,7 @@ torn last line (a process killed mid-write).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -19,12 +20,19 @@ from typing import Any
 
 
 class EventLog:
-    """Append-only JSON-lines log shared by every process of a run."""
+    """Append-only JSON-lines log shared by every process of a run.
+
+    A record the file system refuses (a full or read-only disk) is dropped and counted,
+    never raised: the log is an account of the training, and a full run-directory disk
+    must not stop the training it describes. `failing` holds the error while writes fail
+    (the agent tells the console), `lost` counts the records dropped."""
 
     def __init__(self, path: str | os.PathLike | None, **common: Any) -> None:
         self.path = Path(path) if path else None
         self.common = common
         self._fd: int | None = None
+        self.failing: OSError | None = None
+        self.lost = 0
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -32,7 +40,14 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> dict:
         record = {"t": round(time.time(), 6), "event": event, **self.common, **fields}
         if self._fd is not None:
-            os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
+            line = (json.dumps(record, default=str) + "\n").encode()
+            try:
+                if os.write(self._fd, line) != len(line):  # a short write: the disk filled
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                self.failing = None
+            except OSError as exc:
+                self.failing = exc
+                self.lost += 1
         return record
 
     def close(self) -> None:
@@ -118,8 +133,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with tmp.open("w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    try:
+        with tmp.open("w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:  # a full disk: no half-written temporary file left behind
+        tmp.unlink(missing_ok=True)
+        raise

@@ -20,7 +20,7 @@ _SOURCES = {"local_snapshot": "a snapshot in the node's shared memory",
 
 _IRREGULAR = {"failure": "failures", "recovery": "recoveries", "spare": "spares",
               "worker": "workers", "step": "steps", "rank": "ranks",
-              "completed step": "completed steps"}
+              "completed step": "completed steps", "event record": "event records"}
 
 
 def plural(n: int, word: str) -> str:

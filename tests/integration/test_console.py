@@ -4,12 +4,28 @@ cadence; `--quiet` keeps the failure and the summary."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import subprocess
+import threading
+from pathlib import Path
 
 import pytest
-from jobs import PHOENIXFT, ROOT, run
+from jobs import (
+    GATED,
+    PHOENIXFT,
+    ROOT,
+    kill_members,
+    kill_tree,
+    load,
+    reached_step,
+    run,
+    run_script,
+    start,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration]
 
@@ -74,3 +90,77 @@ def test_status_on_a_missing_or_damaged_run_dir_says_so(tmp_path):
                        text=True, timeout=30)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"{tmp_path / 'status.json'} cannot be read" in r.stderr, r.stderr
+
+
+@pytest.fixture()
+def small_run_disk(tmp_path):
+    """An 8 MiB tmpfs for the run directory (CI runs as root; without root the test fails
+    naming why, since a skip would let CI pass without checking anything)."""
+    if os.geteuid() != 0:
+        pytest.fail("needs root to mount a small tmpfs (CI runs as root); deselect with "
+                    "-k 'not full_run_dir' to run the rest unprivileged")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with filler.open("wb", buffering=0) as f:  # unbuffered: close must not retry a write
+        try:
+            while True:
+                f.write(bytes(64 << 10))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+@pytest.mark.timeout(300)
+def test_a_full_run_dir_disk_mid_run_costs_records_not_training(tmp_path, tmp_path_factory,
+                                                                small_run_disk):
+    """The run directory's disk fills while the job runs (held at step 4 until it is full,
+    at step 9 until the test has seen the console say so and made room): training goes
+    on to the failure-free digest, the console says it once each way, and no temporary
+    file is left behind."""
+    holds = ("--hold-at", "4", "--hold-until-file", "go", "--hold-again-at", "9",
+             "--hold-again-until-file", "go2")
+    ref = run_script(tmp_path_factory.mktemp("ref"), GATED, "--nproc", "2",
+                     script_args=("--steps", "14"))
+    assert ref.rc == 0, ref.out
+    run_dir = small_run_disk / "run"
+    p = start(run_dir, "--nproc", "2", script=GATED, steps=None,
+              script_args=("--steps", "14", *holds))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: reached_step(run_dir, 3) or p.poll() is not None, 120, "step 3")
+        assert p.poll() is None, "".join(lines)
+        filler = _fill(small_run_disk)
+        (run_dir / "go").touch()  # an empty file needs no room on tmpfs
+        wait_until(lambda: any("cannot write the run directory" in ln for ln in lines) or
+                   p.poll() is not None, 120, "the console saying the run dir is full")
+        assert p.poll() is None, "".join(lines)
+        filler.unlink()
+        (run_dir / "go2").touch()
+        p.wait(timeout=180)
+        reader.join(timeout=30)
+    finally:
+        kill_tree(p.pid)
+        kill_members(run_dir)
+    out = "".join(lines)
+    job = load(run_dir, p.returncode, out)
+    assert job.rc == 0, out
+    assert "Traceback" not in out
+    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
+    assert job.summary["losses"] == ref.summary["losses"]
+    full = _once(out, r"cannot write the run directory")
+    assert "No space left on device" in full and "training goes on" in full
+    _once(out, rf"the run directory {re.escape(str(run_dir))} is writable again \(\d+ event")
+    assert not list(run_dir.rglob("*.tmp")), list(run_dir.rglob("*.tmp"))
+    assert job.of("run_dir_writable")

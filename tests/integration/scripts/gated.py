@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--hold-at", type=int, default=0, help="wait at this step for a new spare")
     ap.add_argument("--hold-until-file", default=None,
                     help="at --hold-at, wait for this file in the run directory instead")
+    ap.add_argument("--hold-again-at", type=int, default=0,
+                    help="a second hold, until --hold-again-until-file appears")
+    ap.add_argument("--hold-again-until-file", default=None)
     args = ap.parse_args()
     if args.hold_until_file and not args.hold_at:
         ap.error("--hold-until-file needs --hold-at STEP")
@@ -70,6 +73,8 @@ def main() -> None:
     for step in sess.steps(args.steps):
         if step.index == args.hold_at and not step.retry:
             hold(run_dir, args.hold_until_file)
+        if args.hold_again_at and step.index == args.hold_again_at and not step.retry:
+            hold(run_dir, args.hold_again_until_file)
         for j in step.microbatches():
             g = torch.Generator().manual_seed(step.index * 1000 + j)
             x = torch.randn(8, 16, generator=g)
