@@ -310,9 +310,9 @@ class Agent:
                 self._watch_persistence(store)
                 self._watch_run_dir()
                 final = self._final = self._final or self._final_plan(store)
-                if final is not None and (final.kind == "abort" or
-                                          all(p.done for p in self.procs.values())):
-                    return final
+                if final is not None:  # done (every member has exited) or abort: what
+                    return final       # is left, a hung spare too, gets the grace period
+                                       # to leave, then SIGKILL (_stop_workers)
                 if final is None and self.leader is None and (
                         self._signal is not None or all(p.done for p in self.procs.values())):
                     return self._await_final(store)

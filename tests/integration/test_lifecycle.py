@@ -210,3 +210,30 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path):
     finally:
         kill_tree(p.pid)
         kill_members(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_spare_does_not_keep_a_finished_job_from_exiting(tmp_path):
+    """A SIGSTOPped spare (never fenced here: the heartbeat deadline is far away) used to
+    keep the agent waiting for it forever once training was done, SIGTERM ignored."""
+    from jobs import GATED
+
+    p = start(tmp_path, "--nproc", "1", "--spares", "1", "--heartbeat-timeout", "600",
+              script=GATED, steps=None,
+              script_args=("--steps", "6", "--hold-at", "2", "--hold-until-file", "go"))
+    try:
+        wait_until(lambda: reached_step(tmp_path, 1) or p.poll() is not None, 60, "step 1")
+        st = json.loads((tmp_path / "status.json").read_text())
+        [spare] = [m["pid"] for m in st["members"] if m["role"] == "spare"]
+        wait_until(lambda: psutil.Process(spare).status() in (psutil.STATUS_SLEEPING,
+                                                              psutil.STATUS_DISK_SLEEP),
+                   30, "the spare waiting")
+        psutil.Process(spare).send_signal(signal.SIGSTOP)
+        (tmp_path / "go").touch()
+        out, _ = p.communicate(timeout=60)
+    finally:
+        kill_tree(p.pid)
+        kill_members(tmp_path)
+    assert p.returncode == 0, out
+    assert "phoenixft: done: 6 steps" in out
+    assert not alive(spare)
