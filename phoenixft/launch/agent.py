@@ -281,6 +281,8 @@ class Agent:
             self._say(f"phoenixft: store {self.access.public}, {plural(cfg.nproc, 'worker')} + "
                       f"{plural(cfg.spares, 'spare')}, run dir {self.run_dir}")
         for i in range(cfg.nproc + cfg.spares):
+            if self._signal is not None:  # SIGINT/SIGTERM while starting: start no more
+                break
             self._start_worker(i)
 
     def _loop(self, store) -> Plan | None:

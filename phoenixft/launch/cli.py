@@ -40,6 +40,9 @@ def add_run_arguments(run: argparse.ArgumentParser, spares_default: int | None =
                                        "auto as torchrun takes them (default 1)")
     run.add_argument("--spares", type=int, default=spares_default,
                      help="warm spare workers on this node")
+    run.add_argument("--max-local-workers", type=int, default=None, metavar="N",
+                     help="the most workers (--nproc + --spares) this node may start (default: "
+                          "32 per core, and no more than its free memory holds at 64 MiB each)")
     run.add_argument("--nnodes", type=int, default=None,
                      help="nodes of the job (default 1, or SLURM_NNODES under Slurm)")
     run.add_argument("--node-rank", "--node_rank", type=int, default=None,
@@ -139,7 +142,7 @@ def agent_config_from_args(args):
                        persist_cpu_share=args.persist_cpu_share,
                        resume=args.resume, metrics_port=args.metrics_port,
                        metrics_host=args.metrics_host, start_method=args.start_method,
-                       log_every=args.log_every)
+                       log_every=args.log_every, max_local_workers=args.max_local_workers)
 
 
 def cmd_run(args) -> int:

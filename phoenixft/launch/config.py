@@ -85,6 +85,28 @@ def _finite_positive(name: str, value: float) -> None:
         raise LaunchError(f"{name} must be a finite number of seconds > 0, got {value}")
 
 
+WORKERS_PER_CORE = 32  # far past any sensible oversubscription, yet finite
+WORKER_MEMORY = 64 << 20  # bytes a forked worker needs at least (a tiny model's worker: 30-45 MB
+                           # of its own pages after the fork, measured)
+
+
+def local_worker_limit() -> tuple[int, str]:
+    """The most workers (actives + spares) one node may start unless told otherwise, and
+    why: WORKERS_PER_CORE per core, and no more than its available memory holds at
+    WORKER_MEMORY each."""
+    cores = os.cpu_count() or 1
+    by_cores = WORKERS_PER_CORE * cores
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return by_cores, f"{WORKERS_PER_CORE} per core on {cores} cores"
+    by_mem = max(1, avail // WORKER_MEMORY)
+    why = (f"{WORKERS_PER_CORE} per core on {cores} cores, and {avail / 2**30:.1f} GiB "
+           f"available at >= {WORKER_MEMORY >> 20} MiB each")
+    return max(1, min(by_cores, by_mem)), why
+
+
 @dataclass(kw_only=True)
 class AgentConfig:
     script: str  # a path, or a module name with `module`
@@ -124,6 +146,7 @@ class AgentConfig:
     python: str = sys.executable
     start_method: str = "forkserver"  # workers are forks of a server that imported torch
                                       # once (forkserver.py), or fresh interpreters (spawn)
+    max_local_workers: int | None = None  # cap on nproc + spares here (None: local_worker_limit)
     echo: bool = True  # print progress and recovery lines (failures and the summary always)
     log_every: str = "10"  # progress lines every N steps ("10") or every N seconds ("30s")
 
@@ -132,6 +155,7 @@ class AgentConfig:
             raise LaunchError(f"--nproc must be >= 1, got {self.nproc}")
         if self.spares < 0:
             raise LaunchError(f"--spares must be >= 0, got {self.spares}")
+        self._check_local_workers()
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
         if (self.nnodes > 1 or self.external_store) and not self.store:
@@ -169,8 +193,10 @@ class AgentConfig:
                               f"{self.start_method!r}")
         if self.respawn < 0:
             raise LaunchError(f"--respawn must be >= 0, got {self.respawn}")
-        if self.replicas is not None and self.replicas < 0:
-            raise LaunchError(f"--replicas must be >= 0, got {self.replicas}")
+        if self.replicas is not None and not 0 <= self.replicas < world:
+            raise LaunchError(f"--replicas must be in [0, {world - 1}]: a job of "
+                              f"{world} rank{'s' if world > 1 else ''} has {world - 1} "
+                              f"peer{'s' if world != 2 else ''} to hold copies, got {self.replicas}")
         if self.persist_every < 1 or self.persist_keep < 1:
             raise LaunchError("--persist-every and --persist-keep must be >= 1")
         if not 0 < self.persist_cpu_share <= 1:  # NaN fails too
@@ -201,6 +227,23 @@ class AgentConfig:
             pass
         raise LaunchError(f"--log-every must be a number of steps >= 1 (e.g. 10) or of seconds "
                           f"(e.g. 30s), got {self.log_every!r}")
+
+    def _check_local_workers(self) -> None:
+        """Refuse more workers than this node can hold before forking any of them (a typo
+        of --nproc would fork until memory runs out)."""
+        n = self.nproc + self.spares
+        if self.max_local_workers is not None:
+            if self.max_local_workers < 1:
+                raise LaunchError(f"--max-local-workers must be >= 1, got {self.max_local_workers}")
+            if n > self.max_local_workers:
+                raise LaunchError(f"--nproc {self.nproc} + --spares {self.spares} = {n} workers "
+                                  f"on this node, above --max-local-workers {self.max_local_workers}")
+            return
+        limit, why = local_worker_limit()
+        if n > limit:
+            raise LaunchError(f"--nproc {self.nproc} + --spares {self.spares} = {n} workers on "
+                              f"this node is more than it can hold ({limit}: {why}); pass "
+                              "--max-local-workers N to allow more")
 
     @property
     def hosts_store(self) -> bool:

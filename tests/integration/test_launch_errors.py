@@ -41,6 +41,13 @@ def phoenixft(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--auth-token", "short"], "--auth-token must be at least 16 characters"),
     (["--nnodes", "2", "--store", "127.0.0.1:0"], "--store port must be an integer"),
     (["--run-dir", "/proc/phoenixft-run"], "--run-dir"),
+    (["--nproc", "1000000000"], "= 1000000000 workers on this node is more than it can hold ("),
+    (["--nproc", "2", "--spares", "1", "--max-local-workers", "2"],
+     "--nproc 2 + --spares 1 = 3 workers on this node, above --max-local-workers 2"),
+    (["--replicas", "99"], "--replicas must be in [0, 0]: a job of 1 rank has 0 peers"),
+    (["--nproc", "2", "--replicas", "2"], "--replicas must be in [0, 1]: a job of 2 ranks has 1 peer"),
+    (["--log-every", "0"], "--log-every must be a number of steps >= 1"),
+    (["--log-every", "nans"], "--log-every must be a number of steps >= 1"),
 ])
 def test_bad_arguments_one_clear_line(tmp_path, args, message):
     t0 = time.monotonic()

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -237,3 +238,35 @@ def test_a_hung_spare_does_not_keep_a_finished_job_from_exiting(tmp_path):
     assert p.returncode == 0, out
     assert "phoenixft: done: 6 steps" in out
     assert not alive(spare)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_workers_start_stops_starting_them(tmp_path):
+    """SIGTERM while the agent starts its workers: it starts no more and stops. The fork
+    server is held (SIGSTOP) before it can answer the first request, so the signal
+    arrives while the first start is in flight, whatever the machine's speed."""
+    p = start(tmp_path, "--nproc", "24", steps=UNTIL_STOPPED)
+    lines: list[str] = []
+    try:
+        server = wait_until(lambda: next(
+            (c for c in psutil.Process(p.pid).children()
+             if "phoenixft.launch.forkserver" in " ".join(c.cmdline())), None), 30,
+            "the fork server", poll=0.005)
+        server.send_signal(signal.SIGSTOP)
+        logs = tmp_path / "logs"
+        # the first start is in flight (its log opened) and none has been answered
+        wait_until(lambda: logs.is_dir() and len(list(logs.iterdir())) == 1, 60,
+                   "the agent asking for its first worker")
+        p.send_signal(signal.SIGTERM)
+        t = threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")),
+                             daemon=True)
+        t.start()
+        wait_until(lambda: any("SIGTERM received" in ln for ln in lines), 30, "the signal seen")
+        server.send_signal(signal.SIGCONT)
+        p.wait(timeout=60)
+        t.join(timeout=10)
+    finally:
+        kill_tree(p.pid)
+        kill_members(tmp_path)
+    assert p.returncode == 128 + signal.SIGTERM, "".join(lines)
+    assert len(list((tmp_path / "logs").iterdir())) == 1  # no worker started after it
