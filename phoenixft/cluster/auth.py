@@ -34,6 +34,7 @@ import threading
 MAGIC = b"PHXAUTH1"
 _NONCE = 32
 _MAC = 32
+_REFUSED = b"NO"  # the front's answer to a wrong token, before it closes the connection
 
 
 def _mac(token: bytes, label: bytes, nonce: bytes) -> bytes:
@@ -59,6 +60,10 @@ def server_handshake(sock: socket.socket, token: bytes) -> None:
     sock.sendall(MAGIC + nonce_f)
     answer = _recv_exact(sock, _MAC + _NONCE)
     if not hmac.compare_digest(answer[:_MAC], _mac(token, b"tunnel", nonce_f)):
+        try:
+            sock.sendall(_REFUSED)  # so a client with the wrong token knows, at once
+        except OSError:
+            pass
         raise AuthError("client failed the store's challenge (wrong or missing auth token)")
     sock.sendall(b"OK" + _mac(token, b"front", answer[_MAC:]))
 
@@ -70,7 +75,10 @@ def client_handshake(sock: socket.socket, token: bytes) -> None:
                         "store front, and does it run with an auth token?")
     nonce_t = os.urandom(_NONCE)
     sock.sendall(_mac(token, b"tunnel", hello[len(MAGIC):]) + nonce_t)
-    reply = _recv_exact(sock, 2 + _MAC)
+    verdict = _recv_exact(sock, 2)
+    if verdict == _REFUSED:
+        raise AuthError("the store refused this agent's auth token (it holds another one)")
+    reply = verdict + _recv_exact(sock, _MAC)
     if reply[:2] != b"OK" or not hmac.compare_digest(reply[2:], _mac(token, b"front", nonce_t)):
         raise AuthError("the store front could not prove the auth token (wrong token on "
                         "one side, or not our store)")
@@ -211,7 +219,12 @@ class AuthTunnel(_Relay):
         self._front = (front_host, front_port)
         super().__init__("127.0.0.1", 0, "store-tunnel", handshake_s)
 
-    def _prepare(self, conn: socket.socket) -> socket.socket:
+    def check(self) -> None:
+        """Prove the token to the front once (raises AuthError if it is refused): a store
+        client behind a refused tunnel would only see closed connections and retry."""
+        self._prepare(None).close()
+
+    def _prepare(self, conn: socket.socket | None) -> socket.socket:
         up = socket.create_connection(self._front, timeout=self.handshake_s)
         try:
             client_handshake(up, self._token)

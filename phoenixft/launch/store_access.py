@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from phoenixft.cluster import store as kv
-from phoenixft.cluster.auth import AuthFront, AuthTunnel
+from phoenixft.cluster.auth import AuthError, AuthFront, AuthTunnel
 from phoenixft.launch.config import (
     AgentConfig,
     LaunchError,
@@ -62,12 +62,20 @@ class StoreAccess:
         ip = resolve(public)
         local = cfg.local_addr or local_address_towards(ip)
         _await_listener(ip, public.port, cfg.startup_timeout_s)
-        if public.is_loopback and token is None:
+        if public.is_loopback:  # a loopback store has no front (`serve`), token or not
             return cls(public, str(public), local)
         if token is None:
             raise LaunchError(f"--store {public} is on another host: give every agent the same "
                               "--auth-token (or PHOENIXFT_AUTH_TOKEN)")
         tunnel = AuthTunnel(ip, public.port, token=token)
+        try:
+            tunnel.check()
+        except OSError as exc:
+            tunnel.close()
+            why = ("it refused this agent's auth token: give every agent and the store the "
+                   "same --auth-token (or PHOENIXFT_AUTH_TOKEN)" if isinstance(exc, AuthError)
+                   else f"the token handshake failed ({exc})")
+            raise LaunchError(f"cannot join the job store at {public}: {why}") from None
         return cls(public, f"127.0.0.1:{tunnel.port}", local, relay=tunnel)
 
     def connect(self, timeout_s: float = 60.0) -> dist.TCPStore:

@@ -151,3 +151,31 @@ def test_without_a_standalone_store_losing_node_0_stops_the_job_clearly(tmp_path
     workers = [e["pid"] for e in read_events(run_dir / "events.jsonl")
                if e["event"] == "joined" and e["wid"].startswith("n1")]
     assert workers and not any(alive(p) for p in workers)
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_auth_token_is_one_line_at_once(tmp_path):
+    """An agent whose token the store refuses stops at once with one line saying so (it
+    printed hundreds of lines of c10d frames and retried for over a minute)."""
+    why = can_make_namespaces()
+    if why is not None:
+        pytest.fail(f"{why} (CI runs as root); deselect with -k 'not wrong_auth' to run the "
+                    "rest unprivileged")
+    with two_hosts() as h:
+        ip, port = h.addr[0], 29556
+        store = popen(h.cmd(0, [*PHOENIXFT, "store", "--host", ip, "--port", str(port),
+                                "--auth-token", secrets.token_hex(16)]), tmp_path / "store.log")
+        try:
+            wait_until(lambda: "listening" in (tmp_path / "store.log").read_text(), 60,
+                       "the store to listen")
+            r = subprocess.run(h.cmd(1, agent_argv(
+                tmp_path / "run", 0, "--store", f"{ip}:{port}", "--external-store",
+                "--auth-token", secrets.token_hex(16))), cwd=ROOT, capture_output=True,
+                text=True, timeout=90)
+        finally:
+            kill_tree(store.pid)
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()
+    assert err == [f"phoenixft run: error: cannot join the job store at {ip}:{port}: it "
+                   "refused this agent's auth token: give every agent and the store the same "
+                   "--auth-token (or PHOENIXFT_AUTH_TOKEN)"], r.stderr
