@@ -57,7 +57,10 @@ def recoveries(store: dist.Store, last_generation: int, failures: list) -> list[
 
 def summary(store: dist.Store, run_dir: Path, last_generation: int, failures: list,
             wall_s: float, aborted: str | None, problems: list[str]) -> dict:
+    # a job stopped before its end (a signal, an abort) ends at its last completed step
     final_step = kv.get_int(store, Keys.result("final_step"), -1)
+    if final_step < 0:
+        final_step = kv.get_int(store, Keys.PROGRESS, 0) or -1
     digest = (store.get(Keys.result("digest")).decode()
               if store.check([Keys.result("digest")]) else None)
     first = kv.get_int(store, Keys.RESUMED_FROM, 0) + 1  # a resumed job ran from there
@@ -78,6 +81,7 @@ def summary(store: dist.Store, run_dir: Path, last_generation: int, failures: li
             "generations": last_generation, "wall_s": round(wall_s, 3), "aborted": aborted,
             "problems": problems,
             "persisted_step": kv.get_int(store, Keys.PERSISTED, -1),
+            "committed_step": kv.get_int(store, Keys.COMMITTED, -1),
             "resumed_from": kv.get_int(store, Keys.RESUMED_FROM, -1),
             "microbatch_passes": kv.get_int(store, Keys.MB_COUNT, 0),
             "world_sizes": world_sizes(store, last_generation)}

@@ -82,6 +82,10 @@ def test_a_signal_stops_the_job_with_its_reason(tmp_path, sig):
     assert f"{sig.name} received" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["aborted"] == f"interrupted by {sig.name}"
+    # what it did before the signal: its last completed step and every loss up to it
+    assert summary["final_step"] >= 3 and summary["final_state_digest"] is None
+    assert len(summary["losses"]) == summary["final_step"]
+    assert 0 <= summary["committed_step"] <= summary["final_step"]
     assert not any(alive(pid) for pid in pids)
     assert not any(d.parent.exists() for d in shm)
 
