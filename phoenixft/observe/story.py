@@ -2,8 +2,8 @@
 a person (who died, how it was seen, who took its rank, where its state came from and how
 long that took), and progress lines at a regular cadence.
 
-The agent that leads the job feeds it the job's events (`failure`, `generation`, `abort`,
-...) and the recovery records rank 0 writes to the store; this module only words them, so
+The agent that leads the job feeds it the job's events (`failure`, `generation`, ...; a
+stop is told by the agent's last line) and the recovery records rank 0 writes to the store; this module only words them, so
 the wording is unit-tested without a job. Each event is told once.
 """
 
@@ -87,9 +87,6 @@ class Story:
                          f"{_SEEN_BY.get(e.get('kind'), e.get('kind', '?'))}", failure=True)]
         if ev == "generation":
             return self._generation(e)
-        if ev == "abort" and self._once(("abort",)):
-            return [Line(f"phoenixft: stopping the job: {e.get('reason', '').splitlines()[0]}",
-                         failure=True)]
         if ev == "snapshot_degraded":
             return [Line(f"phoenixft: rank {e.get('rank')}: a snapshot copy was rejected "
                          f"({e.get('detail')}); the step commits without it", failure=True)]
