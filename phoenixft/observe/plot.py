@@ -132,7 +132,7 @@ def cmd_plot(args) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("phoenixft plot needs matplotlib: pip install 'phoenixft[bench]'", file=sys.stderr)
+        print("phoenixft plot needs matplotlib: pip install 'phoenixft[plot]'", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else run_dir / "timeline.png"
     if any(e["event"] == "step" for e in events):

@@ -3,8 +3,9 @@ a person (who died, how it was seen, who took its rank, where its state came fro
 long that took), and progress lines at a regular cadence.
 
 The agent that leads the job feeds it the job's events (`failure`, `generation`, ...; a
-stop is told by the agent's last line) and the recovery records rank 0 writes to the store; this module only words them, so
-the wording is unit-tested without a job. Each event is told once.
+stop is told by the agent's last line) and the recovery records rank 0 writes to the
+store; this module only words them, so the wording is unit-tested without a job. Each
+event is told once.
 """
 
 from __future__ import annotations
