@@ -359,7 +359,7 @@ def _full_state_bytes(sess, model) -> int:
     """What a full checkpoint of this model holds: every model tensor (frozen included)
     and the optimizer state, as torch.save / DCP write them."""
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for v in sess.state.opt.inner.state.values():
+    for v in sess.optimizer.state.values():
         size += sum(t.numel() * t.element_size() for t in v.values() if hasattr(t, "numel"))
     return size
 

@@ -217,15 +217,14 @@ class RestorePlanner:
         ops.recv(slot.tensor[:int(n)], src, 3, "restore recv")
         return slot
 
-    def gather_resharded(self, ops: GroupOps, *, rank: int, world_size: int, old_world: int,
-                         step: int, generation: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """Collective, for a world-size change: every member gets the whole committed
-        state of step t (all `old_world` shards concatenated, per entry name) so it can cut
-        its new shard. Each old shard comes from the lowest member holding a verified
-        copy, broadcast to all. Returns (full tensors by entry name, header of old rank 0)."""
+    def gather_old_shards(self, ops: GroupOps, *, rank: int, world_size: int, old_world: int,
+                          step: int, generation: int) -> list[tuple[dict[str, torch.Tensor], dict]]:
+        """Collective, for a world-size change: every member gets every old rank's verified
+        snapshot of step t, as (tensors, header) in old rank order, so that its layout can
+        cut its new share of the state from them. Each old snapshot comes from the lowest
+        member holding a verified copy, broadcast to all."""
         copies, table = self.copy_table(ops, world_size, old_world, step, generation)
-        parts: dict[str, list[torch.Tensor]] = {}
-        header0: dict = {}
+        out = []
         for o in range(old_world):
             holders = [m for m in range(world_size) if table[m][o] == MEMORY]
             if holders:
@@ -243,13 +242,8 @@ class RestorePlanner:
             if hdr.get("rank") != o or hdr.get("world_size") != old_world:
                 raise IntegrityError(f"{slot.path}: holds rank {hdr.get('rank')} of world "
                                      f"{hdr.get('world_size')}, wanted rank {o} of {old_world}")
-            if o == 0:
-                header0 = hdr
-            for name, t in slot.tensors(hdr).items():
-                parts.setdefault(name, []).append(t.clone())
-        full = {name: (ts[0] if ts[0].dim() == 0 else torch.cat(ts)) for name, ts in parts.items()
-                if name == "param_shard" or name.startswith("opt.")}
-        return full, header0
+            out.append(({name: t.clone() for name, t in slot.tensors(hdr).items()}, hdr))
+        return out
 
     def _broadcast_slot(self, ops: GroupOps, mine: SlotFile | None, src: int, old_rank: int,
                         step: int) -> SlotFile:

@@ -8,8 +8,8 @@ generation g, in named phases:
 1. enter: take the plan's rank, start watching for plan g+1 (it interrupts every wait);
 2. build groups: the training group and a separate replication group, each on its own
    store prefix and its own store connection, each with a deadline;
-3. prepare: lay the flat parameters out for the world size, (re)build the sharded
-   optimizer, a fresh gradient buffer;
+3. prepare: lay the rank's state out for the world size (`StateLayout.join`: with
+   ZeRO-1 the flat parameters and the sharded optimizer), a fresh gradient buffer;
 4. restore: agree on the restore point and restore (`recovery.py`), or, at the very
    start, take rank 0's initial parameters;
 5. snapshots: a new snapshot thread for this generation's ranks and replica holders;
@@ -60,7 +60,6 @@ from phoenixft.train.rank_state import RankState
 from phoenixft.train.recovery import JoinContext, RestorePoint
 from phoenixft.train.reduce_layout import ReduceLayout
 from phoenixft.train.step import Step
-from phoenixft.train.zero import ShardedOptimizer
 
 # A spare waits at most this long for survivors' in-flight snapshot copies before it
 # computes ahead (`_local_step_of_every_rank`); the survivors meanwhile finish their
@@ -105,6 +104,7 @@ class Member:
         self._builds: dict[int, dict[str, Pending]] = {}  # generation -> its group builds
         self._builds_lock = threading.Lock()
         self._built_upto = -1  # the newest generation whose builds began (never lowered)
+        self._hooked = False  # the optimizer pre-step hook is registered with the layout
 
     def connect(self) -> dist.Store:
         """A new store connection (one per blocking thread or group build)."""
@@ -144,7 +144,7 @@ class Member:
             if plan.rank_of(self.wid) is None:
                 plan = self.await_plan(plan.generation + 1, self.cfg.spare_wait_s)
                 continue
-            if in_flight is None and state.opt is None:
+            if in_flight is None and not state.joined:
                 ahead = self._speculate(plan, state)
                 if ahead is not None:
                     return ahead  # joined once its microbatches are computed (session.py)
@@ -184,11 +184,11 @@ class Member:
     def join(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
         t0 = time.time()
         self.planner.forget()  # copies are verified afresh for each join, once
-        first = state.opt is None
+        first = not state.joined
         ahead = in_flight is not None and in_flight.speculative is not None
         if self.plan is not plan:  # (a spare that computed ahead entered it already)
             self._enter_generation(plan)
-        self._device = state.flat.device
+        self._device = state.layout.device
         early = plan.generation in self._builds  # its groups were started before the join
         phases = self._build_groups(plan, t0)
         if self.generation > 0:  # every member is inside this join now (the group formed)
@@ -228,25 +228,21 @@ class Member:
         if Plan.from_json(self.store.get(Keys.plan(g - 1))).world_size != plan.world_size:
             return None
         world = plan.world_size
-        got = self._local_step_of_every_rank(r, world, state.flat.numel)
+        got = self._local_step_of_every_rank(r, world, state.layout.numel)
         if got is None:
             return None
         t, copies = got
         self._enter_generation(plan)
-        self._device = state.flat.device
+        self._device = state.layout.device
         try:
             self._start_builds(plan)  # the group forms while this spare computes
         except GenerationChanged:
             pass  # a newer plan is out: the join finds that out
         self._prepare(state, first=True)
         state.zero_grad()
-        shard = state.flat.shard_size(world)
-        with torch.no_grad():
-            for q, (slot, hdr) in enumerate(copies):
-                state.flat.buf[q * shard:(q + 1) * shard].copy_(
-                    slot.tensors(hdr)["param_shard"].to(state.flat.dtype))
+        state.layout.load_params([slot.tensors(hdr) for slot, hdr in copies])
         tensors, hdr = copies[r][0].tensors(copies[r][1]), copies[r][1]
-        state.opt.load_state(tensors, hdr["opt"])
+        state.layout.load_unique(tensors, hdr["opt"])
         state.load_rank_local(tensors, hdr)
         state.step, state.snap_from = t, (hdr["generation"], world)
         m = state.m_for(world)
@@ -368,16 +364,16 @@ class Member:
             return self._builds[g]  # (older generations' builds are dropped: abandoned)
 
     def _prepare(self, state: RankState, first: bool) -> None:
-        state.flat.layout(self.world_size)
-        opt = state.opt
-        if first or opt.rank != self.rank or opt.world_size != self.world_size:
-            state.opt = ShardedOptimizer(state.flat, state.factory, self.rank, state.scheduler)
-            state.opt.inner.register_step_pre_hook(lambda *_: self.snap.wait_copied(committed=True))
+        lay = state.layout
+        if first and not self._hooked:  # the snapshot's copy before every optimizer step
+            lay.on_optimizer_step(lambda: self.snap.wait_copied(committed=True))
+            self._hooked = True
+        lay.join(self.rank, self.world_size)
         # A fresh gradient buffer per generation: an abandoned all-reduce of the old
         # generation may still complete into the old one.
         max_m = max(state.m, state.m_for(self.world_size))
-        state.grad = torch.zeros(ReduceLayout.capacity(state.flat.buf.numel(), max_m),
-                                 dtype=state.flat.master_dtype, device=state.flat.device)
+        state.grad = torch.zeros(ReduceLayout.capacity(lay.grad_numel(), max_m),
+                                 dtype=lay.master_dtype, device=lay.device)
 
     def _restore(self, ctx: JoinContext, state: RankState, point: RestorePoint,
                  in_flight: Step | None, first: bool) -> tuple[str, Step | None]:
@@ -385,8 +381,7 @@ class Member:
             return recovery.restore(ctx, state, point, in_flight, new_member=first)
         # fresh start: everyone takes rank 0's initial parameters
         state.zero_grad()
-        self.ops.broadcast(state.flat.buf, 0, "initial parameter broadcast")
-        state.opt.reload_shard_from_params()
+        state.layout.start_from_rank0(self.ops)
         state.step = 0
         return "init", None
 
@@ -470,7 +465,7 @@ class Member:
             self.persister.stop()
         self._bury_groups()
         # ...and never let the old groups' late-finishing ops write into live buffers.
-        state.flat.relocate()
+        state.layout.relocate()
         return self.enter(self.await_plan(self.generation + 1, self.cfg.join_timeout_s),
                           state, in_flight)
 

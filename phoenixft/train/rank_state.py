@@ -1,40 +1,42 @@
 """What one rank holds that a snapshot protects and a recovery restores.
 
 `RankState` is the explicit object the generation protocol works on (instead of reaching
-into the user-facing `Session`): the model's flat parameters, the sharded optimizer,
-the tracked objects, the step, and who wrote the newest snapshot. It knows how to turn
-itself into a snapshot payload and how to take the per-rank part of one back.
+into the user-facing `Session`): the model, its `StateLayout` (how parameters and
+optimizer state are cut over ranks: the parallelism seam, `layout.py`), the tracked
+objects, the step, and who wrote the newest snapshot. It knows how to turn itself into a
+snapshot payload and how to take the per-rank part of one back.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from phoenixft.train import quota
+from phoenixft.train.layout import StateLayout
 from phoenixft.train.tracked import Tracked
-from phoenixft.train.zero import FlatParams, SchedulerFactory, ShardedOptimizer
 
 
 @dataclass(kw_only=True)
 class RankState:
     model: nn.Module
-    flat: FlatParams
-    factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    layout: StateLayout
     tracked: Tracked
-    scheduler: SchedulerFactory | None = None  # LR scheduler factory, rebuilt with the optimizer
     policy: str = "constant"
-    opt: ShardedOptimizer | None = None  # built when a generation is joined
     step: int = 0  # optimizer steps completed
     m: int = 0  # microbatches per step (M), fixed at the first generation
     initial_world: int = 0
     # (generation, world size) that wrote snapshot `step`: where a recovery looks for it
     snap_from: tuple[int, int] = (-1, -1)
     grad: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # see Member._prepare
+
+    @property
+    def joined(self) -> bool:
+        """Whether a generation was joined (the layout and optimizer are built)."""
+        return self.layout.world_size > 0
 
     def m_for(self, world_size: int) -> int:
         """Microbatches per step at this world size (the policy's rule)."""
@@ -45,16 +47,16 @@ class RankState:
 
     def snapshot_payload(self, *, rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], dict]:
         """The tensors and header of this rank's snapshot: only what this rank alone holds
-        (its shard of master weights and optimizer state, RNG states, tracked objects).
-        The tensors are references: the snapshot thread copies them before the next
-        optimizer step may change them."""
-        tensors = self.opt.state_tensors()
+        (the layout's unique state: with ZeRO-1 its shard of master weights and optimizer
+        state; RNG states, tracked objects). The tensors are references: the snapshot
+        thread copies them before the next optimizer step may change them."""
+        tensors = self.layout.unique_tensors()
         tensors["rng.torch"] = torch.get_rng_state()
-        if torch.cuda.is_available() and self.flat.device.type == "cuda":
-            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.flat.device)
+        if torch.cuda.is_available() and self.layout.device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.layout.device)
         tensors.update(self.tracked.tensors())
-        header = {"rank": rank, "world_size": world_size, "numel": self.flat.numel,
-                  "opt": self.opt.state_meta(), "tracked": self.tracked.meta(),
+        header = {"rank": rank, "world_size": world_size, "numel": self.layout.numel,
+                  "opt": self.layout.unique_meta(), "tracked": self.tracked.meta(),
                   "python_random": random.getstate()}
         return tensors, header
 
@@ -70,22 +72,18 @@ class RankState:
         return out
 
     def export_meta(self) -> dict:
-        """How to rebuild the model from persisted shards: the trainable parameters' names,
-        shapes and places in the flat buffer, names that alias another tensor (tied
-        weights), and the model's Hugging Face config when it has one."""
-        params = [[name, list(p.shape), off] for (off, _), (name, p) in
-                  zip(self.flat.offsets, self.flat.named)]
+        """How to rebuild the model from persisted shards (the layout's part), names that
+        alias another tensor (tied weights), and the model's Hugging Face config when it
+        has one."""
         cfg = getattr(self.model, "config", None)
         config = (cfg.to_hf_dict() if hasattr(cfg, "to_hf_dict") else
                   cfg.to_dict() if hasattr(cfg, "to_dict") else None)
-        return {"params": params, "numel": self.flat.numel,
-                "dtype": str(self.flat.dtype).removeprefix("torch."), "aliases": self.aliases(),
-                "config": config}
+        return {**self.layout.export_meta(), "aliases": self.aliases(), "config": config}
 
     def fixed_tensors(self) -> dict[str, torch.Tensor]:
         """Model tensors that are not trained (frozen parameters, buffers), as CPU copies:
         persisted once per generation beside the shards."""
-        skip = {name for name, _ in self.flat.named} | set(self.aliases())
+        skip = self.layout.trained_names() | set(self.aliases())
         return {name: t.detach().to("cpu", copy=True).contiguous()
                 for name, t in self.model.state_dict().items() if name not in skip}
 
@@ -94,7 +92,7 @@ class RankState:
         optimizer shard is loaded separately, since it also reshards)."""
         torch.set_rng_state(tensors["rng.torch"].clone())
         if "rng.cuda" in tensors:
-            torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), self.flat.device)
+            torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), self.layout.device)
         self.tracked.load(tensors, header["tracked"])
         v, state, gauss = header["python_random"]
         random.setstate((v, tuple(state), gauss))

@@ -193,35 +193,26 @@ def _same_world(ctx: JoinContext, state: RankState, point: RestorePoint,
     t = point.step
     slot, hdr, source = ctx.planner.restore(ctx.ops, rank=ctx.rank, world_size=ctx.world_size,
                                             step=t, generation=point.generation)
-    if hdr["numel"] != state.flat.numel:
+    if hdr["numel"] != state.layout.numel:
         raise RuntimeError(f"snapshot of step {t} holds {hdr['numel']} parameters, the model has "
-                           f"{state.flat.numel}: was the model changed between runs?")
+                           f"{state.layout.numel}: was the model changed between runs?")
     tensors = slot.tensors(hdr)
-    state.opt.load_state(tensors, hdr["opt"])
+    state.layout.load_unique(tensors, hdr["opt"])
     if load_rank_state:
         state.load_rank_local(tensors, hdr)
     if gather:
-        ctx.ops.all_gather_into(state.flat.buf, state.opt.gathered(),
-                                "parameter all-gather (restore)")
+        state.layout.gather_params(ctx.ops, "parameter all-gather (restore)")
     return source
 
 
 def _resharded(ctx: JoinContext, state: RankState, point: RestorePoint) -> str:
-    full, hdr0 = ctx.planner.gather_resharded(
+    old = ctx.planner.gather_old_shards(
         ctx.ops, rank=ctx.rank, world_size=ctx.world_size, old_world=point.world_size,
         step=point.step, generation=point.generation)
-    n, padded = state.flat.numel, state.flat.buf.numel()
-    start, end = state.opt.start, state.opt.end
-
-    def fit(x: torch.Tensor) -> torch.Tensor:  # old padding -> new padding
-        out = torch.zeros(padded, dtype=x.dtype)
-        out[:n] = x[:n]
-        return out
-
-    tensors = {name: x if x.dim() == 0 else fit(x)[start:end] for name, x in full.items()}
-    state.opt.load_state(tensors, hdr0["opt"])
-    with torch.no_grad():
-        state.flat.buf.copy_(fit(full["param_shard"]).to(state.flat.buf.device))
+    if old[0][1]["numel"] != state.layout.numel:
+        raise RuntimeError(f"snapshot of step {point.step} holds {old[0][1]['numel']} parameters, "
+                           f"the model has {state.layout.numel}: was the model changed between runs?")
+    state.layout.reshard([(tensors, hdr["opt"]) for tensors, hdr in old])
     if state.tracked.tensors():
         ctx.events.emit("tracked_not_resharded", step=point.step,
                         note="per-rank tracked state stays with each process across a "

@@ -10,8 +10,9 @@ optimizer.
             step.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
 
 The session runs the step: one all-reduce of a flat buffer (gradients, the microbatch
-audit, loss; `reduce_layout.py`) with a deadline, the ZeRO-1 optimizer step, the
-parameter all-gather, and a snapshot started in the background. Everything about
+audit, loss; `reduce_layout.py`) with a deadline, the optimizer update of the rank's
+`StateLayout` (ZeRO-1 over a flat buffer: `flat_layout.py`), and a snapshot started in
+the background. Everything about
 generations (joining, recovering, spares) is the `Member`'s; what a rank holds is its
 `RankState`. When a collective fails or the leader publishes a new generation, the
 member recovers and the loop resumes at the restored step. Survivors are never restarted.
@@ -36,13 +37,14 @@ from phoenixft.observe.events import EventLog
 from phoenixft.train import model_io, quota
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
+from phoenixft.train.flat_layout import FlatZero1
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.reduce_layout import ReduceLayout
 from phoenixft.train.step import Step, StepPhase
 from phoenixft.train.tracked import Tracked
-from phoenixft.train.zero import FlatParams, SchedulerFactory
+from phoenixft.train.zero import SchedulerFactory
 
 __all__ = ["JobAborted", "Session"]
 
@@ -96,16 +98,16 @@ class Session:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer running on this rank's shard (for LR schedulers)."""
-        if self.state is None or self.state.opt is None:
+        if self.state is None or not self.state.joined:
             raise RuntimeError("call Session.setup() first")
-        return self.state.opt.inner
+        return self.state.layout.optimizer
 
     @property
     def scheduler(self):
         """The LR scheduler built by `setup(scheduler=...)` on this rank's optimizer, or None."""
-        if self.state is None or self.state.opt is None:
+        if self.state is None or not self.state.joined:
             raise RuntimeError("call Session.setup() first")
-        return self.state.opt.sched
+        return self.state.layout.scheduler
 
     @property
     def is_leader(self) -> bool:
@@ -126,10 +128,9 @@ class Session:
         tracked = Tracked()
         for name, obj in (track or {}).items():
             tracked.add(name, obj)
-        self.state = RankState(model=model, flat=FlatParams(model), factory=optimizer,
-                               scheduler=scheduler, tracked=tracked, policy=self.cfg.policy,
-                               m=microbatches or 0)
-        self._warm_up()
+        self.state = RankState(model=model, layout=FlatZero1(model, optimizer, scheduler),
+                               tracked=tracked, policy=self.cfg.policy, m=microbatches or 0)
+        self._warm_up(optimizer)
         self._pending = self.member.start(self.state)
         m = self.state.m_for(self.world_size)
         # (a garble is checked against the job's first placement: a spare or a respawned
@@ -138,19 +139,19 @@ class Session:
             [len(ids) for ids in quota.plan(m, self.world_size)],
             receivers=self.member.replica_receivers() if self.generation == 0 else None)
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, factory) -> None:
         """Pay lazy imports and first-call costs now, not on activation: constructing and
         stepping a torch optimizer the first time imports torch._dynamo (~2 s here)."""
-        flat = self.state.flat
-        p = nn.Parameter(torch.zeros(8, dtype=flat.master_dtype, device=flat.device))
-        opt = self.state.factory([p])
+        lay = self.state.layout
+        p = nn.Parameter(torch.zeros(8, dtype=lay.master_dtype, device=lay.device))
+        opt = factory([p])
         p.grad = torch.zeros_like(p)
         opt.step()
         state_digest({"warm": p.detach()})
 
     def steps(self, total: int) -> Iterator[Step]:
         """Yield steps until `total` optimizer steps are done, recovering from failures."""
-        if self.state is None or self.state.opt is None:
+        if self.state is None or not self.state.joined:
             raise RuntimeError("call Session.setup() before Session.steps()")
         state, member = self.state, self.member
         while True:
@@ -181,19 +182,7 @@ class Session:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model and (unsharded) optimizer state, world-size free."""
-        flat, opt = self.state.flat, self.state.opt
-        out = {f"model.{k}": v for k, v in flat.unflatten(flat.buf).items()}
-        for name, t in opt.state_tensors().items():
-            if not name.startswith("opt."):
-                continue
-            if t.dim() == 0:
-                out[f"optim.{name[4:]}"] = t
-                continue
-            full = torch.empty(t.numel() * self.world_size, dtype=t.dtype, device=t.device)
-            self.member.ops.all_gather_into(full, t, "state gather")
-            for k, v in flat.unflatten(full).items():
-                out[f"optim.{name[4:]}.{k}"] = v
-        return out
+        return self.state.layout.full_state(self.member.ops)
 
     def load_state(self, source, *, strict: bool = True) -> None:
         """Start from existing weights: a Hugging Face directory (model.safetensors or a
@@ -207,8 +196,8 @@ class Session:
         else:
             raise RuntimeError("before setup(), call load_state((model, source))")
         model_io.load_weights(model, source, strict=strict)
-        if self.state is not None and self.state.opt is not None:
-            self.state.opt.reload_shard_from_params()
+        if self.state is not None:
+            self.state.layout.params_changed()
 
     def save_pretrained(self, out_dir: str | Path, *, tokenizer=None) -> Path | None:
         """Write the trained model as a Hugging Face directory (config.json when the model
@@ -246,10 +235,10 @@ class Session:
         if st.reduced:
             return
         state, ops = self.state, self.member.ops
-        lay = ReduceLayout(state.flat.buf.numel(), st.m)
+        lay = ReduceLayout(state.layout.grad_numel(), st.m)
         g = state.grad[:lay.total]
-        state.flat.gather_grads(g)
-        g[state.flat.numel:].zero_()
+        state.layout.write_grads(g[lay.grads])
+        g[lay.grads.stop:].zero_()  # the audit mask and the tail: set below
         for j in st.done:
             g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
         if self.rank == 0 and self.store.check([Keys.grow(self.generation)]):
@@ -283,7 +272,7 @@ class Session:
         except CommFailure as exc:  # recovered when the loop body returns; the step reruns
             st.failure = exc
             return torch.tensor(float("nan"))
-        views = list(self.state.flat.unflatten(st.grads[:self.state.flat.numel]).values())
+        views = self.state.layout.grad_views(st.grads)
         norm = torch.nn.utils.get_total_norm(views, norm_type)
         # torch's clip coefficient, applied to the whole flat gradient at once
         st.grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
@@ -297,9 +286,7 @@ class Session:
         self._reduce(st)
         st.phase = StepPhase.UPDATE
         self.member.injector.at_step(self.rank, st.index, "update")
-        state.opt.step(st.grads)  # its pre-hook waits for the previous snapshot copy
-        ops.all_gather_into(state.flat.buf, state.opt.gathered(),
-                            f"parameter all-gather (step {st.index})")
+        state.layout.update(st.grads, ops, f"parameter all-gather (step {st.index})")
         state.zero_grad()
         state.step = st.index
         if self.rank == 0:

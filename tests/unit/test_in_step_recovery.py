@@ -20,11 +20,11 @@ from phoenixft.comm.collectives import GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
 from phoenixft.observe.events import EventLog
 from phoenixft.train import recovery
+from phoenixft.train.flat_layout import FlatZero1
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.recovery import JoinContext, RestorePoint
 from phoenixft.train.step import Step
 from phoenixft.train.tracked import Tracked
-from phoenixft.train.zero import FlatParams, ShardedOptimizer
 
 
 @pytest.fixture()
@@ -36,11 +36,9 @@ def joined(tmp_path):
     store = kv.connect(addr)
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    flat = FlatParams(model)
-    flat.layout(1)
-    state = RankState(model=model, flat=flat, tracked=Tracked(), m=1, initial_world=1,
-                      factory=lambda p: torch.optim.AdamW(p, lr=0.1))
-    state.opt = ShardedOptimizer(flat, state.factory, 0)
+    layout = FlatZero1(model, lambda p: torch.optim.AdamW(p, lr=0.1))
+    layout.join(0, 1)
+    state = RankState(model=model, layout=layout, tracked=Tracked(), m=1, initial_world=1)
     interrupt = Interrupt()
     interrupt.enter(0)
     snap = Snapshotter(shm_dir=tmp_path / "shm", rank=0, generation=0,

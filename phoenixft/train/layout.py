@@ -1,0 +1,152 @@
+"""The parallelism seam: how one rank's share of the training state is laid out over the
+ranks of a generation, and everything the session, the generation protocol, snapshots,
+restores and resharding need to know about it.
+
+The session owns the loop, the microbatch bookkeeping and the step's one all-reduce;
+snapshots and replicas own the bytes; the restore planner owns where old copies come
+from. None of them knows how parameters, gradients and optimizer state are cut over
+ranks: they ask a `StateLayout`. Today's layout is `FlatZero1` (`flat_layout.py`): every
+rank holds all parameters in one flat buffer and 1/world of the optimizer state and
+master weights. A sharded-model layout (FSDP2 / tensor parallel) is the seam's second
+implementation; both pass the one shared test body in `tests/unit/test_layout_contract.py`.
+
+Guarantees every implementation gives, and the rules for calling it:
+
+- `join(rank, world_size)` is called once per generation, before anything else of that
+  generation, with the optimizer's pre-step hook already registered through
+  `on_optimizer_step`; it may rebuild the optimizer (a new rank or world size) and says
+  so. It is not collective.
+- `unique_tensors()` are references to the state only this rank holds (state that other
+  ranks hold identically is not in it: any survivor serves that). They stay valid until
+  the next `update`; the snapshot thread copies them before it.
+- A snapshot is `(unique_tensors(), unique_meta())`. `load_unique` takes back this rank's
+  own snapshot of the same world size; `reshard` takes every old rank's snapshot of
+  another world size. Neither is collective; after either, `gather_params(ops)`
+  (collective) makes the model's parameters whole again where the layout needs it.
+- `update(grads, ops)` steps the optimizer on the averaged gradient region of the step's
+  all-reduce buffer (`grad_numel()` elements, filled by `write_grads`) and leaves the
+  model's parameters ready for the next forward pass. It is collective.
+- `full_state(ops)` (collective) is world-size free: the same bytes for the same
+  training state at any world size, which is what the final digest and export compare.
+- Methods that take `ops` run collectives with its deadlines; a failure raises
+  `CommFailure` and leaves the layout usable for the next generation after `relocate()`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from phoenixft.comm.collectives import GroupOps
+
+
+class StateLayout(ABC):
+    """How this rank's training state is cut over the generation's ranks (see the module
+    docstring for the guarantees and calling rules)."""
+
+    device: torch.device
+    master_dtype: torch.dtype  # dtype of the gradient region and the optimizer's state
+
+    # -- identity ----------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def numel(self) -> int:
+        """Elements of trainable state: a snapshot of another model is refused by it."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """The world size it is laid out for (0 before the first `join`)."""
+
+    # -- a generation ------------------------------------------------------------------
+    @abstractmethod
+    def join(self, rank: int, world_size: int) -> bool:
+        """Lay out for (rank, world_size); True when the optimizer was (re)built."""
+
+    @abstractmethod
+    def on_optimizer_step(self, hook: Callable[[], None]) -> None:
+        """Run `hook` before every optimizer step, on every optimizer built from now on
+        (the snapshot's copy must finish before the update mutates its tensors)."""
+
+    @abstractmethod
+    def relocate(self) -> None:
+        """Move the live state to fresh storage: an abandoned collective of a dead
+        generation that completes late must not write into it."""
+
+    # -- the step ----------------------------------------------------------------------
+    @abstractmethod
+    def grad_numel(self) -> int:
+        """Length of the gradient region of the step's all-reduce buffer."""
+
+    @abstractmethod
+    def write_grads(self, out: torch.Tensor) -> None:
+        """Copy this rank's accumulated gradients into `out` (`grad_numel()` elements)."""
+
+    @abstractmethod
+    def grad_views(self, grads: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a gradient region (for clipping by the global norm)."""
+
+    @abstractmethod
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str) -> None:
+        """Collective: the optimizer step on the averaged gradient region, then the model's
+        parameters made ready for the next forward pass."""
+
+    @abstractmethod
+    def start_from_rank0(self, ops: GroupOps) -> None:
+        """Collective, at a fresh start: every rank takes rank 0's initial parameters."""
+
+    @abstractmethod
+    def params_changed(self) -> None:
+        """The user changed the model's parameters (loaded weights): take them in."""
+
+    # -- snapshots, restores, resharding -----------------------------------------------
+    @abstractmethod
+    def unique_tensors(self) -> dict[str, torch.Tensor]:
+        """References to the state only this rank holds."""
+
+    @abstractmethod
+    def unique_meta(self) -> dict:
+        """JSON-serialisable rest of this rank's unique state (optimizer scalars, ...)."""
+
+    @abstractmethod
+    def load_unique(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Take back this rank's own snapshot, of the current world size."""
+
+    @abstractmethod
+    def load_params(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        """The model's parameters from every rank's snapshot tensors (rank order), without
+        a collective: a spare computing ahead from the node's copies."""
+
+    @abstractmethod
+    def gather_params(self, ops: GroupOps, what: str) -> None:
+        """Collective: the model's parameters from every rank's loaded state."""
+
+    @abstractmethod
+    def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
+        """This rank's state from every old rank's snapshot (tensors, meta), in old rank
+        order, of another world size. The parameters are whole afterwards."""
+
+    @abstractmethod
+    def full_state(self, ops: GroupOps) -> dict[str, torch.Tensor]:
+        """Collective: the whole model and optimizer state, world-size free."""
+
+    @abstractmethod
+    def export_meta(self) -> dict:
+        """How to rebuild the model's trained tensors from persisted snapshots."""
+
+    @abstractmethod
+    def trained_names(self) -> set[str]:
+        """State-dict names of the tensors the layout trains (the rest is fixed)."""
+
+    # -- the user's optimizer ----------------------------------------------------------
+    @property
+    @abstractmethod
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer this rank steps (after the first `join`)."""
+
+    @property
+    @abstractmethod
+    def scheduler(self):
+        """The LR scheduler built on it, or None."""
