@@ -65,8 +65,8 @@ def cmd_ckpt(args) -> int:
 
 
 def _ls(args) -> int:
-    from phoenixft.checkpoint.lease import LEASE, describe, fresh
     from phoenixft.checkpoint.manifests import scan
+    from phoenixft.checkpoint.writer_lease import LEASE, describe, fresh
     tier = _tier(args.url)
     found = scan(tier)
     if not found.good and not found.bad:

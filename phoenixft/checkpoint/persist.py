@@ -54,10 +54,10 @@ import torch.distributed as dist
 
 from phoenixft.checkpoint.delta import CHUNK, chunk_hashes
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
-from phoenixft.checkpoint.lease import RENEW_S, TOKEN_ENV, WriterLease
 from phoenixft.checkpoint.manifests import collect_garbage
 from phoenixft.checkpoint.slots import SlotFile, slot_path, verify_blob
 from phoenixft.checkpoint.tiers import FsspecTier, info_dict
+from phoenixft.checkpoint.writer_lease import RENEW_S, TOKEN_ENV, WriterLease
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 
@@ -287,7 +287,7 @@ class Persister:
 
     def _hold_lease(self) -> None:
         """At least every RENEW_S, before a record: rank 0 renews the writer lease, the
-        others check it (`lease.py`); LeaseLost when another launch took it over."""
+        others check it (`writer_lease.py`); LeaseLost when another launch took it over."""
         now = time.monotonic()
         if now - self._lease_t < RENEW_S:
             return

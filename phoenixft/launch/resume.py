@@ -1,7 +1,7 @@
 """What `--persist URL` and `--resume` mean at launch, checked before anything starts.
 
 - The storage must be reachable and writable: node 0's agent reads the manifests and
-  takes the URL's writer lease (`checkpoint/lease.py`) before any worker starts, within
+  takes the URL's writer lease (`checkpoint/writer_lease.py`) before any worker starts, within
   `CHECK_S`; what fails (no credentials, an endpoint that does not answer, no such
   bucket, a file in the way) is one line naming the cause and the fix.
 - One job writes a URL at a time: another job's fresh lease refuses the launch; the
@@ -51,9 +51,9 @@ def persisted_job(cfg: AgentConfig) -> str | None:
 
 
 def _claim(cfg: AgentConfig) -> str:
-    from phoenixft.checkpoint.lease import TOKEN_ENV, LeaseHeld, WriterLease
     from phoenixft.checkpoint.manifests import records_missing, scan
     from phoenixft.checkpoint.tiers import FsspecTier
+    from phoenixft.checkpoint.writer_lease import TOKEN_ENV, LeaseHeld, WriterLease
 
     tier = FsspecTier(cfg.persist)
     found = scan(tier)

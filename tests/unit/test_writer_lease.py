@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from phoenixft.checkpoint.lease import LEASE, LeaseHeld, LeaseLost, WriterLease
 from phoenixft.checkpoint.tiers import FsspecTier
+from phoenixft.checkpoint.writer_lease import LEASE, LeaseHeld, LeaseLost, WriterLease
 
 
 @pytest.fixture(params=["directory", "s3"])
@@ -70,7 +70,7 @@ def test_resuming_the_same_job_takes_over_and_fences_the_run_it_replaces(url):
 
 RACE = """
 import sys
-from phoenixft.checkpoint.lease import LeaseHeld, WriterLease
+from phoenixft.checkpoint.writer_lease import LeaseHeld, WriterLease
 from phoenixft.checkpoint.tiers import FsspecTier
 open(sys.argv[3], "w").close()
 import os, time
