@@ -62,11 +62,11 @@ def fresh(rec: dict, now: float | None = None) -> bool:
     return (now or time.time()) - rec.get("renewed", 0) < rec.get("ttl_s", TTL_S)
 
 
-def _alive_here(rec: dict) -> bool:
+def _alive_here(rec: dict) -> bool | None:
     """The holder is a live phoenixft process on this host (a PID reused by anything else
-    does not count)."""
+    does not count); None when it is on another host (it cannot be told from here)."""
     if rec.get("host") != socket.gethostname() or not isinstance(rec.get("pid"), int):
-        return False
+        return None
     try:
         return b"phoenixft" in Path(f"/proc/{rec['pid']}/cmdline").read_bytes()
     except OSError:
@@ -165,11 +165,13 @@ class WriterLease:
                 raise LeaseHeld(f"--persist {self.tier.url} is being written by {held}: give "
                                 "this job another URL, or stop that job first (a lease not "
                                 f"renewed for {TTL_S:.0f}s is stale and taken over)")
-            if not resume or _alive_here(cur):
+            alive = _alive_here(cur)
+            if not resume or alive:
                 raise LeaseHeld(f"--persist {self.tier.url}: {held} is still running and "
                                 "writing there: stop it before resuming it")
-            said.append(f"the writer lease of {held} is taken over: that run, if it is "
-                        "still alive, stops persisting")
+            if alive is None:  # (on this host and gone: the job was killed; nothing to say)
+                said.append(f"the writer lease of {held} is taken over: that run, if it is "
+                            "still alive, stops persisting")
             return self._mine()
 
         self._swap(decide)

@@ -82,11 +82,13 @@ def _claim(cfg: AgentConfig) -> str:
         if start is None:
             raise LaunchError(f"--resume: none of job {job}'s committed steps in {cfg.persist} "
                               "has all its records (see the lines above)")
-    elif newest is not None or found.bad:
-        what = (f"job {newest['job_id']}'s checkpoints (newest step {newest['step']})"
-                if newest is not None else f"{len(found.bad)} (damaged) manifest(s)")
-        raise LaunchError(f"--persist {cfg.persist} already holds {what}: pass --resume to "
+    elif newest is not None:
+        raise LaunchError(f"--persist {cfg.persist} already holds job {newest['job_id']}'s "
+                          f"checkpoints (newest step {newest['step']}): pass --resume to "
                           "continue it, or give this job another URL")
+    elif found.bad:
+        raise LaunchError(f"--persist {cfg.persist} holds {len(found.bad)} manifest(s), none "
+                          "readable (named above): give this job another URL, or move them away")
     else:
         job = uuid.uuid4().hex[:12]
     lease = WriterLease(tier, job)
