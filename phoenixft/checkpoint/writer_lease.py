@@ -177,6 +177,11 @@ class WriterLease:
         self._swap(decide)
         return said[0] if said else None
 
+    def holder(self) -> dict | None:
+        """Who holds the lease now, while fresh (None: free or stale)."""
+        cur = self._swap(lambda cur: None)
+        return cur if cur is not None and not cur.get("unreadable") and fresh(cur) else None
+
     def _ours(self, cur: dict) -> bool:
         """`cur` is this launch's lease (adopting its token if we have none yet)."""
         if self.token is None and cur.get("job_id") == self.job_id and cur.get("token"):

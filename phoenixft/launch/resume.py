@@ -53,10 +53,15 @@ def persisted_job(cfg: AgentConfig) -> str | None:
 def _claim(cfg: AgentConfig) -> str:
     from phoenixft.checkpoint.manifests import records_missing, scan
     from phoenixft.checkpoint.tiers import FsspecTier
-    from phoenixft.checkpoint.writer_lease import TOKEN_ENV, LeaseHeld, WriterLease
+    from phoenixft.checkpoint.writer_lease import TOKEN_ENV, LeaseHeld, WriterLease, describe
 
     tier = FsspecTier(cfg.persist)
     found = scan(tier)
+    if not cfg.resume and (found.good or found.bad):
+        holder = WriterLease(tier, "").holder()  # a job writing there now is the news
+        if holder is not None:
+            raise LaunchError(f"--persist {cfg.persist} is being written by {describe(holder)}: "
+                              "give this job another URL, or stop that job first")
     for why in found.bad.values():
         _warn(f"passed over {why} (kept; `phoenixft ckpt verify {cfg.persist}` checks the rest)")
     newest = found.newest()

@@ -54,7 +54,7 @@ def test_two_jobs_started_on_one_url_at_once_one_is_refused(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_resuming_a_job_that_is_still_running_is_refused(tmp_path):
+def test_resuming_a_job_that_is_still_running_or_starting_another_is_refused(tmp_path):
     url = str(tmp_path / "ckpt")
     p = start(tmp_path / "a", "--nproc", "2", "--persist", url, "--persist-cpu-share", "1",
               script=GATED, steps=8, script_args=HOLD)
@@ -67,6 +67,11 @@ def test_resuming_a_job_that_is_still_running_is_refused(tmp_path):
         assert second.rc == 2, second.out[-3000:]
         assert "is still running and writing there" in second.out, second.out[-3000:]
         assert p.poll() is None  # the running job goes on
+        # a new job there is told that a job writes there (not to --resume it)
+        third = run(tmp_path / "c", "--nproc", "2", "--persist", url, script=GATED, steps=8,
+                    timeout=120)
+        assert third.rc == 2 and f"--persist {url} is being written by job" in third.out, \
+            third.out[-3000:]
         (tmp_path / "a" / "go").touch()
         out, _ = p.communicate(timeout=180)
     finally:
