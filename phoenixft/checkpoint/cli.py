@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     inspect.add_argument("--step", type=int, default=None, help="default: the newest")
     export = verbs.add_parser("export", help="a step as a Hugging Face model directory")
     export.add_argument("--step", type=int, default=None, help="default: the newest")
-    export.add_argument("--to", required=True, help="output directory")
+    export.add_argument("--to", required=True, help="output directory (new or empty)")
+    export.add_argument("--force", action="store_true", help="write into a non-empty --to "
+                        "directory (its config.json and model.safetensors are replaced)")
     for v in (ls, verify, inspect, export):
         v.add_argument("url", help="the --persist URL of the job")
     p.set_defaults(func=cmd_ckpt)
@@ -32,51 +34,78 @@ def _tier(url: str):
 
 
 def _step(tier, step: int | None) -> int:
+    """`step` if committed, else (None) the newest readable committed step; a newer
+    manifest that cannot be read is named on stderr and passed over."""
+    from phoenixft.checkpoint.manifests import scan
     steps = tier.manifests()
     if not steps:
         raise LookupError(f"{tier.url} holds no committed checkpoint (no manifest)")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise LookupError(f"{tier.url} has no committed step {step}; it has {steps}")
-    return step
+    if step is not None:
+        if step not in steps:
+            raise LookupError(f"{tier.url} has no committed step {step}; it has {steps}")
+        return step
+    found = scan(tier)
+    for why in found.bad.values():
+        print(f"phoenixft ckpt: warning: passed over {why}", file=sys.stderr)
+    if not found.good:
+        raise LookupError(f"{tier.url}: no readable manifest (all {len(found.bad)} are damaged)")
+    return found.steps[-1]
 
 
 def cmd_ckpt(args) -> int:
     from phoenixft.checkpoint.integrity import IntegrityError
+    from phoenixft.checkpoint.storage_errors import explain
     try:
         return {"ls": _ls, "verify": _verify, "inspect": _inspect, "export": _export}[args.verb](args)
-    except (LookupError, IntegrityError, ValueError, OSError) as exc:
+    except (LookupError, IntegrityError, ValueError) as exc:
         print(f"phoenixft ckpt {args.verb}: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # noqa: BLE001 - storage errors (s3fs, botocore): one line
+        print(f"phoenixft ckpt {args.verb}: error: {explain(args.url, exc)}", file=sys.stderr)
+    return 2
 
 
 def _ls(args) -> int:
+    from phoenixft.checkpoint.manifests import scan
+    from phoenixft.checkpoint.writer_lease import LEASE, describe, fresh
     tier = _tier(args.url)
-    steps = tier.manifests()
-    if not steps:
+    found = scan(tier)
+    if not found.good and not found.bad:
         print(f"{args.url}: no committed checkpoint")
         return 0
     print(f"{'step':>8}  {'job':12}  {'ranks':>5}  {'gen':>4}  {'records':14}  {'bytes':>12}  time")
-    for s in steps:
-        m = tier.read_manifest(s)
+    for s in sorted([*found.good, *found.bad]):
+        if s in found.bad:
+            print(f"{s:>8}  UNREADABLE: {found.bad[s]}")
+            continue
+        m = found.good[s]
         kinds = "+".join(sorted({r["kind"] for r in m["records"]}))
         size = sum(r["nbytes"] for r in m["records"])
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["time"]))
         print(f"{s:>8}  {m['job_id']:12}  {m['world_size']:>5}  {m['generation']:>4}  "
               f"{kinds:14}  {size:>12}  {when}")
+    try:
+        lease = json.loads(tier.read_object(LEASE))
+        print(f"writer: {describe(lease)}{'' if fresh(lease) else ', stale'}")
+    except (KeyError, ValueError):
+        pass
     return 0
 
 
 def _verify(args) -> int:
+    from phoenixft.checkpoint.export import read_fixed
     from phoenixft.checkpoint.integrity import IntegrityError
+    from phoenixft.checkpoint.manifests import scan
     tier = _tier(args.url)
     steps = [_step(tier, args.step)] if args.step is not None else tier.manifests()
     if not steps:
         raise LookupError(f"{tier.url} holds no committed checkpoint (no manifest)")
-    bad = 0
+    found = scan(tier, steps)
+    bad, fixed = len(found.bad), {}
     for s in steps:
-        m = tier.read_manifest(s)
+        if s in found.bad:
+            print(f"step {s}: BAD manifest: {found.bad[s]}")
+            continue
+        m = found.good[s]
         for r in range(m["world_size"]):
             try:
                 tier.get(s, r, m)
@@ -84,10 +113,18 @@ def _verify(args) -> int:
             except (IntegrityError, KeyError) as exc:
                 bad += 1
                 print(f"step {s} rank {r}: BAD: {exc}")
-    print(f"{args.url}: {len(steps)} committed step(s), {bad} bad record(s)")
+        key = (m["model"].get("fixed"), m["model"].get("fixed_checksum"))
+        if key[0] and key not in fixed:
+            try:
+                read_fixed(tier, m)
+                fixed[key] = "ok"
+            except IntegrityError as exc:
+                fixed[key] = f"BAD: {exc}"
+                bad += 1
+            print(f"step {s} model tensors {key[0]}: {fixed[key]}")
+    print(f"{args.url}: {len(steps)} committed step(s), {bad} bad (record(s), manifest(s) "
+          "or model file(s))")
     return 1 if bad else 0
-
-
 def _inspect(args) -> int:
     from phoenixft.checkpoint.slots import blob_tensors
     tier = _tier(args.url)
@@ -106,7 +143,8 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from phoenixft.checkpoint.export import export_hf
+    from phoenixft.checkpoint.export import check_target, export_hf
+    check_target(args.to, args.force)
     tier = _tier(args.url)
     s = _step(tier, args.step)
     out = export_hf(tier, s, args.to)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from phoenixft.checkpoint.hf_dir import write_hf_dir
+from phoenixft.checkpoint.integrity import IntegrityError, checksum
 from phoenixft.checkpoint.slots import blob_tensors
 from phoenixft.checkpoint.tiers import FsspecTier
 
@@ -31,12 +32,34 @@ def model_state(tier: FsspecTier, step: int) -> tuple[dict[str, torch.Tensor], d
         for d in shape:
             n *= d
         state[name] = flat[off:off + n].view(shape).clone()
-    fixed = manifest["model"].get("fixed")
-    if fixed:
-        state.update(load_safetensors(tier.read_object(fixed)))
+    state.update(read_fixed(tier, manifest))
     for alias in meta.get("aliases", {}):
         state.pop(alias, None)  # tied weights are saved once, as transformers does
     return state, manifest
+
+
+def read_fixed(tier: FsspecTier, manifest: dict) -> dict[str, torch.Tensor]:
+    """The untrained tensors a manifest names, verified (checksum, when the manifest has
+    one, and the safetensors format): IntegrityError names the file and what is wrong."""
+    from safetensors import SafetensorError
+
+    rel = manifest["model"].get("fixed")
+    if not rel:
+        return {}
+    where = f"{tier.url}/{rel}"
+    try:
+        data = tier.read_object(rel)
+    except KeyError:
+        raise IntegrityError(f"{where}: missing (the model's untrained tensors, step "
+                             f"{manifest['step']} needs them)") from None
+    want = manifest["model"].get("fixed_checksum")
+    if want is not None and checksum(data) != want:
+        raise IntegrityError(f"{where}: checksum mismatch ({len(data)} bytes: damaged or "
+                             "replaced)")
+    try:
+        return load_safetensors(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise IntegrityError(f"{where}: not a readable safetensors file ({exc})") from None
 
 
 def export_hf(tier: FsspecTier, step: int, out_dir: str | Path) -> Path:
@@ -47,3 +70,17 @@ def export_hf(tier: FsspecTier, step: int, out_dir: str | Path) -> Path:
                          "Hugging Face config), so it cannot be written as a Hugging Face model")
     return write_hf_dir(out_dir, state, config, {"phoenixft_step": str(step),
                                                  "phoenixft_job": manifest["job_id"]})
+
+
+def check_target(out_dir: str, force: bool) -> None:
+    """Refuse an export target that would put files where nobody meant them: an empty
+    path (it wrote into the current directory), a file, a non-empty directory (unless
+    `force`: its config.json and model.safetensors are then replaced, the rest kept)."""
+    if not out_dir.strip():
+        raise ValueError("--to is empty: name the directory to write the model to")
+    p = Path(out_dir)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--to {out_dir}: is a file, not a directory")
+    if p.is_dir() and any(p.iterdir()) and not force:
+        raise ValueError(f"--to {out_dir}: the directory is not empty; choose a new one, or "
+                         "pass --force to replace its config.json and model.safetensors")

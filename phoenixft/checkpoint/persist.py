@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import statistics
 import threading
 import time
@@ -52,9 +53,11 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.checkpoint.delta import CHUNK, chunk_hashes
-from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.integrity import IntegrityError, checksum
+from phoenixft.checkpoint.manifests import collect_garbage
 from phoenixft.checkpoint.slots import SlotFile, slot_path, verify_blob
 from phoenixft.checkpoint.tiers import FsspecTier, info_dict
+from phoenixft.checkpoint.writer_lease import RENEW_S, TOKEN_ENV, WriterLease
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 
@@ -114,6 +117,11 @@ class Persister:
         self._connect = connect
         self._emit = emit
         self.stats = PersistStats()
+        # the launch's token (its agent put it in the environment), else the one of the
+        # lease our job holds (a worker started by another node's agent)
+        self.lease = WriterLease(tier, job.job_id, os.environ.get(TOKEN_ENV))
+        self._lease_t = -RENEW_S  # when the lease was last renewed or checked
+        self._reported: set[int] = set()  # manifests garbage collection kept and named
         self._base: tuple[int, bytes] | None = None
         self._base_hashes = None  # its chunks' hashes, computed once
         self._base_checksum: str | None = None  # its checksum (its record's), likewise
@@ -277,8 +285,21 @@ class Persister:
         except IntegrityError:
             return None
 
+    def _hold_lease(self) -> None:
+        """At least every RENEW_S, before a record: rank 0 renews the writer lease, the
+        others check it (`writer_lease.py`); LeaseLost when another launch took it over."""
+        now = time.monotonic()
+        if now - self._lease_t < RENEW_S:
+            return
+        if self.rank == 0:
+            self.lease.renew()
+        else:
+            self.lease.check()
+        self._lease_t = now
+
     def _persist(self, store: dist.Store, step: int) -> bool:
         """Write `step`'s record; False when its slot was rewritten first (nothing written)."""
+        self._hold_lease()
         blob = self._read_slot(step)
         if blob is None:  # rewritten before we could read it: a newer step will come
             self.stats.coalesced += 1
@@ -319,6 +340,7 @@ class Persister:
                 break
         if ready is None:
             return
+        self.lease.check()  # (a lease taken over meanwhile: this run must not commit)
         self._candidates = [s for s in self._candidates if s > ready]
         records = [kv.get_json(store, Keys.persisted(ready, r)) for r in range(self.job.world_size)]
         self.tier.write_manifest(ready, {
@@ -341,30 +363,14 @@ class Persister:
             self._collect_garbage()  # only a new base can make older records unneeded
 
     def _collect_garbage(self) -> None:
-        """Keep the newest `keep` base steps of rank 0 and everything newer; drop older
-        manifests, then records no kept manifest needs (never one newer than the newest
-        manifest: it may be in flight)."""
-        steps = self.tier.manifests()
-        if not steps:
-            return
-        manifests = {s: self.tier.read_manifest(s) for s in steps}
-        bases = sorted({r["step"] if r["kind"] == "base" else r["base_step"]
-                        for m in manifests.values() for r in m["records"] if r["rank"] == 0})
-        floor = bases[-self.cfg.keep] if len(bases) >= self.cfg.keep else bases[0]
-        keep = {s for s in steps if s >= floor}
-        needed = set()
-        for s in keep:
-            for r in manifests[s]["records"]:
-                needed.add((r["step"], r["rank"]))
-                if r["kind"] == "delta":
-                    needed.add((r["base_step"], r["rank"]))
-        for s in steps:
-            if s not in keep:
-                self.tier.delete_manifest(s)
-        newest = steps[-1]
-        for rec in self.tier.list():
-            if rec.step < newest and (rec.step, rec.rank) not in needed:
-                self.tier.delete(rec.step, rec.rank)
+        """(`manifests.collect_garbage`) Each manifest it keeps for being unreadable or
+        another job's is named once in the event log."""
+        def report(step: int, why: str) -> None:
+            if step not in self._reported:
+                self._reported.add(step)
+                self._emit("persist_kept", step=step, reason=why[:500])
+
+        collect_garbage(self.tier, self.cfg.keep, self.job.job_id, report)
 
     def _failed(self, store: dist.Store, step: int | None, exc: Exception) -> None:
         self.stats.errors += 1
@@ -381,7 +387,13 @@ class Persister:
 
 
 
-def safetensors_bytes(tensors: dict) -> bytes:
+def write_fixed(tier: FsspecTier, generation: int, tensors: dict) -> dict:
+    """Write a generation's untrained tensors (frozen parameters, buffers) once, for `ckpt
+    export`; returns what the manifests say of them, their checksum included (`ckpt
+    verify` and `export` check it: a damaged file used to pass verify and fail export)."""
     from safetensors.torch import save
 
-    return save(tensors) if tensors else save({})
+    data = save(tensors) if tensors else save({})
+    rel = f"model/g{generation:04d}.safetensors"
+    tier.write_object(rel, data)
+    return {"fixed": rel, "fixed_checksum": checksum(data)}

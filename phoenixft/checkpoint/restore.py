@@ -81,16 +81,40 @@ class PersistentSource:
 
     name = "persistent"
 
-    def __init__(self, tier, scratch_dir: str | Path) -> None:
+    def __init__(self, tier, scratch_dir: str | Path,
+                 report: Callable[[str, str], None] | None = None,
+                 job_id: str | None = None) -> None:
         from phoenixft.checkpoint.tiers import ShmTier
 
-        self.tier = tier
+        self.tier, self.job_id = tier, job_id
+        self.report = report or (lambda tier, error: None)
         self._scratch = ShmTier(scratch_dir, "disk")
         self._manifests: dict[int, dict] = {}
         self._opened: dict[tuple[int, int], SlotFile] = {}
+        self._named: set[int] = set()
 
     def steps(self) -> list[int]:
-        return self.tier.manifests()
+        """Committed steps to restore from, oldest first: those whose manifest reads and
+        (given a job id) that this job committed. Each manifest passed over is reported
+        once, naming the file and why: one unreadable newest manifest used to stop a
+        resume, and another job's manifest was restored without a word."""
+        from phoenixft.checkpoint.manifests import scan
+
+        found = scan(self.tier)
+        steps = []
+        for s in sorted([*found.good, *found.bad]):
+            m = found.good.get(s)
+            why = found.bad.get(s) or (
+                f"{self.tier.url}: step {s} was committed by job {m['job_id']}, not this job "
+                f"({self.job_id}): not restored" if self.job_id and m["job_id"] != self.job_id
+                else None)
+            if why is None:
+                self._manifests[s] = m
+                steps.append(s)
+            elif s not in self._named:
+                self._named.add(s)
+                self.report(self.name, why)
+        return steps
 
     def manifest(self, step: int) -> dict:
         if step not in self._manifests:
@@ -137,10 +161,13 @@ class RestorePlanner:
 
     @classmethod
     def for_node(cls, shm_dir: str | Path, persistent_tier=None,
-                 report: Callable[[str, str], None] | None = None) -> RestorePlanner:
+                 report: Callable[[str, str], None] | None = None,
+                 job_id: str | None = None) -> RestorePlanner:
         """The sources of one node; `report(tier, error)` hears of every damaged copy
-        passed over (the event log names them)."""
-        persistent = PersistentSource(persistent_tier, shm_dir) if persistent_tier else None
+        passed over (the event log names them). `job_id`: restore only manifests it
+        committed."""
+        persistent = (PersistentSource(persistent_tier, shm_dir, report, job_id)
+                      if persistent_tier else None)
         return cls([ShmSource(shm_dir, "snap", "local_snapshot", report),
                     ShmSource(shm_dir, "rep", "local_replica", report)], shm_dir, persistent)
 

@@ -12,9 +12,9 @@ A snapshot travels as a *blob*: its slot bytes (header JSON + aligned tensor byt
 
 Guarantees of every tier: `get` returns only bytes whose checksum matches what `put`
 stored, else raises `IntegrityError` naming the file or key (a torn write, a flipped
-byte, a truncated file); a record that is not there is `KeyError`. `put` of a record is
-atomic: a reader sees the whole record or none (temp file + fsync + rename on a
-filesystem; one PUT on an object store).
+byte, a truncated file); a record that is not there is `KeyError` (on storage a
+`MissingRecord`, naming the file). `put` of a record is atomic: a reader sees the whole
+record or none (temp file + fsync + rename on a filesystem; one PUT on an object store).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class FsspecTier:
         try:
             return self.fs.cat_file(path)
         except FileNotFoundError:
-            raise KeyError(path) from None
+            raise MissingRecord(f"{self._url_of(path)}: missing") from None
 
     # -- records ------------------------------------------------------------------------
     def record_path(self, step: int, rank: int, kind: str) -> str:
@@ -243,7 +243,8 @@ class FsspecTier:
         if manifest is not None:
             committed = next((r for r in manifest["records"] if r["rank"] == rank), None)
             if committed is None:
-                raise KeyError((step, rank))
+                raise MissingRecord(f"{self._url_of(self.manifest_path(step))}: commits no "
+                                    f"record of rank {rank}")
         blob, path, full = self._read(step, rank, (committed["kind"],) if committed
                                       else ("delta", "base"))
         if committed is not None and committed.get("checksum") not in (None, full):
@@ -259,7 +260,9 @@ class FsspecTier:
             if self.fs.exists(path):
                 break
         else:
-            raise KeyError((step, rank))
+            names = " or ".join(f"s{step:010d}.{k}" for k in kinds)
+            raise MissingRecord(f"{self._url_of(self._path(f'r{rank}'))}/{names}: missing "
+                                f"(no record of step {step}, rank {rank})")
         header, payload = self._read_record(path)
         if header["kind"] == "base":  # (records from before the codec field: zstd)
             codec = header.get("codec", "zstd")
@@ -269,7 +272,10 @@ class FsspecTier:
             blob = (zstandard.ZstdDecompressor().decompress(payload) if codec == "zstd"
                     else payload)
         else:
-            base, _, base_sum = self._read(header["base_step"], rank, ("base",))
+            try:
+                base, _, base_sum = self._read(header["base_step"], rank, ("base",))
+            except MissingRecord as exc:
+                raise IntegrityError(f"{self._url_of(path)}: its base is gone ({exc})") from None
             if base_sum != header["base_checksum"]:  # (base_sum was checked against the bytes)
                 raise IntegrityError(f"{self._url_of(path)}: its base (step "
                                      f"{header['base_step']}) is not the one it was made against")
@@ -299,19 +305,37 @@ class FsspecTier:
         return self._path("manifests", f"{step:010d}.json")
 
     def write_manifest(self, step: int, manifest: dict) -> None:
-        self.write_atomic(self.manifest_path(step), json.dumps(manifest, indent=1).encode())
+        body = {k: v for k, v in manifest.items() if k != "checksum"}
+        body["checksum"] = _manifest_checksum(body)
+        self.write_atomic(self.manifest_path(step), json.dumps(body, indent=1).encode())
 
     def manifests(self) -> list[int]:
-        """Committed steps, oldest first (only whole manifests exist: see write_atomic)."""
+        """Committed steps, oldest first (only whole manifests exist: see write_atomic; a
+        file there not named like one, an editor's backup say, is not a step)."""
         paths = self.fs.glob(self._path("manifests", "*.json"))
-        return sorted(int(p.rsplit("/", 1)[1][:-5]) for p in paths)
+        names = (p.rsplit("/", 1)[1][:-5] for p in paths)
+        return sorted(int(n) for n in names if n.isdigit())
 
     def read_manifest(self, step: int) -> dict:
+        """The manifest of `step`, checked: IntegrityError names the file and what is wrong
+        with it (unreadable, not JSON, damaged, not this step's), MissingRecord when absent."""
         path = self.manifest_path(step)
+        where = self._url_of(path)
         try:
-            return json.loads(self.read(path))
+            m = json.loads(self.read(path))
         except ValueError:
-            raise IntegrityError(f"{self._url_of(path)}: unreadable manifest") from None
+            raise IntegrityError(f"{where}: unreadable manifest (not JSON: truncated or "
+                                 "overwritten)") from None
+        except OSError as exc:
+            raise IntegrityError(f"{where}: unreadable manifest ({exc})") from None
+        lacks = [k for k in _MANIFEST_KEYS if not isinstance(m, dict) or k not in m]
+        if lacks:
+            raise IntegrityError(f"{where}: not a phoenixft manifest (no {', '.join(lacks)})")
+        if "checksum" in m and _manifest_checksum(m) != m["checksum"]:
+            raise IntegrityError(f"{where}: manifest fails its checksum (damaged)")
+        if m["step"] != step:
+            raise IntegrityError(f"{where}: holds step {m['step']}, not {step} (renamed?)")
+        return m
 
     def delete_manifest(self, step: int) -> None:
         path = self.manifest_path(step)
@@ -320,6 +344,23 @@ class FsspecTier:
 
     def record_infos(self, manifest: dict) -> list[RecordInfo]:
         return [RecordInfo(**r) for r in manifest["records"]]
+
+
+class MissingRecord(KeyError):
+    """A record or object that is not there; its message names the file."""
+
+    def __str__(self) -> str:  # KeyError's would print the message quoted, as a key
+        return str(self.args[0]) if self.args else "missing"
+
+
+_MANIFEST_KEYS = ("step", "job_id", "generation", "world_size", "time", "records")
+
+
+def _manifest_checksum(manifest: dict) -> str:
+    """Of a manifest without its own checksum field (manifests from before it have none
+    and are read as they are)."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return checksum(json.dumps(body, sort_keys=True).encode())
 
 
 def info_dict(info: RecordInfo) -> dict:

@@ -210,7 +210,7 @@ class AgentConfig:
                 raise LaunchError(f"--inject {spec} can never fire: rank {spec.rank} does not "
                                   f"exist in a job of {world} ranks")
         self.cadence  # noqa: B018 - checks log_every
-        self._check_run_dir()
+        self._check_dirs()
 
     @property
     def cadence(self) -> tuple[int | None, float | None]:
@@ -250,12 +250,21 @@ class AgentConfig:
         """This agent runs the job's store (node 0, unless the store is external)."""
         return self.node_rank == 0 and not self.external_store
 
-    def _check_run_dir(self) -> None:
-        p = Path(self.run_dir)
-        for parent in [p, *p.parents]:
-            if parent.exists():
-                if not parent.is_dir():
-                    raise LaunchError(f"--run-dir {self.run_dir!r}: {parent} is a file, not a directory")
-                if not os.access(parent, os.W_OK | os.X_OK):
-                    raise LaunchError(f"--run-dir {self.run_dir!r}: {parent} is not writable")
-                return
+    def _check_dirs(self) -> None:
+        _check_dir("--run-dir", self.run_dir)
+        if self.persist and "://" not in self.persist.removeprefix("file://"):
+            # a local --persist path: a file there used to surface as the script's error
+            _check_dir("--persist", self.persist.removeprefix("file://"))
+
+
+def _check_dir(flag: str, path: str) -> None:
+    """`path` is a directory, or can be made one: its nearest existing ancestor is a
+    writable directory."""
+    p = Path(path)
+    for parent in [p, *p.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                raise LaunchError(f"{flag} {path!r}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise LaunchError(f"{flag} {path!r}: {parent} is not writable")
+            return

@@ -1,45 +1,143 @@
 """What `--persist URL` and `--resume` mean at launch, checked before anything starts.
 
+- The storage must be reachable and writable: node 0's agent reads the manifests and
+  takes the URL's writer lease (`checkpoint/writer_lease.py`) before any worker starts, within
+  `CHECK_S`; what fails (no credentials, an endpoint that does not answer, no such
+  bucket, a file in the way) is one line naming the cause and the fix.
+- One job writes a URL at a time: another job's fresh lease refuses the launch; the
+  agent renews the lease while it runs and lets go at exit, and hands its token to its
+  workers (`TOKEN_ENV` in their environment) so that their persisters stop if a later
+  launch takes the lease over.
 - `--persist URL` on storage that already holds another job's committed checkpoints is
   refused (writing there would interleave two jobs and could delete the other's data);
   `--resume` is how to continue that job.
-- `--resume` continues the job of the newest manifest: same job id (and so the same
-  records), every rank restored from its persisted step by the workers' restore planner.
-  On a URL with nothing committed it is refused, naming the URL.
+- `--resume` continues the job of the newest readable manifest: same job id (and so the
+  same records), every rank restored from its persisted step by the workers' restore
+  planner. A manifest that cannot be read, or whose records are not all there at their
+  committed sizes, is named and passed over (never deleted); manifests of other jobs are
+  named and never restored. On a URL with nothing committed it is refused, naming the URL.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import threading
+import uuid
+from collections.abc import Callable
+
 from phoenixft.launch.config import AgentConfig, LaunchError
+
+CHECK_S = 60.0  # the storage check at launch answers within this, or the launch is refused
 
 
 def persisted_job(cfg: AgentConfig) -> str | None:
-    """The job id to continue (with --resume), None for a new job; LaunchError when the
-    combination cannot be right."""
+    """The job id to run with (the persisted one with --resume, a new one otherwise),
+    holding the URL's writer lease; None without --persist. LaunchError when the
+    combination cannot be right or the storage cannot be used."""
     if not cfg.persist:
         return None
-    from phoenixft.checkpoint.integrity import IntegrityError
-    from phoenixft.checkpoint.tiers import FsspecTier
+    from phoenixft.checkpoint.storage_errors import explain
 
     try:
-        tier = FsspecTier(cfg.persist)
-        steps = tier.manifests()
-        newest = tier.read_manifest(steps[-1]) if steps else None
-    except (OSError, IntegrityError, ValueError, ImportError) as exc:
-        raise LaunchError(f"--persist {cfg.persist}: cannot read it ({type(exc).__name__}: "
-                          f"{exc})") from None
+        return _within(lambda: _claim(cfg), CHECK_S)
+    except TimeoutError:
+        raise LaunchError(f"--persist {cfg.persist}: no answer from the storage within "
+                          f"{CHECK_S:.0f}s: is the endpoint up and reachable from here?") from None
+    except LaunchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - s3fs/botocore errors: one line, not a traceback
+        raise LaunchError(f"--persist {explain(cfg.persist, exc)}") from None
+
+
+def _claim(cfg: AgentConfig) -> str:
+    from phoenixft.checkpoint.manifests import records_missing, scan
+    from phoenixft.checkpoint.tiers import FsspecTier
+    from phoenixft.checkpoint.writer_lease import TOKEN_ENV, LeaseHeld, WriterLease, describe
+
+    tier = FsspecTier(cfg.persist)
+    found = scan(tier)
+    if not cfg.resume and (found.good or found.bad):
+        holder = WriterLease(tier, "").holder()  # a job writing there now is the news
+        if holder is not None:
+            raise LaunchError(f"--persist {cfg.persist} is being written by {describe(holder)}: "
+                              "give this job another URL, or stop that job first")
+    for why in found.bad.values():
+        _warn(f"passed over {why} (kept; `phoenixft ckpt verify {cfg.persist}` checks the rest)")
+    newest = found.newest()
     if cfg.resume:
         if newest is None:
-            raise LaunchError(f"--resume: {cfg.persist} holds no committed checkpoint (no "
-                              "manifest): nothing to resume; run without --resume to start")
-        print(f"phoenixft: resuming job {newest['job_id']} from step {newest['step']} "
-              f"({newest['world_size']} ranks) in {cfg.persist}", flush=True)
-        return newest["job_id"]
-    if newest is not None:
+            raise LaunchError(f"--resume: {cfg.persist} holds no {'readable ' if found.bad else ''}"
+                              "committed checkpoint (no manifest"
+                              f"{' that can be read' if found.bad else ''}): nothing to resume; "
+                              "run without --resume to start")
+        job = newest["job_id"]
+        jobs = found.jobs()
+        if len(jobs) > 1:
+            others = ", ".join(f"job {j} (steps {s[0]}-{s[-1]})" for j, s in jobs.items() if j != job)
+            _warn(f"{cfg.persist} also holds the checkpoints of {others}: resuming job {job} "
+                  "(the newest); the others are kept and never restored")
+        start = None
+        for s in reversed(jobs[job]):
+            why = records_missing(tier, found.good[s])
+            if why is None:
+                start = found.good[s]
+                break
+            _warn(f"passed over step {s}: {why}")
+        if start is None:
+            raise LaunchError(f"--resume: none of job {job}'s committed steps in {cfg.persist} "
+                              "has all its records (see the lines above)")
+    elif newest is not None:
         raise LaunchError(f"--persist {cfg.persist} already holds job {newest['job_id']}'s "
                           f"checkpoints (newest step {newest['step']}): pass --resume to "
                           "continue it, or give this job another URL")
-    return None
+    elif found.bad:
+        raise LaunchError(f"--persist {cfg.persist} holds {len(found.bad)} manifest(s), none "
+                          "readable (named above): give this job another URL, or move them away")
+    else:
+        job = uuid.uuid4().hex[:12]
+    lease = WriterLease(tier, job)
+    try:
+        warning = lease.acquire(resume=cfg.resume)
+    except LeaseHeld as exc:
+        raise LaunchError(str(exc)) from None
+    if warning:
+        _warn(warning)
+    os.environ[TOKEN_ENV] = lease.token  # the workers' persisters check the lease with it
+    lease.keep_renewed()
+    atexit.register(lease.release)
+    if cfg.resume:
+        print(f"phoenixft: resuming job {job} from step {start['step']} ({start['world_size']} "
+              f"ranks) in {cfg.persist}: training continues at step {start['step'] + 1}",
+              flush=True)
+    return job
+
+
+def _warn(text: str) -> None:
+    print(f"phoenixft: warning: {text}", flush=True)
+
+
+def _within(fn: Callable[[], str], timeout_s: float) -> str:
+    """`fn()` on a daemon thread, its exception re-raised here; TimeoutError when it has
+    not returned within `timeout_s` (an S3 endpoint that drops packets is retried by
+    botocore for minutes)."""
+    out: list = []
+
+    def call() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out.append((False, exc))
+
+    t = threading.Thread(target=call, name="phoenixft-persist-check", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not out:
+        raise TimeoutError
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def newest_persisted(url: str | None, fallback: int) -> int:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.checkpoint.integrity import IntegrityError
-from phoenixft.checkpoint.persist import JobInfo, PersistConfig, Persister, safetensors_bytes
+from phoenixft.checkpoint.persist import JobInfo, PersistConfig, Persister, write_fixed
 from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.slots import HEADER_BYTES, SlotFile, slot_path
 from phoenixft.checkpoint.snapshot import Snapshotter
@@ -89,7 +89,7 @@ class Member:
         self.planner = RestorePlanner.for_node(
             cfg.shm_dir, self.tier, report=lambda tier, error: self.events.emit(
                 "restore_source_failed", tier=tier, rank=self.rank, gen=self.generation,
-                error=error[:500]))
+                error=error[:500]), job_id=self._job_id())
         self.persister: Persister | None = None
         self.plan: Plan | None = None
         self.generation = -1
@@ -105,6 +105,9 @@ class Member:
         self._builds_lock = threading.Lock()
         self._built_upto = -1  # the newest generation whose builds began (never lowered)
         self._hooked = False  # the optimizer pre-step hook is registered with the layout
+
+    def _job_id(self) -> str | None:
+        return self.store.get(Keys.JOB_ID).decode() if self.store.check([Keys.JOB_ID]) else None
 
     def connect(self) -> dist.Store:
         """A new store connection (one per blocking thread or group build)."""
@@ -390,11 +393,10 @@ class Member:
         once, for `ckpt export`)."""
         if self.tier is None:
             return None
-        job_id = self.store.get(Keys.JOB_ID).decode() if self.store.check([Keys.JOB_ID]) else "standalone"
+        job_id = self._job_id() or "standalone"
         model = {"meta": state.export_meta(), "fixed": None}
         if self.rank == 0:
-            model["fixed"] = f"model/g{self.generation:04d}.safetensors"
-            self.tier.write_object(model["fixed"], safetensors_bytes(state.fixed_tensors()))
+            model.update(write_fixed(self.tier, self.generation, state.fixed_tensors()))
         return Persister(self.tier, rank=self.rank, shm_dir=self.cfg.shm_dir,
                          cfg=PersistConfig(every=self.cfg.persist_every, keep=self.cfg.persist_keep,
                                            cpu_share=self.cfg.persist_cpu_share),
