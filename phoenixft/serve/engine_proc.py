@@ -100,7 +100,8 @@ class EngineServer:
                 self.engine.abort(msg["id"])
             elif msg["op"] == "load_adapter":
                 try:
-                    version = self.engine.load_adapter(msg["name"], msg["path"])
+                    version = self.engine.load_adapter(msg["name"], msg["path"],
+                                                       replace=bool(msg.get("replace")))
                     self.ch.send({"op": "adapter", "token": msg["token"], "name": msg["name"],
                                   "version": version})
                 except ValueError as exc:
