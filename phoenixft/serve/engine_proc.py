@@ -164,7 +164,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = LLMEngine(args.model, EngineConfig(**json.loads(args.config)))
+    try:
+        engine = LLMEngine(args.model, EngineConfig(**json.loads(args.config)))
+    except ValueError as exc:  # a bad model directory: one line, the front reports it
+        sys.stderr.write(f"phoenixft engine: {exc}\n")
+        os._exit(2)
     executor = start_executor(engine.runner, args.log_dir, args.ring_bytes)  # warm, idle
     engine.warm_up()
     ch = wire.connect(args.socket)
