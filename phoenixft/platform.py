@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 
 _PR_SET_PDEATHSIG = 1
@@ -25,3 +26,18 @@ def become_subreaper() -> bool:
     process forked by a child of ours becomes our child when that child exits."""
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def wait_for_exit(pid: int, timeout_s: float | None = None) -> bool:
+    """Wait until process `pid` has exited (through a pidfd: no polling, and no pid reuse
+    race); True if it has (or was already gone), False at the timeout. It need not be our
+    child, which is what a janitor watching the process it cleans up after needs."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(ready)
+    finally:
+        os.close(fd)

@@ -12,20 +12,15 @@ agent by their parent-death signal.
 from __future__ import annotations
 
 import os
-import select
 import shutil
 import sys
+
+from phoenixft.platform import wait_for_exit
 
 
 def main() -> None:
     agent_pid, shm_dir = int(sys.argv[1]), sys.argv[2]
-    try:
-        fd = os.pidfd_open(agent_pid)
-    except ProcessLookupError:
-        fd = None  # already gone
-    if fd is not None:
-        select.select([fd], [], [])  # readable once the agent has exited
-        os.close(fd)
+    wait_for_exit(agent_pid)
     remove_node_shm(shm_dir)
 
 

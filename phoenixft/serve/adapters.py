@@ -6,7 +6,13 @@ and ``v``: ``layers.{i}.{p}.lora_A`` ``[rank, hidden]`` and ``layers.{i}.{p}.lor
 1.0). The projection's output becomes ``W x + scale * B (A x)`` for the tokens of the
 requests that use the adapter.
 
-Versions: loading an adapter under a name that exists makes a new version. A request uses
+Names: 1 to 64 letters, digits, ".", "_" or "-", starting with a letter or a digit (a name
+is what clients send as `model`, and it reaches logs and file names: no path separators,
+no control characters, nothing unbounded). A name the server already serves (the base
+model's, or a loaded adapter's) is refused unless the load is an explicit replacement.
+
+Versions: replacing an adapter (an explicit reload of a name that exists) makes a new
+version. A request uses
 the version that is current when it is admitted, to its end (also after a crash: the
 recovery log keeps every version a live request uses); versions no live request uses are
 dropped when a newer one exists.
@@ -14,6 +20,7 @@ dropped when a newer one exists.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +32,16 @@ from safetensors.torch import save as save_bytes
 from .config import ModelConfig
 
 PROJECTIONS = ("q", "v")
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_RULE_TEXT = ("1 to 64 letters, digits, '.', '_' or '-', starting with a letter or a "
+                  "digit")
+
+
+def check_adapter_name(name: str) -> None:
+    """ValueError naming the rule when `name` cannot be an adapter's name."""
+    if not NAME_RULE.fullmatch(name):
+        shown = name if len(name) <= 40 else name[:40] + f"... ({len(name)} characters)"
+        raise ValueError(f"adapter name {shown!r} is not allowed: a name is {NAME_RULE_TEXT}")
 
 
 @dataclass(frozen=True)
@@ -79,9 +96,14 @@ class AdapterStore:
         self.versions: dict[tuple[str, int], Adapter] = {}
         self.current: dict[str, int] = {}
 
+    def next_version(self, name: str, tensors: dict[str, torch.Tensor], scale: float
+                     ) -> Adapter:
+        """The adapter that loading these tensors under `name` would install (not yet
+        installed: the caller checks it can be logged first)."""
+        return Adapter(name, self.current.get(name, 0) + 1, scale, tensors)
+
     def load(self, name: str, tensors: dict[str, torch.Tensor], scale: float) -> Adapter:
-        version = self.current.get(name, 0) + 1
-        return self.install(Adapter(name, version, scale, tensors))
+        return self.install(self.next_version(name, tensors, scale))
 
     def install(self, adapter: Adapter) -> Adapter:
         self.versions[adapter.name, adapter.version] = adapter

@@ -46,11 +46,11 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
     import re
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"--kv-cache-memory: cannot read {text!r} (e.g. 512MiB, 2GB, 1073741824)")
+        raise ValueError(f"{flag}: cannot read {text!r} (e.g. 512MiB, 2GB, 1073741824)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -109,25 +109,32 @@ def _engine_config(args: argparse.Namespace):
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    import uvicorn
-
     from .http import build_app
+    from .server import bind, run
+    try:
+        sizes = {flag: parse_bytes(getattr(args, flag[2:].replace("-", "_")), flag)
+                 for flag in ("--max-request-body", "--recovery-ring-bytes")}
+        sock = bind(args.host, args.port)
+    except ValueError as exc:
+        print(f"phoenixft serve: {exc}", file=sys.stderr)
+        return 2
     try:
         app = build_app(args.model_dir, _engine_config(args),
                         model_name=args.served_model_name, run_dir=args.run_dir,
                         log_dir=args.log_dir, threads=args.threads,
                         api_key=args.api_key or os.environ.get("PHOENIXFT_API_KEY")
-                        or os.environ.get("VLLM_API_KEY"))
+                        or os.environ.get("VLLM_API_KEY"),
+                        max_body_bytes=sizes["--max-request-body"],
+                        ring_bytes=sizes["--recovery-ring-bytes"],
+                        read_timeout_s=args.request_read_timeout,
+                        keep_finished=args.keep_finished_requests,
+                        keep_finished_s=args.keep_finished_seconds)
     except ValueError as exc:
+        sock.close()
         print(f"phoenixft serve: {exc}", file=sys.stderr)
         return 2
-    spec = app.state.spec
-    print(f"serving {args.model_dir} ({spec.model_config.model_type}, "
-          f"max_model_len {spec.max_model_len}, {spec.config.num_blocks} KV blocks of "
-          f"{spec.config.block_size}) on http://{args.host}:{args.port}; an engine process "
-          f"and a warm standby, recovery log in {app.state.supervisor.log_dir}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return run(app, sock, model_dir=args.model_dir, log_level=args.log_level,
+               read_timeout_s=args.request_read_timeout)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -172,6 +179,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--log-dir", default=None,
                    help="where the engines keep their recovery log (default: /dev/shm, one "
                         "directory per run dir)")
+    s.add_argument("--recovery-ring-bytes", default="16MiB", metavar="BYTES",
+                   help="the shared-memory ring that carries each step's log records to the "
+                        "log executor (default 16MiB, at least 1MiB); an adapter must fit it "
+                        "to be loaded")
+    s.add_argument("--max-request-body", default="4MiB", metavar="BYTES",
+                   help="largest request body accepted (default 4MiB); larger ones get 413 "
+                        "before they are read")
+    s.add_argument("--request-read-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a client has to send a request's headers, and again its "
+                        "body (default 30); then 408 and the connection is closed")
+    s.add_argument("--keep-finished-requests", type=int, default=1000, metavar="N",
+                   help="finished requests whose results are kept for Idempotency-Key "
+                        "retries (in memory and in --run-dir), newest first (default 1000)")
+    s.add_argument("--keep-finished-seconds", type=float, default=86400.0, metavar="S",
+                   help="and for at most this long after they finished (default 86400)")
     s.set_defaults(func=_serve)
 
     g = subparsers.add_parser("generate", help="offline generation for one or more prompts")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import AdapterStore, read_adapter_file
+from .adapters import AdapterStore, check_adapter_name, read_adapter_file
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .loader import load_model
@@ -77,13 +77,23 @@ class LLMEngine:
         return self.spec.make_sequence(request_id, prompt, params, keep_logits,
                                        add_special_tokens)
 
-    def load_adapter(self, name: str, path: str | Path) -> int:
-        """Load (or replace: a new version) the adapter `name` from a file; returns its
-        version. Requests admitted from now on use it; running ones keep theirs."""
+    def load_adapter(self, name: str, path: str | Path, *, replace: bool = False) -> int:
+        """Load the adapter `name` from a file (or, with `replace`, make a new version of
+        one that exists); returns its version. Requests admitted from now on use it;
+        running ones keep theirs. Everything is checked before anything changes (the name,
+        the file, and that the recovery log can hold it), so a refused load (ValueError)
+        leaves the engine as it was."""
+        check_adapter_name(name)
+        if name in self.adapters.current and not replace:
+            raise ValueError(f"an adapter named {name!r} is already loaded; to replace it, "
+                             "load it as a replacement (HTTP: \"load_inplace\": true; "
+                             "Python: replace=True)")
         tensors, scale = read_adapter_file(path, self.model_config)
-        adapter = self.adapters.load(name, tensors, scale)
-        if self.recorder is not None:
-            self.recorder.log_adapter(adapter)
+        adapter = self.adapters.next_version(name, tensors, scale)
+        payload = self.recorder.adapter_payload(adapter) if self.recorder is not None else None
+        self.adapters.install(adapter)
+        if payload is not None:
+            self.recorder.log_adapter(payload)
         return adapter.version
 
     def add_sequence(self, seq: Sequence) -> None:

@@ -100,7 +100,8 @@ class EngineServer:
                 self.engine.abort(msg["id"])
             elif msg["op"] == "load_adapter":
                 try:
-                    version = self.engine.load_adapter(msg["name"], msg["path"])
+                    version = self.engine.load_adapter(msg["name"], msg["path"],
+                                                       replace=bool(msg.get("replace")))
                     self.ch.send({"op": "adapter", "token": msg["token"], "name": msg["name"],
                                   "version": version})
                 except ValueError as exc:
@@ -163,7 +164,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = LLMEngine(args.model, EngineConfig(**json.loads(args.config)))
+    try:
+        engine = LLMEngine(args.model, EngineConfig(**json.loads(args.config)))
+    except ValueError as exc:  # a bad model directory: one line, the front reports it
+        sys.stderr.write(f"phoenixft engine: {exc}\n")
+        os._exit(2)
     executor = start_executor(engine.runner, args.log_dir, args.ring_bytes)  # warm, idle
     engine.warm_up()
     ch = wire.connect(args.socket)

@@ -18,16 +18,18 @@ Resumption after the whole server died (the run directory and the log survived):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .adapters import check_adapter_name
 from .api_errors import APIError, error_body
 from .async_engine import EngineDead, RequestFailed
 from .engine import RequestOutput
@@ -35,18 +37,13 @@ from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, _Common
 from .remote import RemoteEngine
 from .sequence import Sequence
+from .shapes import ResponseShapes, usage
 from .spec import EngineSpec
 
 _ENGINE_ERRORS = (EngineDead, RequestFailed)
 
 
-def _usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens,
-            "completion_tokens": out.num_completion_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_completion_tokens}
-
-
-class OpenAIHandlers:
+class OpenAIHandlers(ResponseShapes):
     def __init__(self, spec: EngineSpec, backend: RemoteEngine, metrics: ServeMetrics,
                  model_dir: str | Path, name: str) -> None:
         self.spec, self.backend, self.metrics = spec, backend, metrics
@@ -98,69 +95,6 @@ class OpenAIHandlers:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
         return seqs
-
-    def _token_text(self, tok: int) -> str:
-        return self.spec.tokenizer.token_text(tok)
-
-    def _logprobs(self, endpoint: str, outs: list[RequestOutput], offset: int = 0):
-        """OpenAI's logprobs object for these outputs' tokens (None if not asked)."""
-        pairs = [(t, lp) for o in outs if o.logprobs for t, lp in zip(o.new_token_ids, o.logprobs)]
-        if not pairs:
-            return None
-        if endpoint == "chat":
-            def entry(tok: int, logprob: float) -> dict:
-                text = self._token_text(tok)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-            return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in top]}
-                                for t, (lp, top) in pairs]}
-        tokens = [self._token_text(t) for t, _ in pairs]
-        offsets = []
-        for text in tokens:
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
-                "top_logprobs": [{self._token_text(a): b for a, b in top} for _, (_, top) in pairs],
-                "text_offset": offsets}
-
-    def _chunker(self, endpoint: str, rid: str) -> Callable:
-        now = int(time.time())
-        if endpoint == "chat":
-            def chunk(delta, reason, index=0, logprobs=None):
-                choices = [] if delta is None else [
-                    {"index": index, "delta": delta, "logprobs": logprobs,
-                     "finish_reason": reason}]
-                return {"id": "chatcmpl-" + rid[4:], "object": "chat.completion.chunk",
-                        "created": now, "model": self.name, "choices": choices}
-        else:
-            def chunk(text, reason, index=0, logprobs=None):
-                choices = [] if text is None else [
-                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]
-                return {"id": "cmpl-" + rid[4:], "object": "text_completion", "created": now,
-                        "model": self.name, "choices": choices}
-        return chunk
-
-    def _choice(self, endpoint: str, index: int, outs: list[RequestOutput], echo: str) -> dict:
-        text = echo + "".join(o.new_text for o in outs)
-        lp = self._logprobs(endpoint, outs, len(echo))
-        reason = outs[-1].finish_reason
-        if endpoint == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": lp, "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
-
-    def _result(self, endpoint: str, rid: str, choices: list[dict],
-                lasts: list[RequestOutput], n: int) -> dict:
-        prompt = sum(o.num_prompt_tokens for o in lasts[::n])  # once per prompt
-        completion = sum(o.num_completion_tokens for o in lasts)
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-                 "total_tokens": prompt + completion}
-        if endpoint == "chat":
-            return {"id": "chatcmpl-" + rid[4:], "object": "chat.completion",
-                    "created": int(time.time()), "model": self.name, "choices": choices,
-                    "usage": usage}
-        return {"id": "cmpl-" + rid[4:], "object": "text_completion",
-                "created": int(time.time()), "model": self.name, "choices": choices,
-                "usage": usage}
 
     async def _collect(self, request: Request, streams: list[AsyncIterator[RequestOutput]],
                        endpoint: str, t0: float) -> list[list[RequestOutput]]:
@@ -221,7 +155,7 @@ class OpenAIHandlers:
                 self.backend.record_result(record or rid, self._result(
                     endpoint, rid, [self._choice(endpoint, 0, got, echo)], [last], 1))
                 if include_usage:
-                    yield f"data: {json.dumps(chunk(None, None) | {'usage': _usage(last)})}\n\n"
+                    yield f"data: {json.dumps(chunk(None, None) | {'usage': usage(last)})}\n\n"
         except (*_ENGINE_ERRORS, ValueError) as exc:
             failed = True
             self.metrics.outcome(endpoint, "error")
@@ -274,15 +208,23 @@ class OpenAIHandlers:
                 raise APIError(400, "Idempotency-Key is supported for requests with one choice "
                                "(one prompt, n=1)", "unsupported_header", param="Idempotency-Key")
             return await self._serve_many(request, seqs, endpoint, body, echoes, t0)
+        sha = None
         if key is not None:
-            rid = self.backend.by_key(key)
+            sha = _body_sha(endpoint, body)
+            rid, was = self.backend.by_key(key) or (None, None)
+            if rid is not None and was is not None and was != sha:
+                shown = key if len(key) <= 64 else key[:64] + "..."
+                raise APIError(422, f"Idempotency-Key {shown!r} was already used for request "
+                               f"{rid} with a different body; a retry must send the same "
+                               "body, a new request needs a new key",
+                               "idempotency_key_reused", param="Idempotency-Key")
             if rid is not None and rid in self.backend.results and not body.stream:
                 return JSONResponse(self.backend.results[rid], headers={"X-Request-Id": rid})
             if rid is not None and self.backend.find(rid) is not None:
                 outs = self.backend.follow(rid, 0)
                 return await self._respond(request, outs, rid, endpoint, body, echoes[0], t0)
         rid = seqs[0].seq_id
-        outs = self.backend.generate(seqs[0], endpoint, key)
+        outs = self.backend.generate(seqs[0], endpoint, key, sha)
         return await self._respond(request, outs, rid, endpoint, body, echoes[0], t0)
 
     async def _respond(self, request: Request, outs, rid: str, endpoint: str, body: _Common,
@@ -348,9 +290,14 @@ class OpenAIHandlers:
                            "returned to a retry with its Idempotency-Key)", "not_found",
                            param="request_id")
         after = request.headers.get("last-event-id", "0")
-        if not after.isdigit():
-            raise APIError(400, f"Last-Event-ID must be a token count, got {after!r}",
-                           "invalid_value")
+        if not after.isdigit() or len(after) > 12:
+            raise APIError(400, f"Last-Event-ID must be a token count, got {after[:40]!r}",
+                           "invalid_value", param="Last-Event-ID")
+        most = min(p.seq.params.max_tokens, self.spec.max_model_len - p.seq.num_prompt_tokens)
+        if int(after) > most:  # no event of this stream can have that id: it would never come
+            raise APIError(400, f"Last-Event-ID {after} is past the end of stream "
+                           f"{request_id}, which has at most {most} tokens; send the id of "
+                           "the last event received", "invalid_value", param="Last-Event-ID")
         outs = self.backend.follow(request_id, int(after))
         return StreamingResponse(self._sse(self._stream(outs, request_id, p.endpoint, False, False,
                                                         time.monotonic())),
@@ -359,14 +306,30 @@ class OpenAIHandlers:
 
     async def load_lora_adapter(self, body: LoadAdapterRequest):
         """Load, or replace while serving, a LoRA-style adapter (vLLM's endpoint). Requests
-        name it as their `model`; running requests keep the version they started with."""
+        name it as their `model`; running requests keep the version they started with. A
+        name must follow the rule (adapters.py), must not be the served model's (it would
+        take the base model away from every client) and replaces a loaded adapter only
+        when asked to (`load_inplace`)."""
+        name = body.lora_name
         try:
-            version = await self.backend.load_adapter(body.lora_name, body.lora_path)
+            check_adapter_name(name)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_adapter_name", param="lora_name") from exc
+        if name in self.aliases:
+            raise APIError(400, f"adapter name {name!r} is the served model's name; give the "
+                           "adapter a name of its own", "invalid_adapter_name",
+                           param="lora_name")
+        if name in self.backend.adapters and not body.load_inplace:
+            raise APIError(400, f"an adapter named {name!r} is already loaded; send "
+                           '"load_inplace": true to replace it', "adapter_exists",
+                           param="lora_name")
+        try:
+            version = await self.backend.load_adapter(name, body.lora_path, body.load_inplace)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_adapter", param="lora_path") from exc
         except (EngineDead, TimeoutError) as exc:
             raise APIError(503, str(exc), "engine_unavailable", "server_error") from exc
-        return {"lora_name": body.lora_name, "version": version}
+        return {"lora_name": name, "version": version}
 
     async def models(self):
         base = {"object": "model", "created": self.created, "owned_by": "phoenixft",
@@ -391,6 +354,15 @@ class OpenAIHandlers:
         self.metrics.update(self.backend)
         return PlainTextResponse(generate_latest(self.metrics.registry),
                                  media_type=CONTENT_TYPE_LATEST)
+
+
+def _body_sha(endpoint: str, body: _Common) -> str:
+    """What an Idempotency-Key stands for: the endpoint and the body as parsed (so spacing
+    and key order do not matter), without `stream` and `stream_options`, which change how
+    the completion is delivered, not what it is."""
+    fields = body.model_dump(mode="json", exclude={"stream", "stream_options"})
+    text = json.dumps([endpoint, fields], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -38,9 +38,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
-    def load_adapter(self, name: str, path: str | Path) -> int:
-        """Load a LoRA-style adapter (adapters.py) under `name`; returns its version."""
-        return self.engine.load_adapter(name, path)
+    def load_adapter(self, name: str, path: str | Path, *, replace: bool = False) -> int:
+        """Load a LoRA-style adapter (adapters.py) under `name` (`replace`: a new version
+        of a loaded one); returns its version."""
+        return self.engine.load_adapter(name, path, replace=replace)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -11,20 +11,43 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from .config import ModelConfig
 from .model import PagedCausalLM
 
 
-def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The model's safetensors files, each checked readable (its header parses and its
+    tensors fit the file), so a damaged download fails here, in one line naming the file
+    and the cause (ValueError), not as a traceback when the engine loads it."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors file in {model_dir} (pickle checkpoints such as "
                          "pytorch_model.bin are not loaded)")
-    tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f), device="cpu"))
+        try:
+            with safe_open(str(f), "pt") as st:
+                list(st.keys())
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise _unreadable(f, exc) from None
+    return files
+
+
+def _unreadable(f: Path, exc: BaseException) -> ValueError:
+    return ValueError(f"weights file {f} is not a readable safetensors file "
+                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                      "re-save or re-download it")
+
+
+def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in weight_files(model_dir):
+        try:
+            tensors.update(load_file(str(f), device="cpu"))
+        except Exception as exc:  # noqa: BLE001 - as in weight_files
+            raise _unreadable(f, exc) from None
     return tensors
 
 

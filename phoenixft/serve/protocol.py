@@ -124,6 +124,7 @@ class ChatMessage(_Body):
 class LoadAdapterRequest(_Body):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # vLLM's: replace a loaded adapter of that name
 
 
 class ChatCompletionRequest(_Common):

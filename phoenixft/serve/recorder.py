@@ -86,7 +86,7 @@ class Recorder:
         self._lag_max = 0
         self._errors: list[str] = []
         self._want_full = True  # the first epoch of a writer is a full checkpoint
-        self._adapters_pending: list[tuple[str, int]] = []  # loaded, not yet on the ring
+        self._adapters_pending: list[bytes] = []  # loaded, not yet on the ring
         engine.block_manager.hold_epoch = self.epoch
         start = json.dumps({"first_seq": first_seq, "compact_bytes": compact_bytes}).encode()
         if not self.ring.push(TASK_START, first_epoch, start):
@@ -106,17 +106,33 @@ class Recorder:
                              int(c[R.EXEC_NS]) / 1e9, self._lag_max, list(self._errors))
 
     # -- the decode loop's side ------------------------------------------------------------
-    def log_adapter(self, adapter) -> None:
-        """An adapter version was loaded: it is logged before any epoch that uses it."""
-        self._adapters_pending.append((adapter.name, adapter.version))
+    def adapter_payload(self, adapter) -> bytes:
+        """The log record of an adapter version, or ValueError when the ring could never
+        carry it to the executor: such an adapter would be served but not logged, every
+        later step would fail to push it, and a successor would come up without it. So
+        it is refused before it is installed, naming its size and the limit."""
+        meta = json.dumps({"name": adapter.name, "version": adapter.version,
+                           "scale": adapter.scale}).encode()
+        payload = len(meta).to_bytes(4, "little") + meta + adapter.to_bytes()
+        limit = self.ring.max_payload
+        if len(payload) > limit:
+            raise ValueError(
+                f"adapter {adapter.name!r} is {len(payload)} bytes ({len(payload) / 2**20:.1f} "
+                f"MiB) as a log record, over the {limit} bytes ({limit / 2**20:.1f} MiB) the "
+                "recovery log's ring can carry, so a crash could not restore it: start the "
+                f"server with --recovery-ring-bytes {_mib_above(len(payload))} or more, or "
+                "load an adapter of lower rank")
+        return payload
+
+    def log_adapter(self, payload: bytes) -> None:
+        """An adapter version was loaded (`adapter_payload`): it is logged before any
+        epoch that uses it."""
+        self._adapters_pending.append(payload)
         self._push_adapters()
 
     def _push_adapters(self) -> bool:
         while self._adapters_pending:
-            adapter = self.engine.adapters.get(*self._adapters_pending[0])
-            meta = json.dumps({"name": adapter.name, "version": adapter.version,
-                               "scale": adapter.scale}).encode()
-            payload = len(meta).to_bytes(4, "little") + meta + adapter.to_bytes()
+            payload = self._adapters_pending[0]
             if not self.ring.push(TASK_ADAPTER, self.epoch, payload):
                 return False
             self._adapters_pending.pop(0)
@@ -221,6 +237,11 @@ class Recorder:
                 "executor_s": round(s.executor_s, 4), "lag_max": s.lag_max,
                 "processed_epoch": self.processed, "failed": self.failed,
                 "executor_pid": self.executor.pid}
+
+
+def _mib_above(nbytes: int) -> str:
+    """A ring size (for the flag) that holds a record of `nbytes`, in whole MiB."""
+    return f"{(nbytes + R.RECORD_OVERHEAD) // 2**20 + 1}MiB"
 
 
 def _live_ranges(seqs, block_size: int) -> np.ndarray:

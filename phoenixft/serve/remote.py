@@ -21,11 +21,7 @@ stream by request id (`Last-Event-ID`), and answers a retried request with the s
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
-import os
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
@@ -36,6 +32,7 @@ from .config import SamplingParams
 from .engine import RequestOutput
 from .sequence import Sequence
 from .spec import EngineSpec
+from .store import RequestStore, key_id
 
 
 @dataclass
@@ -43,6 +40,7 @@ class Pending:
     seq: Sequence
     endpoint: str = "completions"
     key: str | None = None
+    body_sha: str | None = None  # what the key was used for (a retry must repeat it)
     delivered: int = 0  # completion tokens passed on to the client
     history: list[RequestOutput] = field(default_factory=list)
     finished: bool = False
@@ -52,62 +50,26 @@ class Pending:
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=list)
 
 
-class RequestStore:
-    """Requests and results in the run directory (atomic JSON files)."""
-
-    def __init__(self, run_dir: str | Path | None) -> None:
-        self.dir = Path(run_dir) / "requests" if run_dir else None
-        if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-
-    def _write(self, rid: str, record: dict) -> None:
-        if self.dir is None:
-            return
-        tmp = self.dir / f".{rid}.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.dir / f"{rid}.json")
-
-    def accepted(self, p: Pending) -> None:
-        s = p.seq
-        self._write(s.seq_id, {"id": s.seq_id, "endpoint": p.endpoint, "key": p.key,
-                               "prompt": s.prompt_token_ids, "params": asdict(s.params),
-                               "seed": s.seed, "adapter": s.adapter,
-                               "adapter_version": s.adapter_version, "created": time.time()})
-
-    def finished(self, p: Pending, result: dict) -> None:
-        if self.dir is None:
-            return
-        path = self.dir / f"{p.seq.seq_id}.json"
-        record = json.loads(path.read_text()) if path.exists() else {"id": p.seq.seq_id}
-        record["result"] = result
-        self._write(p.seq.seq_id, record)
-
-    def load(self) -> list[dict]:
-        if self.dir is None:
-            return []
-        out = []
-        for f in sorted(self.dir.glob("*.json")):
-            try:
-                out.append(json.loads(f.read_text()))
-            except (OSError, ValueError):
-                continue
-        return out
-
-
-def key_id(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
+def _check_end(last: RequestOutput, after: int) -> None:
+    """A stream that ended at `after` has nothing more to send; one that ended before it
+    cannot continue after it (ValueError, the client's: it sent a wrong Last-Event-ID)."""
+    if last.num_completion_tokens < after:
+        raise ValueError(f"Last-Event-ID {after} is past the end of the stream: it ended "
+                         f"after {last.num_completion_tokens} tokens")
 
 
 class RemoteEngine:
     """What the HTTP handlers talk to (the same calls as the in-process `AsyncEngine`)."""
 
-    def __init__(self, spec: EngineSpec, run_dir: str | Path | None) -> None:
+    def __init__(self, spec: EngineSpec, run_dir: str | Path | None,
+                 store: RequestStore | None = None) -> None:
         self.spec = spec
         self.supervisor = None  # set by the app once started
-        self.store = RequestStore(run_dir)
+        self.store = store or RequestStore(run_dir)
         self.pending: dict[str, Pending] = {}
         self.results: dict[str, dict] = {}  # finished requests' results, by id
-        self.keys: dict[str, str] = {}  # idempotency key digest -> request id
+        # idempotency key digest -> (request id, digest of the body it was sent with)
+        self.keys: dict[str, tuple[str, str | None]] = {}
         self.stats: dict = {}
         self.recomputed_prompt_tokens = 0
         self.log_errors: list[str] = []  # the active engine's recovery log stopped working
@@ -143,25 +105,28 @@ class RemoteEngine:
                       "params": asdict(s.params), "seed": s.seed, "adapter": s.adapter,
                       "adapter_version": s.adapter_version})
 
-    def admit(self, seq: Sequence, endpoint: str, key: str | None = None) -> Pending:
-        p = Pending(seq, endpoint, key)
+    def admit(self, seq: Sequence, endpoint: str, key: str | None = None,
+              body_sha: str | None = None) -> Pending:
+        p = Pending(seq, endpoint, key, body_sha)
         with self._lock:
             self.pending[seq.seq_id] = p
             if key is not None:
-                self.keys[key_id(key)] = seq.seq_id
+                self.keys[key_id(key)] = (seq.seq_id, body_sha)
         self.store.accepted(p)
         self._submit(p)
         return p
 
-    async def load_adapter(self, name: str, path: str, timeout_s: float = 120.0) -> int:
-        """Ask the active engine to load (or replace) an adapter; its new version."""
+    async def load_adapter(self, name: str, path: str, replace: bool = False,
+                           timeout_s: float = 120.0) -> int:
+        """Ask the active engine to load (or, `replace`, replace) an adapter; its new
+        version."""
         token = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._replies[token] = (loop, fut)
         try:
             if not self.supervisor.send({"op": "load_adapter", "name": name, "path": path,
-                                         "token": token}):
+                                         "replace": replace, "token": token}):
                 raise EngineDead("no engine is running")
             msg = await asyncio.wait_for(fut, timeout_s)
         finally:
@@ -174,20 +139,24 @@ class RemoteEngine:
     def find(self, rid: str) -> Pending | None:
         return self.pending.get(rid)
 
-    def by_key(self, key: str) -> str | None:
+    def by_key(self, key: str) -> tuple[str, str | None] | None:
+        """The request an Idempotency-Key was used for, and the digest of its body."""
         return self.keys.get(key_id(key))
 
     async def generate(self, seq: Sequence, endpoint: str = "completions",
-                       key: str | None = None) -> AsyncIterator[RequestOutput]:
+                       key: str | None = None,
+                       body_sha: str | None = None) -> AsyncIterator[RequestOutput]:
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error}")
-        p = self.admit(seq, endpoint, key)
+        p = self.admit(seq, endpoint, key, body_sha)
         async for out in self.follow(p.seq.seq_id, 0):
             yield out
 
     async def follow(self, rid: str, after: int) -> AsyncIterator[RequestOutput]:
         """The outputs of `rid` with an index above `after`: the history first, then live
-        ones as they come. Aborts the request if the consumer stops early."""
+        ones as they come. Aborts the request if the consumer stops early. A stream that
+        ends at or before `after` (the client claims more than it has) ends here too: at
+        once if it ends at `after`, with a ValueError naming both if before."""
         p = self.pending.get(rid)
         if p is None:
             raise KeyError(rid)
@@ -195,6 +164,7 @@ class RemoteEngine:
         loop = asyncio.get_running_loop()
         with self._lock:
             backlog = [o for o in p.history if o.num_completion_tokens > after]
+            ended = p.history[-1] if p.finished and p.history and not backlog else None
             p.waiters.append((loop, q))
         done = False
         try:
@@ -204,10 +174,14 @@ class RemoteEngine:
                     done = True
                     return
             while True:
-                item = await q.get()
+                item = ended or await q.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.num_completion_tokens <= after:
+                    if item.finished:
+                        done = True
+                        _check_end(item, after)
+                        return
                     continue
                 after = item.num_completion_tokens
                 yield item
@@ -224,8 +198,17 @@ class RemoteEngine:
     def abort(self, rid: str) -> None:
         with self._lock:
             p = self.pending.pop(rid, None)
-        if p is not None and self.supervisor is not None:
-            self.supervisor.send({"op": "abort", "id": rid})
+        if p is not None:
+            self._forget(p)
+            if self.supervisor is not None:
+                self.supervisor.send({"op": "abort", "id": rid})
+
+    def _forget(self, p: Pending) -> None:
+        """A request that ends without a result: its record and its key go (a retry with
+        that key is a new request; a restarted server does not resubmit it)."""
+        self.store.discard(p.seq.seq_id)
+        if p.key is not None and self.keys.get(key_id(p.key), (None,))[0] == p.seq.seq_id:
+            del self.keys[key_id(p.key)]
 
     # -- from the engine processes (supervisor threads) -------------------------------------
     def on_message(self, msg: dict) -> None:
@@ -281,6 +264,7 @@ class RemoteEngine:
         if p is None:
             return
         p.error = err
+        self._forget(p)
         for loop, q in list(p.waiters):
             loop.call_soon_threadsafe(q.put_nowait, err)
 
@@ -290,7 +274,9 @@ class RemoteEngine:
         resume are submitted to it again."""
         resumed = {r["id"]: r for r in ready["resumed"]}
         self.stats = {}  # the dead engine's figures are not the new one's
-        self.adapters.update(ready.get("adapters", {}))
+        # what the new engine holds, not what the dead one did: an adapter the log could
+        # not restore is not listed, nor offered to requests
+        self.adapters = dict(ready.get("adapters", {}))
         for loop, fut in list(self._replies.values()):  # asked of an engine that died
             loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(
                 {"op": "adapter_error", "error": "the engine restarted before it answered; "
@@ -326,10 +312,10 @@ class RemoteEngine:
         seq = Sequence(seq_id=r["id"], token_ids=[0] * r["prompt_tokens"] + r["completion"],
                        num_prompt_tokens=r["prompt_tokens"], params=params,
                        seed=rec.get("seed", 0))
-        p = Pending(seq, rec.get("endpoint", "completions"), rec.get("key"))
+        p = Pending(seq, rec.get("endpoint", "completions"), rec.get("key"), rec.get("body_sha"))
         self.pending[r["id"]] = p
         if p.key:
-            self.keys[key_id(p.key)] = r["id"]
+            self.keys[key_id(p.key)] = (r["id"], p.body_sha)
 
     def _restore_from_store(self) -> None:
         """After a restart: finished results (for idempotent retries) and the unfinished
@@ -337,7 +323,7 @@ class RemoteEngine:
         self._records = {r["id"]: r for r in self.store.load()}
         for rid, rec in self._records.items():
             if rec.get("key"):
-                self.keys[key_id(rec["key"])] = rid
+                self.keys[key_id(rec["key"])] = (rid, rec.get("body_sha"))
             if "result" in rec:
                 self.results[rid] = rec["result"]
                 continue
@@ -345,13 +331,15 @@ class RemoteEngine:
             seq = Sequence(seq_id=rid, token_ids=list(rec["prompt"]),
                            num_prompt_tokens=len(rec["prompt"]), params=params, seed=rec["seed"],
                            adapter=rec.get("adapter"), adapter_version=rec.get("adapter_version", 0))
-            self.pending[rid] = Pending(seq, rec["endpoint"], rec.get("key"))
+            self.pending[rid] = Pending(seq, rec["endpoint"], rec.get("key"), rec.get("body_sha"))
 
     def record_result(self, rid: str, result: dict) -> None:
+        """A request finished: its result is kept for retries (within the store's
+        retention limits; the oldest beyond them are dropped here)."""
         self.results[rid] = result
-        p = self.pending.get(rid) or Pending(Sequence(seq_id=rid, token_ids=[0],
-                                                      num_prompt_tokens=1,
-                                                      params=SamplingParams(), seed=0))
-        self.store.finished(p, result)
         with self._lock:
-            self.pending.pop(rid, None)
+            p = self.pending.pop(rid, None)
+        for old, key in self.store.finished(rid, p.key if p else None, result):
+            self.results.pop(old, None)
+            if key is not None and self.keys.get(key, (None,))[0] == old:
+                del self.keys[key]

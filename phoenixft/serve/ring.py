@@ -37,6 +37,9 @@ PROCESSED, EPOCHS, LOG_BYTES, KV_SLOTS, CHECKPOINTS, FREED, EXEC_NS, WANT_FULL, 
     STARTED = range(10)
 
 
+RECORD_OVERHEAD = _HEAD.size + 7  # a record's header and its worst-case padding
+
+
 def _pad(n: int) -> int:
     return (n + 7) & ~7
 
@@ -72,6 +75,11 @@ class Ring:
     @property
     def used(self) -> int:
         return int(self._idx[1] - self._idx[0])
+
+    @property
+    def max_payload(self) -> int:
+        """The largest payload `push` can ever take (into an empty ring)."""
+        return self.capacity - _HEAD.size
 
     @property
     def shared_bytes(self) -> int:

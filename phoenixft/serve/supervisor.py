@@ -51,12 +51,30 @@ class EngineProc:
 SOCK_PREFIX = "phoenixft-serve-"  # + the front's pid + "-": its engines' socket directory
 
 
+SOCK_NAME = "engines.sock"
+_SUN_PATH_MAX = 107  # a Unix socket's path is at most 108 bytes, NUL included
+
+
+def _socket_base() -> str:
+    """Where socket directories go: the temporary directory, or /tmp when its path is
+    too long for a Unix socket's (a deep TMPDIR)."""
+    base = tempfile.gettempdir()
+    room = _SUN_PATH_MAX - len(f"/{SOCK_PREFIX}{os.getpid()}-xxxxxxxx/{SOCK_NAME}")
+    return base if len(base.encode()) <= room else "/tmp"
+
+
+def make_socket_dir() -> str:
+    """A private directory for this front's engines' socket (its name starts with the
+    front's pid, which `remove_stale_socket_dirs` reads)."""
+    return tempfile.mkdtemp(prefix=f"{SOCK_PREFIX}{os.getpid()}-", dir=_socket_base())
+
+
 def remove_stale_socket_dirs() -> list[str]:
     """Remove the socket directories of fronts that are gone (a SIGKILLed front cannot
-    clean up after itself): those whose pid no longer exists and whose socket nobody
-    listens on. Returns what was removed."""
+    clean up after itself; its janitor normally has): those whose pid no longer exists
+    and whose socket nobody listens on. Returns what was removed."""
     gone = []
-    for d in Path(tempfile.gettempdir()).glob(f"{SOCK_PREFIX}*-*"):
+    for d in Path(_socket_base()).glob(f"{SOCK_PREFIX}*-*"):
         pid = d.name[len(SOCK_PREFIX):].split("-", 1)[0]
         if not pid.isdigit() or not d.is_dir():
             continue
@@ -67,7 +85,7 @@ def remove_stale_socket_dirs() -> list[str]:
             pass
         except PermissionError:
             continue
-        if _listening(d / "engines.sock"):
+        if _listening(d / SOCK_NAME):
             continue  # a front in another pid namespace that shares this directory
         shutil.rmtree(d, ignore_errors=True)
         if not d.exists():
@@ -86,19 +104,28 @@ def _listening(path: Path) -> bool:
         probe.close()
 
 
+def _last_line(path: Path) -> str:
+    """The cause an engine that failed to start gave (the last line of its log)."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1].strip() if lines else "it wrote nothing"
+
+
 class EngineSupervisor:
     def __init__(self, model_dir: str | Path, engine_config: dict, log_dir: str | Path,
                  work_dir: str | Path, *, threads: int | None = None,
                  on_message: Callable[[dict], None], on_ready: Callable[[dict, dict], None],
                  emit: Callable[..., None], ring_bytes: int = 16 << 20,
-                 compact_bytes: int = 256 << 20) -> None:
+                 compact_bytes: int = 256 << 20, sock_dir: str | None = None) -> None:
         self.model_dir, self.engine_config = str(model_dir), engine_config
         self.log_dir, self.work_dir = Path(log_dir), Path(work_dir)  # log: outlives engines
         self.threads, self.ring_bytes, self.compact_bytes = threads, ring_bytes, compact_bytes
         self.on_message, self.on_ready, self.emit = on_message, on_ready, emit
         remove_stale_socket_dirs()
-        self._sock_dir = tempfile.mkdtemp(prefix=f"{SOCK_PREFIX}{os.getpid()}-")
-        self.sock_path = os.path.join(self._sock_dir, "engines.sock")
+        self._sock_dir = sock_dir or make_socket_dir()
+        self.sock_path = os.path.join(self._sock_dir, SOCK_NAME)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.sock_path)
         self._listener.listen(8)
@@ -132,7 +159,10 @@ class EngineSupervisor:
         return proc
 
     def start(self, timeout_s: float = 300.0) -> dict:
-        """Start the active engine and its standby; returns the active one's `ready`."""
+        """Start the active engine and its standby; returns the active one's `ready`
+        (once: a second call returns the same)."""
+        if self.active is not None:
+            return self._await_ready(self.active, timeout_s)
         threading.Thread(target=self._accept, daemon=True, name="phoenixft-accept").start()
         self.active = self._spawn("active")
         self.standby = self._spawn("standby")
@@ -191,7 +221,8 @@ class EngineSupervisor:
             while proc.ready is None:
                 if proc.popen.poll() is not None:
                     raise RuntimeError(f"the engine process exited with {proc.popen.returncode} "
-                                       f"before it was ready; see {proc.log}")
+                                       f"before it was ready: {_last_line(proc.log)} (its "
+                                       f"log: {proc.log})")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RuntimeError(f"the engine process was not ready within {timeout_s:.0f}s; "

@@ -37,13 +37,13 @@ def free_port() -> int:
 class Server:
     """`phoenixft serve` in a subprocess; killed by PID (front, engines) when done."""
 
-    def __init__(self, model: Path, run_dir: Path, port: int) -> None:
+    def __init__(self, model: Path, run_dir: Path, port: int, extra: tuple[str, ...] = ()) -> None:
         self.run_dir, self.port = run_dir, port
         self.base = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "phoenixft.serve.cli", "serve", str(model), "--port", str(port),
              "--max-model-len", str(MAX_LEN), "--threads", "1", "--run-dir", str(run_dir),
-             "--served-model-name", "tiny"],
+             "--served-model-name", "tiny", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + 120
@@ -111,16 +111,26 @@ class Server:
         """SIGKILL the front and its engines, then (unless a successor is to resume from
         it) remove the recovery log they leave in /dev/shm on purpose."""
         try:
-            log_dir = self.status().get("log_dir")
+            status = self.status()
         except (OSError, ValueError):
-            log_dir = None
+            status = {}
+        log_dir, janitor = status.get("log_dir"), status.get("janitor_pid")
         for pid in self.pids():
+            if pid == janitor:
+                continue  # it cleans up once the front and the engines are gone
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait(10)
         self.proc.stderr.close()
+        if janitor:
+            try:
+                psutil.Process(janitor).wait(60)
+            except psutil.NoSuchProcess:
+                pass
+            except psutil.TimeoutExpired:
+                os.kill(janitor, signal.SIGKILL)
         if log_dir and not keep_log:
             shutil.rmtree(log_dir, ignore_errors=True)
 
@@ -349,7 +359,7 @@ def test_an_adapter_replaced_mid_stream_then_a_crash_keeps_each_requests_version
     base = llm.generate(ps[:1], greedy)[0].text
     llm.load_adapter("ad", a)
     ref_a = [o.text for o in llm.generate(ps[:3], greedy, adapter="ad")]
-    llm.load_adapter("ad", b)
+    llm.load_adapter("ad", b, replace=True)
     ref_b = [o.text for o in llm.generate(ps[3:], greedy, adapter="ad")]
     assert ref_a[0] != base  # the adapter changes what the model says
     server = Server(long_model, tmp_path / "run", free_port())
@@ -364,8 +374,8 @@ def test_an_adapter_replaced_mid_stream_then_a_crash_keeps_each_requests_version
         for c in first:
             c.start()
         wait_tokens(first, 20)
-        r = httpx.post(server.base + "/v1/load_lora_adapter", json={"lora_name": "ad",
-                                                                   "lora_path": str(b)})
+        r = httpx.post(server.base + "/v1/load_lora_adapter", json={
+            "lora_name": "ad", "lora_path": str(b), "load_inplace": True})
         assert r.json()["version"] == 2
         second = [SSEClient(server.base, {**body, "prompt": p}) for p in ps[3:]]
         for c in second:

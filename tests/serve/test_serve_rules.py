@@ -1,0 +1,88 @@
+"""The rules behind the server's refusals, checked on the real parts in process (an engine
+with its recovery log and executor process, the request store on real files): what is
+refused changes nothing, and what a flag sets takes effect."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from test_crash_recovery import write_adapter
+
+from phoenixft.serve import EngineConfig, SamplingParams
+from phoenixft.serve.adapters import check_adapter_name
+from phoenixft.serve.engine import LLMEngine
+from phoenixft.serve.recorder import Recorder
+from phoenixft.serve.recovery import recover
+from phoenixft.serve.store import RequestStore
+
+CFG = EngineConfig(block_size=4, num_blocks=64, max_model_len=128)
+
+
+def engine_with_log(path, log_dir, ring_bytes: int) -> LLMEngine:
+    eng = LLMEngine(path, CFG)
+    eng.recorder = Recorder(eng, log_dir, ring_bytes=ring_bytes)
+    return eng
+
+
+@pytest.mark.timeout(120)
+def test_an_adapter_over_the_ring_is_refused_before_it_is_installed(hf_models, tmp_path):
+    path = hf_models["qwen2"][0]
+    # 2 layers x (A and B of q and v) x 4 bytes = 1792 bytes per rank: rank 64 is 112 KiB
+    big = write_adapter(path, tmp_path / "big.safetensors", 1, rank=64)
+    small = write_adapter(path, tmp_path / "small.safetensors", 2, rank=4)
+    eng = engine_with_log(path, tmp_path / "log", 64 << 10)
+    try:
+        assert eng.load_adapter("small", small) == 1
+        with pytest.raises(ValueError, match=r"over the \d+ bytes .* --recovery-ring-bytes 1MiB"):
+            eng.load_adapter("big", big)
+        assert dict(eng.adapters.current) == {"small": 1}  # nothing changed
+        eng.add_request("r", [6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0),
+                        adapter="small")
+        while eng.has_unfinished():
+            eng.step()  # the steps after the refusal go on (they failed to push it before)
+        assert eng.recorder.drain() and eng.recorder.failed is None
+    finally:
+        eng.recorder.close()
+    successor = LLMEngine(path, CFG)
+    assert recover(successor, tmp_path / "log").adapters == 1
+    assert dict(successor.adapters.current) == {"small": 1}
+    # the size the message asks for takes effect
+    roomy = engine_with_log(path, tmp_path / "log2", 1 << 20)
+    try:
+        assert roomy.load_adapter("big", big) == 1
+        assert roomy.recorder.drain()
+    finally:
+        roomy.recorder.close()
+
+
+def test_adapter_names_and_replacement(hf_models, tmp_path):
+    for bad in ("", ".", "../../x", "a/b", "x" * 65, "a\nb", "-x", "é"):
+        with pytest.raises(ValueError, match="letters, digits"):
+            check_adapter_name(bad)
+    for good in ("a", "my-lora.v2", "A_1", "x" * 64):
+        check_adapter_name(good)
+    path = hf_models["qwen2"][0]
+    a = write_adapter(path, tmp_path / "a.safetensors", 1)
+    eng = LLMEngine(path, CFG)
+    assert eng.load_adapter("a", a) == 1
+    with pytest.raises(ValueError, match="already loaded"):
+        eng.load_adapter("a", a)
+    assert eng.load_adapter("a", a, replace=True) == 2
+
+
+def test_the_store_keeps_finished_requests_within_count_and_age(tmp_path):
+    store = RequestStore(tmp_path, keep=2, keep_s=3600)
+    dropped = [store.finished(f"r{i}", f"k{i}", {"n": i}) for i in range(4)]
+    assert [d for ds in dropped for d, _ in ds] == ["r0", "r1"]  # the oldest first
+    assert sorted(p.stem for p in (tmp_path / "requests").glob("*.json")) == ["r2", "r3"]
+    # a restart reads them back, and drops those finished longer ago than keep_s
+    old = json.loads((tmp_path / "requests" / "r2.json").read_text())
+    old["finished"] = time.time() - 7200
+    (tmp_path / "requests" / "r2.json").write_text(json.dumps(old))
+    again = RequestStore(tmp_path, keep=2, keep_s=3600)
+    assert [r["id"] for r in again.load()] == ["r3"]
+    assert sorted(p.stem for p in (tmp_path / "requests").glob("*.json")) == ["r3"]
+    with pytest.raises(ValueError, match="--keep-finished-requests"):
+        RequestStore(tmp_path, keep=-1)
