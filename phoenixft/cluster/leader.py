@@ -1,7 +1,8 @@
 """The leader: decides generations. It runs in an agent (node 0's unless another agent took
 the lead, see `lease.py`), so it outlives any worker, rank 0 included.
 
-Failure policy (readable here, in one place):
+Failure policy (readable here; the decisions themselves are pure functions in
+`policy.py`, unit-tested from tables):
 - a worker that exits before it finished training (any exit code, 0 included: a rank
   that leaves early is a failure of *that* rank), or whose heartbeat has been silent for
   `heartbeat_timeout_s` (a hang), is dead; so is one whose own snapshot a same-node
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from phoenixft.cluster import report
+from phoenixft.cluster import policy, report
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatMonitor
 from phoenixft.cluster.keys import Keys
@@ -260,57 +261,25 @@ class Leader:
                 if w.wid not in members and w.state in ("waiting", "running")]
 
     def _replace(self, failures: list[Failure]) -> None:
+        """Decide the next generation after member failures (`policy.after_failures`) and
+        publish it, or stop."""
         plan = self.plan
-        members, nodes = dict(plan.members), dict(plan.nodes)
-        replaced: dict[int, str] = {}
-        spares = self._spares()
-        for f in failures:
-            if not spares:
-                self._shrink(failures)
-                return
-            node = plan.nodes[f.rank]
-            spares.sort(key=lambda s: (s.node != node, s.wid))
-            spare = spares.pop(0)
-            members[f.rank], nodes[f.rank], replaced[f.rank] = spare.wid, spare.node, f.wid
-            spare.state = "running"
-        t_fail = min(f.t_fail for f in failures)
-        t_detect = min(f.t_detect for f in failures)
-        if plan.generation > 0 and not self.store.check([Keys.recovered(plan.generation)]):
-            # the previous recovery never completed: this generation finishes it too
-            replaced = {**plan.replaced, **replaced}
-            t_fail = min(t_fail, plan.t_fail or t_fail)
-            t_detect = min(t_detect, plan.t_detect or t_detect)
-        self._publish(Plan(generation=plan.generation + 1, members=members, nodes=nodes,
-                           replaced=replaced,
-                           reason="; ".join(f"{f.wid}: {f.detail}" for f in failures),
-                           t_fail=t_fail, t_detect=t_detect,
-                           progress=kv.get_int(self.store, Keys.PROGRESS, 0)))
-
-    def _shrink(self, failures: list[Failure]) -> None:
-        """No spare left: go on with the survivors (ReCoVer) if allowed, else stop."""
-        plan = self.plan
-        dead = {f.wid for f in failures}
-        alive = [(r, w) for r, w in sorted(plan.members.items()) if w not in dead]
-        f = failures[0]
-        if self.cfg.min_world is None or len(alive) < self.cfg.min_world:
-            why = ("rerun with more --spares, or let the job shrink with --min-nproc"
-                   if self.cfg.min_world is None else
-                   f"only {len(alive)} ranks would be left, below --min-nproc {self.cfg.min_world}")
-            self._abort(f"worker {f.wid} (rank {f.rank}) failed ({f.detail}) and no spare is "
-                        f"left; {why}")
+        nxt = policy.after_failures(
+            plan, [policy.Failed(f.wid, f.rank, f.detail, f.t_fail, f.t_detect) for f in failures],
+            [policy.Spare(w.wid, w.node) for w in self._spares()],
+            min_world=self.cfg.min_world, progress=kv.get_int(self.store, Keys.PROGRESS, 0),
+            previous_recovered=plan.generation == 0 or
+            self.store.check([Keys.recovered(plan.generation)]))
+        if nxt.decision is policy.Decision.STOP:
+            self._abort(nxt.reason)
             return
-        self._publish(Plan(generation=plan.generation + 1,
-                           members={i: w for i, (_, w) in enumerate(alive)},
-                           nodes={i: plan.nodes[r] for i, (r, _) in enumerate(alive)},
-                           replaced={x.rank: x.wid for x in failures},
-                           reason="shrink: " + "; ".join(f"{x.wid}: {x.detail}" for x in failures),
-                           t_fail=min(x.t_fail for x in failures),
-                           t_detect=min(x.t_detect for x in failures),
-                           progress=kv.get_int(self.store, Keys.PROGRESS, 0)))
+        for wid in nxt.taken:
+            self.workers[wid].state = "running"
+        self._publish(nxt.plan)
 
     def _grow(self) -> None:
         """A spare is waiting while the job runs below its starting size: ask the members
-        to stop at the next committed step, then admit the spare."""
+        to stop at the next committed step, then admit the spare (`policy.grow`)."""
         plan = self.plan
         if plan.world_size >= self.target_world or not self._spares():
             return
@@ -319,15 +288,12 @@ class Leader:
             return
         if not self.store.check([Keys.grow_ready(plan.generation)]):
             return
-        members, nodes = dict(plan.members), dict(plan.nodes)
-        for s in sorted(self._spares(), key=lambda w: w.wid):
-            if len(members) >= self.target_world:
-                break
-            members[len(members)] = s.wid
-            nodes[len(nodes)] = s.node
-            s.state = "running"
-        self._publish(Plan(generation=plan.generation + 1, members=members, nodes=nodes,
-                           reason="grow", progress=kv.get_int(self.store, Keys.PROGRESS, 0)))
+        nxt = policy.grow(plan, [policy.Spare(w.wid, w.node) for w in self._spares()],
+                          target_world=self.target_world,
+                          progress=kv.get_int(self.store, Keys.PROGRESS, 0))
+        for wid in nxt.taken:
+            self.workers[wid].state = "running"
+        self._publish(nxt.plan)
 
     def adopt(self, wid: str, node: int) -> bool:
         """A worker started after the job began (a respawned replacement): a spare once it

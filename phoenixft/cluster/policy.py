@@ -1,0 +1,116 @@
+"""The leader's decisions as pure functions: from the current plan, the failures just
+seen and the live spares, the next generation's plan (replace, shrink, grow) or a stop.
+No store, no clock: `leader.py` gathers the facts, calls these, and publishes what they
+return, so the whole failure policy is unit-tested from tables (tests/unit/test_policy.py)
+the way `train/quota.py` is.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from phoenixft.cluster.membership import Plan
+
+
+class Decision(enum.Enum):
+    REPLACE = "replace"  # spares take the dead ranks
+    SHRINK = "shrink"  # no spare left: the survivors go on, renumbered (ReCoVer)
+    GROW = "grow"  # spares admitted at a committed step boundary
+    STOP = "stop"  # no way to go on: the reason says why and what to change
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A member that failed, as the policy needs it."""
+
+    wid: str
+    rank: int
+    detail: str
+    t_fail: float
+    t_detect: float
+
+
+@dataclass(frozen=True, slots=True)
+class Spare:
+    wid: str
+    node: int
+
+
+@dataclass(frozen=True, slots=True)
+class Next:
+    decision: Decision
+    plan: Plan | None = None  # the next generation's plan (None with STOP)
+    reason: str = ""  # STOP: the message for the user
+    taken: tuple[str, ...] = ()  # the spares the plan puts to work
+
+
+def after_failures(plan: Plan, failed: list[Failed], spares: list[Spare], *,
+                   min_world: int | None, progress: int,
+                   previous_recovered: bool) -> Next:
+    """The next generation after members failed. Each dead rank goes to a live spare,
+    preferring one on the dead rank's node (it maps the dead rank's snapshot from shared
+    memory), else the lowest-named one elsewhere; when spares run out, the survivors go
+    on without the dead ranks if `min_world` allows (renumbered in order), else the job
+    stops. A recovery that never completed (`previous_recovered` False) is folded into
+    this one: its replaced ranks and its failure times carry over."""
+    members, nodes = dict(plan.members), dict(plan.nodes)
+    replaced: dict[int, str] = {}
+    left = sorted(spares, key=lambda s: s.wid)
+    taken = []
+    for f in failed:
+        if not left:
+            return _shrink(plan, failed, min_world=min_world, progress=progress)
+        node = plan.nodes[f.rank]
+        left.sort(key=lambda s: (s.node != node, s.wid))
+        spare = left.pop(0)
+        members[f.rank], nodes[f.rank], replaced[f.rank] = spare.wid, spare.node, f.wid
+        taken.append(spare.wid)
+    t_fail = min(f.t_fail for f in failed)
+    t_detect = min(f.t_detect for f in failed)
+    if plan.generation > 0 and not previous_recovered:
+        replaced = {**plan.replaced, **replaced}
+        t_fail = min(t_fail, plan.t_fail or t_fail)
+        t_detect = min(t_detect, plan.t_detect or t_detect)
+    return Next(Decision.REPLACE, Plan(
+        generation=plan.generation + 1, members=members, nodes=nodes, replaced=replaced,
+        reason="; ".join(f"{f.wid}: {f.detail}" for f in failed),
+        t_fail=t_fail, t_detect=t_detect, progress=progress), taken=tuple(taken))
+
+
+def _shrink(plan: Plan, failed: list[Failed], *, min_world: int | None, progress: int) -> Next:
+    dead = {f.wid for f in failed}
+    alive = [(r, w) for r, w in sorted(plan.members.items()) if w not in dead]
+    f = failed[0]
+    if min_world is None or len(alive) < min_world:
+        why = ("rerun with more --spares, or let the job shrink with --min-nproc"
+               if min_world is None else
+               f"only {len(alive)} ranks would be left, below --min-nproc {min_world}")
+        return Next(Decision.STOP, reason=f"worker {f.wid} (rank {f.rank}) failed ({f.detail}) "
+                                          f"and no spare is left; {why}")
+    return Next(Decision.SHRINK, Plan(
+        generation=plan.generation + 1,
+        members={i: w for i, (_, w) in enumerate(alive)},
+        nodes={i: plan.nodes[r] for i, (r, _) in enumerate(alive)},
+        replaced={x.rank: x.wid for x in failed},
+        reason="shrink: " + "; ".join(f"{x.wid}: {x.detail}" for x in failed),
+        t_fail=min(x.t_fail for x in failed), t_detect=min(x.t_detect for x in failed),
+        progress=progress))
+
+
+def grow(plan: Plan, spares: list[Spare], *, target_world: int, progress: int) -> Next | None:
+    """Admit spares, lowest-named first, up to the job's starting size (None: nothing to
+    admit). The caller has already held the members at a committed step boundary."""
+    if plan.world_size >= target_world or not spares:
+        return None
+    members, nodes = dict(plan.members), dict(plan.nodes)
+    taken = []
+    for s in sorted(spares, key=lambda s: s.wid):
+        if len(members) >= target_world:
+            break
+        members[len(members)] = s.wid
+        nodes[len(nodes)] = s.node
+        taken.append(s.wid)
+    return Next(Decision.GROW, Plan(generation=plan.generation + 1, members=members,
+                                    nodes=nodes, reason="grow", progress=progress),
+                taken=tuple(taken))

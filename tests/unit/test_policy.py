@@ -1,0 +1,91 @@
+"""The leader's failure policy (cluster/policy.py), from tables: plan + failures + spares
+-> the next plan or a stop."""
+
+import pytest
+
+from phoenixft.cluster.membership import Plan
+from phoenixft.cluster.policy import Decision, Failed, Spare, after_failures, grow
+
+
+def plan(members: str, nodes: str = "", gen: int = 0, **kw) -> Plan:
+    ws = members.split()
+    ns = [int(n) for n in nodes.split()] if nodes else [0] * len(ws)
+    return Plan(generation=gen, members=dict(enumerate(ws)), nodes=dict(enumerate(ns)), **kw)
+
+
+def failed(*pairs) -> list[Failed]:
+    return [Failed(w, r, "killed by SIGKILL", 10.0 + r, 11.0 + r) for w, r in pairs]
+
+
+def spares(*pairs) -> list[Spare]:
+    return [Spare(w, n) for w, n in pairs]
+
+
+@pytest.mark.parametrize("members, nodes, dead, live, expect", [
+    # one dead rank, one spare: it takes the rank
+    ("a b", "0 0", [("b", 1)], [("s", 0)], {0: "a", 1: "s"}),
+    # a spare on the dead rank's node is preferred (it maps the snapshot from shm)
+    ("a b", "0 1", [("b", 1)], [("s0", 0), ("s1", 1)], {0: "a", 1: "s1"}),
+    # else the lowest-named spare elsewhere
+    ("a b", "0 0", [("a", 0)], [("z", 1), ("y", 1)], {0: "y", 1: "b"}),
+    # two dead ranks, two spares: in failure order
+    ("a b c", "0 0 0", [("c", 2), ("a", 0)], [("s", 0), ("t", 0)], {0: "t", 1: "b", 2: "s"}),
+])
+def test_spares_take_dead_ranks(members, nodes, dead, live, expect):
+    nxt = after_failures(plan(members, nodes), failed(*dead), spares(*live), min_world=None,
+                         progress=7, previous_recovered=True)
+    assert nxt.decision is Decision.REPLACE
+    assert nxt.plan.members == expect and nxt.plan.generation == 1 and nxt.plan.progress == 7
+    assert nxt.plan.replaced == {r: w for w, r in dead}
+    assert set(nxt.taken) == {expect[r] for _, r in dead}
+    assert nxt.plan.t_fail == min(10.0 + r for _, r in dead)
+
+
+@pytest.mark.parametrize("members, dead, min_world, expect, why", [
+    ("a b c d", [("c", 2)], 1, {0: "a", 1: "b", 2: "d"}, None),
+    ("a b c d", [("a", 0), ("d", 3)], 2, {0: "b", 1: "c"}, None),
+    ("a b", [("b", 1)], None, None, "no spare is left; rerun with more --spares, or let the "
+                                    "job shrink with --min-nproc"),
+    ("a b", [("b", 1)], 2, None, "only 1 ranks would be left, below --min-nproc 2"),
+])
+def test_without_spares_the_job_shrinks_or_stops(members, dead, min_world, expect, why):
+    nxt = after_failures(plan(members), failed(*dead), [], min_world=min_world, progress=3,
+                         previous_recovered=True)
+    if expect is None:
+        assert nxt.decision is Decision.STOP and nxt.plan is None
+        assert why in nxt.reason and nxt.reason.startswith(f"worker {dead[0][0]} (rank")
+        return
+    assert nxt.decision is Decision.SHRINK
+    assert nxt.plan.members == expect and nxt.plan.replaced == {r: w for w, r in dead}
+    assert nxt.plan.reason.startswith("shrink: ")
+
+
+def test_spares_running_out_midway_shrink_with_every_failure():
+    nxt = after_failures(plan("a b c d"), failed(("b", 1), ("c", 2)), spares(("s", 0)),
+                         min_world=1, progress=3, previous_recovered=True)
+    assert nxt.decision is Decision.SHRINK and nxt.plan.members == {0: "a", 1: "d"}
+
+
+def test_an_unfinished_recovery_is_folded_into_the_next():
+    prev = plan("a s c", gen=1, replaced={1: "b"}, t_fail=1.0, t_detect=2.0)
+    nxt = after_failures(prev, failed(("c", 2)), spares(("t", 0)), min_world=None,
+                         progress=5, previous_recovered=False)
+    assert nxt.plan.replaced == {1: "b", 2: "c"} and (nxt.plan.t_fail, nxt.plan.t_detect) == (1.0, 2.0)
+    done = after_failures(prev, failed(("c", 2)), spares(("t", 0)), min_world=None,
+                          progress=5, previous_recovered=True)
+    assert done.plan.replaced == {2: "c"}
+
+
+@pytest.mark.parametrize("members, live, target, expect", [
+    ("a b", [("s", 0)], 3, {0: "a", 1: "b", 2: "s"}),
+    ("a", [("t", 0), ("s", 1), ("u", 0)], 3, {0: "a", 1: "s", 2: "t"}),
+    ("a b c", [("s", 0)], 3, None),  # at full strength
+    ("a b", [], 3, None),  # nobody to admit
+])
+def test_grow_admits_spares_up_to_the_starting_size(members, live, target, expect):
+    nxt = grow(plan(members), spares(*live), target_world=target, progress=9)
+    if expect is None:
+        assert nxt is None
+        return
+    assert nxt.decision is Decision.GROW and nxt.plan.members == expect
+    assert nxt.plan.reason == "grow" and nxt.plan.progress == 9
