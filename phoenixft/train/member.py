@@ -105,6 +105,7 @@ class Member:
         self._builds_lock = threading.Lock()
         self._built_upto = -1  # the newest generation whose builds began (never lowered)
         self._hooked = False  # the optimizer pre-step hook is registered with the layout
+        self.passes = 0  # microbatch passes not yet added to the store's counter
 
     def _job_id(self) -> str | None:
         return self.store.get(Keys.JOB_ID).decode() if self.store.check([Keys.JOB_ID]) else None
@@ -457,6 +458,7 @@ class Member:
     # -- leaving a generation ----------------------------------------------------------
     def recover(self, exc: CommFailure, state: RankState, in_flight: Step | None) -> Step | None:
         """The generation failed (or the leader moved on): drop it and join the next."""
+        self.tell_passes()
         if not isinstance(exc, GenerationChanged):
             self.report("collective", str(exc))
         self.events.emit("failure_seen", gen=self.generation, rank=self.rank, step=state.step,
@@ -578,10 +580,23 @@ class Member:
                     f.seek(HEADER_BYTES + 7)
                     f.write(bytes([b[0] ^ 0xFF]))
 
+    def tell_passes(self) -> None:
+        """Add this worker's microbatch passes since the last call to the job's counter
+        (`Keys.MB_COUNT`): once per step, at its all-reduce, not once per microbatch (a
+        store round trip each); also when a generation is left and before an injected
+        fault lands. A worker that dies otherwise takes its passes of that step along."""
+        if self.passes:
+            n, self.passes = self.passes, 0
+            try:
+                self.store.add(Keys.MB_COUNT, n)
+            except Exception:  # the store is gone: the count is lost, training is not
+                pass
+
     def _claim_injection(self, spec: str) -> bool:
         return self.store.add(Keys.inject(spec), 1) == 1
 
     def _on_injection(self, spec, t: float, point: dict) -> None:
+        self.tell_passes()
         self.store.set(Keys.failing(self.wid), repr(t))
         fields = {"rank": self.rank, "gen": self.generation, "pid": os.getpid(),
                   "world_size": self.world_size, **point}  # point may name the gen itself

@@ -226,7 +226,7 @@ class Session:
         return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip)
 
     def _on_backward(self, st: Step) -> None:
-        self.store.add(Keys.MB_COUNT, 1)
+        self.member.passes += 1  # told to the store once per step (Member.tell_passes)
         self.member.injector.at_microbatch(self.rank, st.index, len(st.done) - 1)
 
     def _reduce(self, st: Step) -> None:
@@ -246,6 +246,7 @@ class Session:
         g[lay.loss] = st.loss_sum
         g[lay.count] = len(st.done)
         self.member.injector.at_step(self.rank, st.index, "reduce")
+        self.member.tell_passes()
         st.phase = StepPhase.REDUCE
         ops.allreduce(g, f"gradient all-reduce (step {st.index})")
         counts = g[lay.mask].tolist()

@@ -33,7 +33,7 @@ class Step:
         self.index = index
         self.ids = ids
         self.m = m  # microbatches in this step, over all ranks
-        self.loss_sum = 0.0
+        self.loss_sum: float | torch.Tensor = 0.0  # this rank's microbatch losses, summed
         self.done: list[int] = []
         self.phase = StepPhase.COMPUTE
         self.retry = False
@@ -60,7 +60,10 @@ class Step:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        self.loss_sum += float(loss.detach())
+        # summed where the loss lives, in float64 (what float() then + did, bit for bit),
+        # and read once per step by the all-reduce: float() here synced the device
+        # after every microbatch
+        self.loss_sum = self.loss_sum + loss.detach().double()
         j = self._current
         if j is None or j in self.done:
             j = next(k for k in self.ids if k not in self.done)
