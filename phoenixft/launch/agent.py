@@ -144,7 +144,7 @@ class Agent:
                 "policy": cfg.policy,
                 "local_addr": self.access.local_addr, "persist_url": cfg.persist,
                 "persist_every": cfg.persist_every, "persist_keep": cfg.persist_keep,
-                "persist_cpu_share": cfg.persist_cpu_share}),
+                "persist_cpu_share": cfg.persist_cpu_share, "resume": cfg.resume}),
             # torchrun's names; RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ... are set (again)
             # each time the worker joins a generation
             LOCAL_RANK=str(local), MASTER_ADDR=self.access.public.host,

@@ -24,6 +24,14 @@ _IRREGULAR = {"failure": "failures", "recovery": "recoveries", "spare": "spares"
               "completed step": "completed steps", "event record": "event records"}
 
 
+def source_words(name: str | None) -> str:
+    """A restore source's name (`Keys.source`) in words."""
+    if name and name.startswith("resharded_"):
+        old, _, new = name.removeprefix("resharded_").partition("_to_")
+        return f"every old rank's snapshot, resharded from {old} ranks to {new}"
+    return _SOURCES.get(name or "", name or "?")
+
+
 def plural(n: int, word: str) -> str:
     """`1 failure`, `2 failures`, `0 recoveries`."""
     return f"{n} {word if n == 1 else _IRREGULAR.get(word, word + 's')}"
@@ -92,9 +100,14 @@ class Story:
             return [Line(f"phoenixft: rank {e.get('rank')}: a snapshot copy was rejected "
                          f"({e.get('detail')}); the step commits without it", failure=True)]
         if ev == "restore_source_failed":
-            return [Line(f"phoenixft: rank {e.get('rank')}: {e.get('tier')} copy of step "
-                         f"{e.get('step')} passed over ({e.get('error', e.get('detail', ''))}); "
-                         "the next tier serves it", failure=True)]
+            step = f" of step {e['step']}" if e.get("step") is not None else ""
+            return [Line(f"phoenixft: rank {e.get('rank')}: a {e.get('tier')} copy{step} was "
+                         f"passed over: {e.get('error', e.get('detail', ''))}", failure=True)]
+        if ev == "resumed" and self._once(("resumed",)):
+            src = source_words(e.get("source"))
+            return [Line(f"phoenixft: restored step {e.get('step')} from {src} "
+                         f"({plural(e.get('world_size') or 0, 'rank')}); training continues "
+                         f"at step {(e.get('step') or 0) + 1}")]
         if ev == "problem":
             return [Line(f"phoenixft: problem: {e.get('detail')}", failure=True)]
         if ev == "lead_taken":
@@ -127,7 +140,7 @@ class Story:
         if not self._once(("recovered", rec.get("gen"))):
             return []
         step = rec.get("restore_step")
-        src = _SOURCES.get(source or "", source or "?")
+        src = source_words(source)
         where = (f"restored step {step} from {src}" if step is not None and step >= 0
                  else "no step to restore (none committed yet)")
         lost = rec.get("lost_steps", 0)

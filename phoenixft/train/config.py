@@ -37,6 +37,7 @@ class SessionConfig:
     persist_every: int = 10  # a base record every K records, deltas between
     persist_keep: int = 2  # bases kept in persistent storage
     persist_cpu_share: float = 0.05  # of one core, the persister's average (checkpoint/persist.py)
+    resume: bool = False  # `--resume`: the job must start from a persisted step, never afresh
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "collective_timeout_s", "join_timeout_s",

@@ -201,7 +201,8 @@ class Member:
         phases["rep_group"] = time.time() - t0
         ctx = JoinContext(generation=self.generation, rank=self.rank,
                           world_size=self.world_size, ops=self.ops, store=self.store,
-                          planner=self.planner, events=self.events, make_step=self.make_step)
+                          planner=self.planner, events=self.events, make_step=self.make_step,
+                          resume=self.cfg.resume)
         point = recovery.restore_point(ctx, state, new_member=first or ahead, ahead=ahead)
         source, pending = self._restore(ctx, state, point, in_flight, first)
         self.planner.forget()

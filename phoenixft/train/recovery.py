@@ -53,6 +53,7 @@ class JoinContext:
     planner: RestorePlanner
     events: EventLog
     make_step: Callable[[int, list[int], int], Step]  # (index, ids, m) -> a Step
+    resume: bool = False  # the job was started with --resume: a fresh start is an error
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,15 @@ def restore_point(ctx: JoinContext, state: RankState, new_member: bool,
                                                   "adopted_by": ctx.generation})
             return RestorePoint(s_max, world, gen)
     if committed < 0:
-        return _persisted_point(ctx, None) or RestorePoint(-1, -1, -1)
+        point = _persisted_point(ctx, None)
+        if point is None and ctx.resume:
+            src = ctx.planner.persistent
+            raise IntegrityError(
+                f"--resume: no step persisted in {src.tier.url if src else 'storage'} could be read and "
+                "verified (each failure is named in events.jsonl, restore_source_failed), so "
+                "there is nothing to resume from; the job stops rather than train from step 0: "
+                "run without --resume to start afresh")
+        return point or RestorePoint(-1, -1, -1)
     if not ctx.store.check([Keys.commit(committed)]):
         raise IntegrityError(f"step {committed} is marked committed but has no commit record")
     info = kv.get_json(ctx.store, Keys.commit(committed))

@@ -125,3 +125,22 @@ def test_export_refuses_an_empty_or_non_empty_target_unless_forced(url, tmp_path
     r = ckpt("export", url, "--to", str(full), "--force")
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in full.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+
+
+@pytest.mark.timeout(240)
+def test_a_resume_with_no_step_that_verifies_stops_instead_of_starting_afresh(url, tmp_path):
+    """Every persisted record has a flipped byte (same size, so the launcher's look at the
+    files passes): the workers find no step that verifies. The job used to train from
+    step 0 without a word; it stops, saying why."""
+    tier = FsspecTier(url)
+    for step in tier.manifests():
+        for rec in tier.read_manifest(step)["records"]:
+            path = Path(tier.record_path(step, rec["rank"], rec["kind"]))
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+    job = run(tmp_path / "resumed", "--nproc", "2", "--persist", url, "--resume", steps=16)
+    assert job.rc == 1, job.out[-3000:]
+    assert "--resume: no step persisted in" in job.out and "rather than train from step 0" in job.out
+    assert not job.of("step"), "it trained"
+    assert job.of("restore_source_failed")

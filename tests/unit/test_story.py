@@ -63,3 +63,21 @@ def test_the_done_line_says_where_to_look():
     assert line == (f"phoenixft: done: 1 step, 0 failures, 0 recoveries; final loss 3, state "
                     f"digest {'ab' * 32}; details in runs/x/summary.json, timeline: "
                     "phoenixft plot runs/x")
+
+
+def test_a_resume_and_a_passed_over_copy_are_told():
+    s = Story()
+    [ln] = s.tell({"event": "resumed", "step": 12, "source": "persistent", "world_size": 2,
+                   "from_world_size": 4})
+    assert ln.text == ("phoenixft: restored step 12 from persistent storage (2 ranks); "
+                       "training continues at step 13")
+    [ln] = s.tell({"event": "restore_source_failed", "rank": 1, "tier": "persistent",
+                   "step": 8, "error": "r1/s8.delta: checksum mismatch"})
+    assert ln.failure and ln.text == ("phoenixft: rank 1: a persistent copy of step 8 was "
+                                      "passed over: r1/s8.delta: checksum mismatch")
+
+
+def test_a_resharded_source_is_told_in_words():
+    [ln] = Story().recovered({"gen": 1, "restore_step": 5, "recover_s": 0.2, "lost_steps": 0},
+                             "resharded_4_to_3")
+    assert "restored step 5 from every old rank's snapshot, resharded from 4 ranks to 3 in" in ln.text
