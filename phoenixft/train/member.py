@@ -27,7 +27,6 @@ plan; a broken group is never destroyed (see `recover`); the plan kinds "done" a
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 
@@ -37,7 +36,6 @@ import torch.distributed as dist
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.persist import JobInfo, PersistConfig, Persister, write_fixed
 from phoenixft.checkpoint.restore import RestorePlanner
-from phoenixft.checkpoint.slots import HEADER_BYTES, SlotFile, slot_path
 from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.cluster import store as kv
@@ -50,21 +48,18 @@ from phoenixft.comm.collectives import (
     Interrupt,
     Pending,
 )
-from phoenixft.comm.groups import abort_group, new_group
-from phoenixft.faults.inject import Injector, WorkerHooks, parse_env
+from phoenixft.faults.inject import Injector, parse_env
 from phoenixft.observe.events import EventLog
 from phoenixft.train import quota, recovery
+from phoenixft.train.ahead import local_step_of_every_rank
 from phoenixft.train.config import SessionConfig
+from phoenixft.train.fault_hooks import member_hooks
+from phoenixft.train.group_builds import GroupBuilds
 from phoenixft.train.lifecycle import JobAborted
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.recovery import JoinContext, RestorePoint
 from phoenixft.train.reduce_layout import ReduceLayout
 from phoenixft.train.step import Step
-
-# A spare waits at most this long for survivors' in-flight snapshot copies before it
-# computes ahead (`_local_step_of_every_rank`); the survivors meanwhile finish their
-# microbatches, which take a step's compute
-AHEAD_WAIT_S = 0.5
 
 
 class Member:
@@ -82,9 +77,12 @@ class Member:
         self.events = events
         self.make_step = make_step  # (index, ids, m) -> Step
         self.interrupt = Interrupt()
-        self.injector = Injector(parse_env(cfg.inject), WorkerHooks(
-            claim=self._claim_injection, on_fire=self._on_injection,
-            settle=self._previous_step_committed, damage=self._damage_shm, agent_pid=cfg.agent_pid))
+        self.injector = Injector(parse_env(cfg.inject), member_hooks(
+            store=store, wid=self.wid, shm_dir=cfg.shm_dir, events=events,
+            agent_pid=cfg.agent_pid, before_fault=self.tell_passes,
+            settle=self._previous_step_committed,
+            where=lambda: {"rank": self.rank, "gen": self.generation,
+                           "world_size": self.world_size}))
         self.tier = FsspecTier(cfg.persist_url) if cfg.persist_url else None
         self.planner = RestorePlanner.for_node(
             cfg.shm_dir, self.tier, report=lambda tier, error: self.events.emit(
@@ -101,9 +99,8 @@ class Member:
         self._stopped = False
         self._watchers: list[threading.Thread] = []
         self._device: torch.device | None = None  # where the training group lives
-        self._builds: dict[int, dict[str, Pending]] = {}  # generation -> its group builds
-        self._builds_lock = threading.Lock()
-        self._built_upto = -1  # the newest generation whose builds began (never lowered)
+        self.builds = GroupBuilds(self.connect, self.interrupt, bind_host=cfg.local_addr,
+                                  timeout_s=cfg.collective_timeout_s)
         self._hooked = False  # the optimizer pre-step hook is registered with the layout
         self.passes = 0  # microbatch passes not yet added to the store's counter
 
@@ -193,7 +190,7 @@ class Member:
         if self.plan is not plan:  # (a spare that computed ahead entered it already)
             self._enter_generation(plan)
         self._device = state.layout.device
-        early = plan.generation in self._builds  # its groups were started before the join
+        early = self.builds.started(plan.generation)  # its groups were started before the join
         phases = self._build_groups(plan, t0)
         if self.generation > 0:  # every member is inside this join now (the group formed)
             self.injector.at_recovery(self.rank, self.generation)
@@ -233,7 +230,8 @@ class Member:
         if Plan.from_json(self.store.get(Keys.plan(g - 1))).world_size != plan.world_size:
             return None
         world = plan.world_size
-        got = self._local_step_of_every_rank(r, world, state.layout.numel)
+        got = local_step_of_every_rank(self.planner, self.cfg.shm_dir, r, world,
+                                       state.layout.numel)
         if got is None:
             return None
         t, copies = got
@@ -256,49 +254,6 @@ class Member:
         self.events.emit("computing_ahead", gen=g, rank=r, step=t + 1, restore_step=t,
                          ids=st.ids)
         return st
-
-    def _local_step_of_every_rank(self, r: int, world: int, numel: int):
-        """(t, [(slot, header)] by rank) for the newest step t of which this node holds a
-        verified copy of every rank's snapshot, all written by one generation; or None.
-
-        When rank r's newest copy, of step t, is here but some survivor's is not yet, that
-        survivor is still copying it: rank r finished step t, so every rank got through
-        t's all-gather, and a survivor copies a snapshot it began even after the failure.
-        So wait for it, up to `AHEAD_WAIT_S`, rather than compute ahead from an older
-        step, work the restore of t would then drop (seen: a spare computed from 6 while
-        everyone restored 7)."""
-        deadline = time.monotonic() + AHEAD_WAIT_S
-        while True:
-            newest, got = self._scan_local_steps(r, world, numel)
-            if (got is not None and got[0] == newest) or newest < 0 \
-                    or time.monotonic() > deadline:
-                return got
-            time.sleep(0.005)  # the survivors' snapshot threads finish their copies
-            self.planner.forget()  # (a copy found missing is looked for again)
-
-    def _scan_local_steps(self, r: int, world: int, numel: int):
-        """(the newest step of rank r's own copies here, the newest step found whole
-        as `_local_step_of_every_rank` returns it, or None)."""
-        steps = set()
-        for kind in ("snap", "rep"):
-            for parity in (0, 1):
-                complete, step = SlotFile(slot_path(self.cfg.shm_dir, kind, r, parity)).peek()
-                if complete and step >= 0:
-                    steps.add(step)
-        for t in sorted(steps, reverse=True):
-            copies = []
-            for q in range(world):
-                found = self.planner.local_copy(q, t)
-                if found is None:
-                    break
-                hdr = found[0].header()
-                if (hdr.get("rank") != q or hdr.get("world_size") != world
-                        or hdr.get("numel") != numel):
-                    break
-                copies.append((found[0], hdr))
-            if len(copies) == world and len({h.get("generation") for _, h in copies}) == 1:
-                return max(steps), (t, copies)
-        return max(steps, default=-1), None
 
     def _enter_generation(self, plan: Plan) -> None:
         g = plan.generation
@@ -327,46 +282,10 @@ class Member:
         return phases
 
     def _start_builds(self, plan: Plan) -> dict[str, Pending]:
-        """Start building `plan`'s groups (training, replication) in the background, once
-        per generation: a survivor's watcher starts them as soon as the plan appears, while
-        the training thread still finishes the microbatch it is computing (it only sees the
-        failure at the step's all-reduce), and a spare before it computes ahead; gloo
-        connects the members when all of them have called, so the group forms while they
-        compute instead of after (about 0.1 s of every recovery with 4 workers on 2 cores).
-        Otherwise they start at the join. Each build gets its own store connection: an
-        abandoned build (a member died mid-join) keeps blocking in a store wait, and a
-        shared client would queue every later call behind it.
-
-        Builds only go forward: a join of a generation older than one whose builds began
-        is stale (raises GenerationChanged), and a generation's groups are never built
-        twice (a second build under the same store prefix would meet the first one's
-        peers; a generation whose groups were buried after a failed join is not built
-        again either). The replication group is built only when some rank's replica is
-        held on another node (the only copies it carries)."""
-        g, rank, size = plan.generation, plan.rank_of(self.wid), plan.world_size
-        host, timeout = self.cfg.local_addr, self.cfg.collective_timeout_s
-        with self._builds_lock:
-            if g < self._built_upto or (g == self._built_upto and g not in self._builds):
-                raise GenerationChanged(f"joining generation {g}: generation "
-                                        f"{self._built_upto}'s groups were already built")
-            if g not in self._builds:
-                def pending(name: str, device: torch.device) -> Pending:
-                    return Pending(lambda: new_group(self.connect(), Keys.group(g, name), rank,
-                                                     size, device=device, bind_host=host,
-                                                     timeout_s=timeout),
-                                   self.interrupt, f"building generation {g}'s {name} group")
-                builds = {"train": pending("train", self._device)}
-                if crossing_replicas(plan.nodes, self._replica_holders(plan)):
-                    builds["replicate"] = pending("replicate", torch.device("cpu"))
-                kept = {}
-                for k, old in self._builds.items():
-                    if k == self.generation:  # joined, or being joined: `_bury_groups`
-                        kept[k] = old  # aborts what it holds when it leaves
-                        continue
-                    for p in old.values():  # never joined
-                        p.discard(abort_group)
-                self._builds, self._built_upto = {**kept, g: builds}, g
-            return self._builds[g]  # (older generations' builds are dropped: abandoned)
+        """Start building `plan`'s groups in the background, once (`group_builds.py`)."""
+        return self.builds.start(
+            plan, plan.rank_of(self.wid), self._device, current=self.generation,
+            replicate=bool(crossing_replicas(plan.nodes, self._replica_holders(plan))))
 
     def _prepare(self, state: RankState, first: bool) -> None:
         lay = state.layout
@@ -475,28 +394,11 @@ class Member:
                           state, in_flight)
 
     def _bury_groups(self) -> None:
-        """Abort the dead generation's groups, then drop them on a helper thread.
-
-        Kept alive, a gloo group whose peer died spins its transport thread (epoll keeps
-        reporting the dead peer's socket, which gloo no longer reads): half a core for
-        the rest of the job, measured as 20% slower steps after one recovery with 4
-        workers on 2 cores. `abort()` releases its worker threads from the abandoned
-        collective, so the destructor (which joins them, and closes the sockets) is
-        quick; it still runs on a helper thread, without the GIL (torch releases it in
-        process-group destructors), in case a worker thread is slow to leave."""
+        """Abort the dead generation's groups, then drop them (`GroupBuilds.bury`)."""
         dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg)
                 if pg is not None]
         self.ops = self._rep_pg = None
-        with self._builds_lock:  # the builds hold them too: the helper thread drops the last
-            builds = self._builds.pop(self.generation, {})
-        # A join that failed before taking a build's group (a generation announced while
-        # it waited) leaves that build running: its group is aborted when it forms
-        # (a group already taken is in `dead`; aborting it twice is harmless)
-        for p in builds.values():
-            p.discard(abort_group)
-        del builds
-        list(map(abort_group, dead))  # (no loop variable left holding the last one)
-        threading.Thread(target=dead.clear, name="phoenixft-bury-groups", daemon=True).start()
+        self.builds.bury(self.generation, dead)
 
     def hand_over_for_growth(self, state: RankState) -> Step | None:
         """The leader asked to admit new members: finish here, at a committed step
@@ -566,21 +468,6 @@ class Member:
         if self.snap is not None:
             self.snap.wait_copied(committed=True)
 
-    def _damage_shm(self, kind: str) -> None:
-        """For injected faults: corrupt this rank's own snapshot slots, or delete the
-        node's shared memory."""
-        if kind == "shm":
-            shutil.rmtree(self.cfg.shm_dir, ignore_errors=True)
-            return
-        for step in (0, 1):  # both slots
-            p = slot_path(self.cfg.shm_dir, "snap", self.rank, step)
-            if p.exists() and p.stat().st_size > HEADER_BYTES:
-                with p.open("r+b") as f:
-                    f.seek(HEADER_BYTES + 7)
-                    b = f.read(1)
-                    f.seek(HEADER_BYTES + 7)
-                    f.write(bytes([b[0] ^ 0xFF]))
-
     def tell_passes(self) -> None:
         """Add this worker's microbatch passes since the last call to the job's counter
         (`Keys.MB_COUNT`): once per step, at its all-reduce, not once per microbatch (a
@@ -592,16 +479,6 @@ class Member:
                 self.store.add(Keys.MB_COUNT, n)
             except Exception:  # the store is gone: the count is lost, training is not
                 pass
-
-    def _claim_injection(self, spec: str) -> bool:
-        return self.store.add(Keys.inject(spec), 1) == 1
-
-    def _on_injection(self, spec, t: float, point: dict) -> None:
-        self.tell_passes()
-        self.store.set(Keys.failing(self.wid), repr(t))
-        fields = {"rank": self.rank, "gen": self.generation, "pid": os.getpid(),
-                  "world_size": self.world_size, **point}  # point may name the gen itself
-        self.events.emit("inject", spec=str(spec), **fields)
 
     def shutdown(self, join_timeout_s: float = 2.0) -> None:
         """Stop this member's threads (the plan watchers end within a second)."""
