@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.checkpoint.integrity import IntegrityError
-from phoenixft.checkpoint.persist import JobInfo, PersistConfig, Persister, write_fixed
+from phoenixft.checkpoint.persist import Persister
 from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
-from phoenixft.cluster.membership import Plan, crossing_replicas, replica_holders
+from phoenixft.cluster.membership import Plan, crossing_replicas
 from phoenixft.comm.collectives import (
     CommFailure,
     GenerationChanged,
@@ -50,7 +50,7 @@ from phoenixft.comm.collectives import (
 )
 from phoenixft.faults.inject import Injector, parse_env
 from phoenixft.observe.events import EventLog
-from phoenixft.train import quota, recovery
+from phoenixft.train import protection, quota, recovery
 from phoenixft.train.ahead import local_step_of_every_rank
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.fault_hooks import member_hooks
@@ -309,24 +309,6 @@ class Member:
         state.step = 0
         return "init", None
 
-    def _start_persister(self, state: RankState) -> Persister | None:
-        """This generation's persister (rank 0 also writes the model's untrained tensors
-        once, for `ckpt export`)."""
-        if self.tier is None:
-            return None
-        job_id = self._job_id() or "standalone"
-        model = {"meta": state.export_meta(), "fixed": None}
-        if self.rank == 0:
-            model.update(write_fixed(self.tier, self.generation, state.fixed_tensors()))
-        return Persister(self.tier, rank=self.rank, shm_dir=self.cfg.shm_dir,
-                         cfg=PersistConfig(every=self.cfg.persist_every, keep=self.cfg.persist_keep,
-                                           cpu_share=self.cfg.persist_cpu_share),
-                         job=JobInfo(job_id=job_id, generation=self.generation,
-                                     world_size=self.world_size, model=model),
-                         connect=self.connect,
-                         emit=lambda event, **kw: self.events.emit(
-                             event, rank=self.rank, gen=self.generation, **kw))
-
     def flush_persisted(self, step: int, timeout_s: float = 30.0) -> None:
         """Training ended: wait (bounded) until its last step is durable, and say so if
         storage could not keep up."""
@@ -336,21 +318,15 @@ class Member:
                              errors=self.persister.stats.errors)
 
     def _start_snapshots(self, plan: Plan, state: RankState, fresh: bool) -> None:
-        self.persister = self._start_persister(state)
-        holders = self._replica_holders(plan)
-        self.snap = Snapshotter(
-            shm_dir=self.cfg.shm_dir, rank=self.rank, generation=self.generation,
-            connect=self.connect, rep_pg=self._rep_pg, holders=holders[self.rank],
-            sources=[r for r, hs in holders.items() if self.rank in hs],
-            world_size=self.world_size, nodes=plan.nodes, interrupt=self.interrupt,
-            timeout_s=self.cfg.collective_timeout_s, on_commit=self._on_commit,
-            fault=lambda step, phase: self.injector.at_step(self.rank, step, phase),
-            on_degraded=lambda detail: self.events.emit("snapshot_degraded", rank=self.rank,
-                                                        gen=self.generation, detail=detail),
+        """This generation's protection (`protection.py`): persister, snapshot thread."""
+        self.persister = protection.start_persister(
+            self.tier, self.cfg, state, plan=plan, rank=self.rank,
+            job_id=self._job_id() or "standalone", connect=self.connect, events=self.events)
+        self.snap = protection.start_snapshotter(
+            self.cfg, plan=plan, rank=self.rank, rep_pg=self._rep_pg, connect=self.connect,
+            interrupt=self.interrupt, injector=self.injector, events=self.events,
             on_damaged_source=lambda src, detail: self._report_damaged(plan, src, detail),
-            after_copy=self.persister.offer if self.persister is not None else None,
-            garble=lambda step: self.injector.garbles(self.rank, step),
-            rot=lambda step: self.injector.rots(self.rank, step))
+            persister=self.persister)
         if fresh:
             self.snapshot(state)
 
@@ -435,14 +411,7 @@ class Member:
         return {h for hs in self._replica_holders(self.plan).values() for h in hs}
 
     def _replica_holders(self, plan: Plan) -> dict[int, list[int]]:
-        """Who holds whose replica in this generation (`SessionConfig.replicas`)."""
-        k = self.cfg.replicas
-        return replica_holders(plan.nodes, min(1 if k is None else k, plan.world_size - 1),
-                               same_node=k is not None)
-
-    def _on_commit(self, step: int, t: float) -> None:
-        if step % 10 == 0:
-            self.events.emit("snapshot_committed", step=step, gen=self.generation)
+        return protection.holders(plan, self.cfg.replicas)
 
     def report(self, kind: str, detail: str, wid: str | None = None) -> None:
         """A failure report for the leader about this worker, or about `wid` (best effort:
