@@ -22,6 +22,23 @@ Add-counters (`store.add`) may have many writers: that is what they are for.
 
 from __future__ import annotations
 
+import enum
+
+
+class ReportKind(str, enum.Enum):
+    """What a failure report (`Keys.report`) says happened to a worker."""
+
+    EXIT = "exit"  # agent: the process exited (its code or signal in the detail)
+    ERROR = "error"  # agent: it exited after the user's script raised (the traceback)
+    FATAL = "fatal"  # worker: recovery is impossible (no copy left of some state)
+    DAMAGED = "damaged"  # worker: a same-node peer's own snapshot is damaged in memory
+    COLLECTIVE = "collective"  # worker: a collective failed (informational)
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
 
 class Keys:
     """Key names of the job store. Each method or constant names its writer."""

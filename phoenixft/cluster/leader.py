@@ -30,6 +30,7 @@ so another agent can take over the lead from where it stood.
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,9 +41,30 @@ import torch.distributed as dist
 from phoenixft.cluster import policy, report
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatMonitor
-from phoenixft.cluster.keys import Keys
-from phoenixft.cluster.membership import Plan
+from phoenixft.cluster.keys import Keys, ReportKind
+from phoenixft.cluster.membership import Plan, PlanKind
 from phoenixft.observe.events import EventLog, write_json_atomic
+
+
+class WorkerState(str, enum.Enum):
+    """A worker as the leader sees it."""
+
+    STARTING = "starting"  # started, not registered yet
+    WAITING = "waiting"  # a registered spare
+    RUNNING = "running"  # a member of the current generation
+    DEAD = "dead"  # exited before training finished
+    FENCED = "fenced"  # hung or damaged: its agent SIGKILLs it
+    EXITED = "exited"  # finished training and left
+    STOPPED = "stopped"  # still alive when the job ended: its agent stopped it
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+ALIVE = (WorkerState.WAITING, WorkerState.RUNNING)
+GONE = (WorkerState.DEAD, WorkerState.EXITED, WorkerState.FENCED)
 
 
 @dataclass
@@ -50,7 +72,7 @@ class WorkerInfo:
     wid: str
     node: int
     pid: int = 0
-    state: str = "starting"  # starting | running | waiting | dead | exited | fenced
+    state: WorkerState = WorkerState.STARTING
     exit_detail: str = ""
 
 
@@ -75,7 +97,7 @@ class LeaderConfig:
 class Failure:
     wid: str
     rank: int | None
-    kind: str  # "exit" | "hang" | "error"
+    kind: str  # a ReportKind's value, or "hang"
     detail: str
     t_fail: float
     t_detect: float
@@ -102,17 +124,17 @@ class Leader:
 
     @property
     def plan_kind(self) -> str:
-        return self.plan.kind if self.plan is not None else "starting"
+        return self.plan.kind if self.plan is not None else WorkerState.STARTING.value
 
     # -- start ----------------------------------------------------------------------
     def try_start(self) -> bool:
         """Gen 0 once every node's agent and every worker registered. False = not yet."""
         for rep in self._new_reports():  # nobody may leave before the job starts
-            why = rep["detail"] if rep["kind"] == "error" else (
+            why = rep["detail"] if rep["kind"] == ReportKind.ERROR else (
                 f"{rep['detail']} before it created phoenixft.Session() and joined the job; "
                 f"see {self.run_dir / 'logs' / (rep['wid'] + '.log')}")
             self._abort(f"worker {rep['wid']} exited during start-up: {why}",
-                        error=rep["kind"] == "error")
+                        error=rep["kind"] == ReportKind.ERROR)
             return False
         nodes = []
         for k in range(self.cfg.nnodes):
@@ -132,7 +154,7 @@ class Leader:
                 ranks[len(ranks)] = f"n{k}w{i}"
         for k, w in wids:
             info = kv.get_json(self.store, Keys.worker(w))
-            self.workers[w] = WorkerInfo(w, k, info["pid"], "waiting")
+            self.workers[w] = WorkerInfo(w, k, info["pid"], WorkerState.WAITING)
             self.monitor.watch(w)
         self.target_world = len(ranks)
         self._publish(Plan(generation=0, members=ranks,
@@ -172,29 +194,29 @@ class Leader:
         now, new = time.time(), []
         for rep in self._new_reports():
             w = self.workers.get(rep["wid"])
-            if w is None or w.state in ("dead", "exited", "fenced"):
+            if w is None or w.state in GONE:
                 continue
             if self.store.check([Keys.finished(w.wid)]):  # it completed training
-                w.state = "exited"
+                w.state = WorkerState.EXITED
                 self.monitor.forget(w.wid)
                 if rep.get("rc", 0) != 0:
                     self.problems.append(f"worker {w.wid} exited after training with "
                                          f"{rep['detail'].splitlines()[-1]}")
                 continue
-            if rep["kind"] == "error":
+            if rep["kind"] == ReportKind.ERROR:
                 self._abort(f"the training script raised on worker {rep['wid']}:\n{rep['detail']}",
                             error=True)
                 return []
-            if rep["kind"] == "fatal":
+            if rep["kind"] == ReportKind.FATAL:
                 self._abort(f"recovery is impossible: {rep['detail']}")
                 return []
-            if rep["kind"] == "damaged":  # its snapshot in shared memory: replaced, fenced
-                new.append(self._fence(w, "damaged", rep["detail"], rep["t"], now))
+            if rep["kind"] == ReportKind.DAMAGED:  # its snapshot in shm: replaced, fenced
+                new.append(self._fence(w, ReportKind.DAMAGED.value, rep["detail"], rep["t"], now))
                 continue
             detail = rep["detail"] + (" before training finished" if rep.get("rc") == 0 else "")
-            w.state, w.exit_detail = "dead", detail
+            w.state, w.exit_detail = WorkerState.DEAD, detail
             self.monitor.forget(w.wid)
-            new.append(Failure(w.wid, self.plan.rank_of(w.wid), "exit", detail,
+            new.append(Failure(w.wid, self.plan.rank_of(w.wid), ReportKind.EXIT.value, detail,
                                self._fail_time(w.wid, rep["t"]), now))
         return new
 
@@ -211,7 +233,7 @@ class Leader:
                ) -> Failure:
         """A worker that may still run but must not (hung, or its snapshot damaged): its
         agent SIGKILLs it before anyone relies on its absence."""
-        w.state, w.exit_detail = "fenced", detail
+        w.state, w.exit_detail = WorkerState.FENCED, detail
         self.monitor.forget(w.wid)
         self.store.set(Keys.fence(w.wid), "1")
         return Failure(w.wid, self.plan.rank_of(w.wid), kind, detail, t_fail, now)
@@ -231,12 +253,13 @@ class Leader:
                 break
             self._reports_seen += 1
             rep = kv.get_json(self.store, key)
-            if rep.get("kind") in ("exit", "error", "fatal", "damaged"):
+            if rep.get("kind") in (ReportKind.EXIT, ReportKind.ERROR, ReportKind.FATAL,
+                                   ReportKind.DAMAGED):
                 out.append(rep)
         return out
 
     def _all_members_finished(self) -> bool:
-        return all(self.workers[w].state == "exited" for w in self.plan.members.values())
+        return all(self.workers[w].state is WorkerState.EXITED for w in self.plan.members.values())
 
     def _finish(self) -> None:
         if not self.store.check([Keys.result("digest")]):
@@ -251,14 +274,14 @@ class Leader:
                     "generation or microbatch")
         for p in self.problems:
             self.events.emit("problem", detail=p)
-        self._publish(Plan(generation=self.plan.generation + 1, kind="done",
+        self._publish(Plan(generation=self.plan.generation + 1, kind=PlanKind.DONE,
                            reason="all ranks finished"))
 
     # -- decisions ------------------------------------------------------------------
     def _spares(self) -> list[WorkerInfo]:
         members = set(self.plan.members.values())
         return [w for w in self.workers.values()
-                if w.wid not in members and w.state in ("waiting", "running")]
+                if w.wid not in members and w.state in ALIVE]
 
     def _replace(self, failures: list[Failure]) -> None:
         """Decide the next generation after member failures (`policy.after_failures`) and
@@ -274,7 +297,7 @@ class Leader:
             self._abort(nxt.reason)
             return
         for wid in nxt.taken:
-            self.workers[wid].state = "running"
+            self.workers[wid].state = WorkerState.RUNNING
         self._publish(nxt.plan)
 
     def _grow(self) -> None:
@@ -292,7 +315,7 @@ class Leader:
                           target_world=self.target_world,
                           progress=kv.get_int(self.store, Keys.PROGRESS, 0))
         for wid in nxt.taken:
-            self.workers[wid].state = "running"
+            self.workers[wid].state = WorkerState.RUNNING
         self._publish(nxt.plan)
 
     def adopt(self, wid: str, node: int) -> bool:
@@ -301,7 +324,7 @@ class Leader:
         if wid in self.workers or not self.store.check([Keys.worker(wid)]):
             return wid in self.workers
         info = kv.get_json(self.store, Keys.worker(wid))
-        self.workers[wid] = WorkerInfo(wid, node, info["pid"], "waiting")
+        self.workers[wid] = WorkerInfo(wid, node, info["pid"], WorkerState.WAITING)
         self.monitor.watch(wid)
         self.events.emit("spare_added", wid=wid, node=node, pid=info["pid"])
         self.save_state()
@@ -315,14 +338,14 @@ class Leader:
         self.fatal = reason
         g = self.plan.generation + 1 if self.plan else 0
         self.events.emit("abort", reason=reason, error=error)
-        self._publish(Plan(generation=g, kind="abort", reason=reason))
+        self._publish(Plan(generation=g, kind=PlanKind.ABORT, reason=reason))
 
     def _publish(self, plan: Plan) -> None:
         self.store.set(Keys.plan(plan.generation), plan.to_json())
-        if plan.kind == "run":
+        if plan.kind is PlanKind.RUN:
             for w in plan.members.values():
-                self.workers[w].state = "running"
-        if plan.kind != "run" and self.plan is not None:  # keep the last membership on show
+                self.workers[w].state = WorkerState.RUNNING
+        if plan.kind is not PlanKind.RUN and self.plan is not None:  # keep the last membership
             plan.members, plan.nodes = self.plan.members, self.plan.nodes
         self.plan = plan
         self.events.emit("generation", gen=plan.generation, kind=plan.kind,
@@ -345,7 +368,8 @@ class Leader:
         if not self.store.check([Keys.LEADER_STATE]):
             return False
         st = kv.get_json(self.store, Keys.LEADER_STATE)
-        self.workers = {w["wid"]: WorkerInfo(**w) for w in st["workers"]}
+        self.workers = {w["wid"]: WorkerInfo(**{**w, "state": WorkerState(w["state"])})
+                        for w in st["workers"]}
         self.failures = [Failure(**f) for f in st["failures"]]
         self.problems, self.fatal = st["problems"], st["fatal"]
         self._reports_seen, self.target_world = st["reports_seen"], st["target_world"]
@@ -355,7 +379,7 @@ class Leader:
         self.plan = Plan.from_json(self.store.get(Keys.plan(g))) if self.store.check(
             [Keys.plan(g)]) else None
         for w in self.workers.values():
-            if w.state in ("waiting", "running"):
+            if w.state in ALIVE:
                 self.monitor.watch(w.wid)
         return self.plan is not None
 
@@ -368,8 +392,8 @@ class Leader:
         so a worker still shown waiting or running (an unused spare, a member whose exit
         was not read before the end) is shown `stopped`, not alive with a PID now gone."""
         for w in self.workers.values():
-            if w.state in ("waiting", "running", "starting"):
-                w.state = "stopped"
+            if w.state in (*ALIVE, WorkerState.STARTING):
+                w.state = WorkerState.STOPPED
         return {**self.status(), "ended": True}
 
     def _write_status(self, force: bool = False) -> None:

@@ -7,14 +7,29 @@ and spares watch one key, ``gen/{g+1}/plan``, and never miss a decision.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field
+
+
+class PlanKind(str, enum.Enum):
+    """What a generation's plan says: train on (`RUN`), the job is over (`DONE`), or it
+    stops (`ABORT`, with the reason)."""
+
+    RUN = "run"
+    DONE = "done"
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
 
 
 @dataclass
 class Plan:
     generation: int
-    kind: str = "run"  # "run" | "done" | "abort"
+    kind: PlanKind = PlanKind.RUN
     members: dict[int, str] = field(default_factory=dict)  # rank -> worker id
     nodes: dict[int, int] = field(default_factory=dict)  # rank -> node index
     replaced: dict[int, str] = field(default_factory=dict)  # rank -> dead worker id
@@ -42,6 +57,7 @@ class Plan:
         d["members"] = {int(k): v for k, v in d["members"].items()}
         d["nodes"] = {int(k): v for k, v in d["nodes"].items()}
         d["replaced"] = {int(k): v for k, v in d["replaced"].items()}
+        d["kind"] = PlanKind(d["kind"])
         return cls(**d)
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
-from phoenixft.cluster.membership import Plan
+from phoenixft.cluster.membership import Plan, PlanKind
 
 
 def status(store: dist.Store, plan: Plan | None, workers: dict, failures: int) -> dict:
@@ -20,7 +20,7 @@ def status(store: dist.Store, plan: Plan | None, workers: dict, failures: int) -
     rank_of = {w: r for r, w in plan.members.items()} if plan else {}
     for w in sorted(workers.values(), key=lambda w: (rank_of.get(w.wid, 1 << 30), w.wid)):
         role = ("active" if w.wid in rank_of else
-                "failed" if w.state in ("dead", "fenced") else "spare")
+                "failed" if w.state in ("dead", "fenced") else "spare")  # WorkerState values
         members.append({"rank": rank_of.get(w.wid), "role": role,
                         "pid": w.pid, "state": w.state, "wid": w.wid, "node": w.node})
     return {"generation": plan.generation if plan else -1,
@@ -92,6 +92,6 @@ def world_sizes(store: dist.Store, last_generation: int) -> list[int]:
     for gen in range(last_generation + 1):
         if store.check([Keys.plan(gen)]):
             p = Plan.from_json(store.get(Keys.plan(gen)))
-            if p.kind == "run":
+            if p.kind is PlanKind.RUN:
                 out.append(p.world_size)
     return out

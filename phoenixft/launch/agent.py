@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phoenixft.cluster import store as kv
-from phoenixft.cluster.keys import Keys
+from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
-from phoenixft.cluster.membership import Plan
+from phoenixft.cluster.membership import Plan, PlanKind
 from phoenixft.faults.inject import format_env
 from phoenixft.launch.config import AgentConfig, LaunchError
 from phoenixft.launch.forkserver import Forked, ForkServer, worker_env_defaults
@@ -300,7 +300,8 @@ class Agent:
                     self._reap_orphans()
                 self._lead_or_follow(store)
                 if self.leader is not None:
-                    if self._signal is not None and self.leader.plan_kind in ("starting", "run"):
+                    if self._signal is not None and self.leader.plan_kind in ("starting",
+                                                                              PlanKind.RUN):
                         self.leader.stop(f"interrupted by {signal.Signals(self._signal).name}")
                     elif not self._started:
                         self._started = self.leader.try_start()
@@ -335,9 +336,9 @@ class Agent:
         os.close(p.pidfd)
         p.done = True
         detail = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
-        kind = "exit"
+        kind = ReportKind.EXIT
         if rc != 0 and store.check([Keys.error(p.wid)]):
-            kind, detail = "error", store.get(Keys.error(p.wid)).decode()
+            kind, detail = ReportKind.ERROR, store.get(Keys.error(p.wid)).decode()
         i = store.add(Keys.REPORTS, 1)
         kv.set_json(store, Keys.report(i), {"kind": kind, "wid": p.wid, "t": time.time(),
                                            "detail": detail, "rc": rc})
@@ -353,14 +354,14 @@ class Agent:
     def _final_plan(self, store) -> Plan | None:
         if self.leader is not None:
             plan = self.leader.plan
-            return plan if plan is not None and plan.kind != "run" else None
+            return plan if plan is not None and plan.kind is not PlanKind.RUN else None
         g = 0
         while store.check([Keys.plan(g + 1)]):
             g += 1
         if not store.check([Keys.plan(g)]):
             return None
         plan = Plan.from_json(store.get(Keys.plan(g)))
-        return plan if plan.kind != "run" else None
+        return plan if plan.kind is not PlanKind.RUN else None
 
     def _await_final(self, store) -> Plan | None:
         deadline = time.monotonic() + self.cfg.shutdown_grace_s
@@ -389,7 +390,7 @@ class Agent:
 
     # -- the end ----------------------------------------------------------------------
     def _finish(self, store, final: Plan | None, wall_s: float) -> int:
-        rc = 0 if final is not None and final.kind == "done" else 1
+        rc = 0 if final is not None and final.kind is PlanKind.DONE else 1
         if self._lost_store is not None:
             who = ("the standalone store" if self.cfg.external_store else
                    "node 0's agent hosted it: without a standalone store (`phoenixft store`), "
@@ -412,7 +413,7 @@ class Agent:
                              digest=summary.get("final_state_digest"),
                              aborted=summary.get("aborted"))
             self._tell(store)
-            if final is not None and final.kind == "abort":
+            if final is not None and final.kind is PlanKind.ABORT:
                 self._say(f"phoenixft: job stopped: {final.reason}", err=True)
             elif rc != 0 and self.leader.problems:
                 self._say(f"phoenixft: training finished, but {'; '.join(self.leader.problems)}",
@@ -528,7 +529,7 @@ class Agent:
         for e in self._follower.poll():
             self._show(self.story.tell(e))
         plan = self.leader.plan
-        if plan is None or plan.kind != "run" or plan.generation <= self._told_gen:
+        if plan is None or plan.kind is not PlanKind.RUN or plan.generation <= self._told_gen:
             return
         g = plan.generation
         if store.check([Keys.recovered(g)]):

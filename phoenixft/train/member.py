@@ -39,8 +39,8 @@ from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.cluster import store as kv
-from phoenixft.cluster.keys import Keys
-from phoenixft.cluster.membership import Plan, crossing_replicas
+from phoenixft.cluster.keys import Keys, ReportKind
+from phoenixft.cluster.membership import Plan, PlanKind, crossing_replicas
 from phoenixft.comm.collectives import (
     CommFailure,
     GenerationChanged,
@@ -140,7 +140,7 @@ class Member:
         """Join the first plan, from `plan` on, that includes this worker (retrying newer
         ones when a join fails). Returns the step to resume inside, if any."""
         while True:
-            if plan.kind in ("done", "abort"):
+            if plan.kind is not PlanKind.RUN:
                 self._leave(plan)
             if plan.rank_of(self.wid) is None:
                 plan = self.await_plan(plan.generation + 1, self.cfg.spare_wait_s)
@@ -152,7 +152,7 @@ class Member:
             try:
                 return self.join(plan, state, in_flight)
             except IntegrityError as exc:  # nothing left to restore from: the job cannot go on
-                self.report("fatal", str(exc))
+                self.report(ReportKind.FATAL, str(exc))
                 raise JobAborted(f"phoenixft: worker {self.wid} cannot recover: {exc}") from None
             except CommFailure as exc:
                 self.events.emit("join_failed", gen=plan.generation, error=str(exc))
@@ -161,7 +161,7 @@ class Member:
 
     def _leave(self, plan: Plan) -> None:
         self.shutdown()
-        if plan.kind == "abort":
+        if plan.kind is PlanKind.ABORT:
             raise JobAborted(f"phoenixft: job stopped by the leader: {plan.reason}")
         raise SystemExit(0)
 
@@ -174,7 +174,7 @@ class Member:
                 if kv.wait_for(store, [Keys.plan(g_next)], 0.25):
                     self.interrupt.announce(g_next)
                     plan = Plan.from_json(store.get(Keys.plan(g_next)))
-                    if (plan.kind == "run" and plan.rank_of(self.wid) is not None
+                    if (plan.kind is PlanKind.RUN and plan.rank_of(self.wid) is not None
                             and self._device is not None and not self._stopped):
                         self._start_builds(plan)  # while the training thread computes
                     return
@@ -224,7 +224,8 @@ class Member:
         recovery; otherwise they are dropped and recomputed as usual (`recovery.restore`).
         Returns None when there is nothing to compute ahead from."""
         g, r = plan.generation, plan.rank_of(self.wid)
-        if (not self.cfg.snapshots or g == 0 or plan.kind != "run" or r not in plan.replaced
+        if (not self.cfg.snapshots or g == 0 or plan.kind is not PlanKind.RUN
+                or r not in plan.replaced
                 or not self.store.check([Keys.plan(g - 1)])):
             return None
         if Plan.from_json(self.store.get(Keys.plan(g - 1))).world_size != plan.world_size:
@@ -356,7 +357,7 @@ class Member:
         """The generation failed (or the leader moved on): drop it and join the next."""
         self.tell_passes()
         if not isinstance(exc, GenerationChanged):
-            self.report("collective", str(exc))
+            self.report(ReportKind.COLLECTIVE, str(exc))
         self.events.emit("failure_seen", gen=self.generation, rank=self.rank, step=state.step,
                          error=str(exc)[:300])
         if self.snap is not None:
@@ -413,7 +414,7 @@ class Member:
     def _replica_holders(self, plan: Plan) -> dict[int, list[int]]:
         return protection.holders(plan, self.cfg.replicas)
 
-    def report(self, kind: str, detail: str, wid: str | None = None) -> None:
+    def report(self, kind: ReportKind, detail: str, wid: str | None = None) -> None:
         """A failure report for the leader about this worker, or about `wid` (best effort:
         the store may be gone)."""
         try:
@@ -428,7 +429,7 @@ class Member:
         """(Snapshot thread) a same-node peer's own snapshot is damaged in shared memory:
         the leader replaces that worker like a dead one (it fences it), so the job restores
         the newest committed step instead of waiting out the commit's deadline."""
-        self.report("damaged", f"rank {self.rank} found {detail}", wid=plan.members[src])
+        self.report(ReportKind.DAMAGED, f"rank {self.rank} found {detail}", wid=plan.members[src])
 
     def _previous_step_committed(self) -> None:
         """Before a microbatch fault of step T: snapshot T-1 committed, so every rank has
