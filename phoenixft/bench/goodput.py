@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from phoenixft.observe.steps import step_times
+
 if TYPE_CHECKING:  # imported where used: `phoenixft --help` must not pay for torch or psutil
     from phoenixft.bench.faults import Outcome
     from phoenixft.bench.goodput_jobs import Workload
@@ -119,7 +121,7 @@ def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> di
     mean_cores = _time_mean(steps, wall, lambda w: min(w, cores))
     eff = (last.step - first.step) / wall
     seen = [s.step for s in steps]
-    gaps = [b.t - a.t for a, b in zip(steps, steps[1:]) if b.epoch == a.epoch and b.step == a.step + 1]
+    gaps = step_times(steps)
     after = [_kill_to_next_step(k, steps) for k in out.kills]
     return {**row, "completed": completed, "final_step": last.step,
             "workers_start": first.world_size, "workers_end": last.world_size,

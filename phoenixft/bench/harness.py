@@ -36,17 +36,6 @@ def run_job(run_dir: Path, timeout_s: float = 1800, **agent_cfg) -> dict:
     return summary
 
 
-def step_times(events: list[dict], skip: int = 5) -> list[float]:
-    """Durations between consecutive completed steps (rank 0), after `skip` warm-up steps,
-    within one generation (a recovery gap is not a step time)."""
-    steps = [(e["step"], e["gen"], e["t"]) for e in events if e["event"] == "step"]
-    out = []
-    for (s0, g0, t0), (s1, g1, t1) in zip(steps, steps[1:]):
-        if s1 == s0 + 1 and g1 == g0 and s0 >= skip:
-            out.append(t1 - t0)
-    return out
-
-
 def print_goals(console, goals: list[dict]) -> None:
     """The goals table every benchmark ends with: name, target, measured, met."""
     from rich.table import Table

@@ -27,7 +27,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from phoenixft.bench.harness import median, run_job, step_times
+from phoenixft.bench.harness import median, run_job
+from phoenixft.observe.steps import from_events, step_pairs, step_times
 
 
 def register(sub) -> None:
@@ -54,14 +55,11 @@ def paired_blocks(events: list[dict], k: int) -> dict:
     """The on/off estimate from a run whose snapshots alternate every `k` steps: per block
     pair, mean on-step minus mean off-step time; the ratio is 1 + their mean over the mean
     off-step time, with its standard error (and, for reading, each pair's own ratio)."""
-    ev = [(e["step"], e["gen"], e["t"]) for e in events if e["event"] == "step"]
     on: dict[int, list[float]] = {}
     off: dict[int, list[float]] = {}
-    for (s0, g0, t0), (s1, g1, t1) in zip(ev, ev[1:]):
-        if s1 != s0 + 1 or g1 != g0 or s0 < k:  # the first block is warm-up
-            continue
-        pair = s0 // (2 * k)
-        (on if (s0 // k) % 2 == 0 else off).setdefault(pair, []).append(t1 - t0)
+    for a, b in step_pairs(from_events(events), skip=k):  # the first block is warm-up
+        pair = a.step // (2 * k)
+        (on if (a.step // k) % 2 == 0 else off).setdefault(pair, []).append(b.t - a.t)
     pairs = [p for p in sorted(on) if p in off]
     diffs = [statistics.mean(on[p]) - statistics.mean(off[p]) for p in pairs]
     base = statistics.mean([x for p in pairs for x in off[p]]) if pairs else math.nan
@@ -114,7 +112,7 @@ def cmd_overhead(args) -> int:
             label = "on" if snapshots else "off"
             s = run_job(root / f"{i}-{label}", nproc=args.nproc, snapshots=snapshots,
                         script_args=_script_args(args, args.steps))
-            times = step_times(s["events"])
+            times = step_times(from_events(s["events"]), skip=5)
             size = next((e for e in s["events"] if e["event"] == "snapshot_size"), {})
             stats = [e for e in s["events"] if e["event"] == "snapshot_stats"]
             cpu = (sum(e["thread_cpu_s"] for e in stats) / max(1, sum(e["snapshots"] for e in stats))

@@ -26,7 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from phoenixft.bench.harness import median, run_job, step_times
+from phoenixft.bench.harness import median, run_job
+from phoenixft.observe.steps import from_events, step_times
 
 TRIALS = [  # (nproc, fault)
     (2, "kill:rank=1:step=12"),
@@ -55,7 +56,7 @@ def measure(events: list[dict]) -> dict:
     nxt = next(e for e in events if e["event"] == "step" and e["t"] > rec["t"])
     seen = [e["t"] for e in events if e["event"] == "failure_seen" and e["gen"] == rec["gen"] - 1
             and inject["t"] <= e["t"] <= rec["t"]]
-    gaps = step_times([e for e in events if e["t"] < inject["t"]], skip=3)
+    gaps = step_times(from_events(e for e in events if e["t"] < inject["t"]), skip=3)
     step_s = median(gaps) if gaps else None
     kill_to_next = round(nxt["t"] - inject["t"], 4)
     return {"detect_s": rec["detect_s"], "recover_s": rec["recover_s"],

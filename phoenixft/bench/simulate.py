@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from phoenixft.observe.steps import StepEvent, step_pairs
+
 HOUR = 3600.0
 # per-GPU failure rates (failures per GPU-hour), from published data
 RATES = {
@@ -210,10 +212,9 @@ def _step_gaps(row: dict, before: float = float("inf")) -> dict[int, list[float]
     """The run's gaps between consecutive steps of one epoch and world size, by world
     size, for steps ending before `before` (seconds after launch)."""
     gaps: dict[int, list[float]] = {}
-    prog = row.get("progress", [])
-    for a, b in zip(prog, prog[1:]):
-        if b[1] == a[1] + 1 and b[2] == a[2] and b[3] == a[3] and b[0] < before:
-            gaps.setdefault(b[2], []).append(b[0] - a[0])
+    steps = [StepEvent(t, step, epoch, world) for t, step, world, epoch in row.get("progress", [])]
+    for a, b in step_pairs(steps, before=before):
+        gaps.setdefault(b.world_size, []).append(b.t - a.t)
     return gaps
 
 

@@ -34,8 +34,9 @@ from rich.table import Table
 
 from phoenixft.bench.faults import ProcessTree
 from phoenixft.bench.goodput_jobs import ENV, TorchrunJob, Workload, _fresh
-from phoenixft.bench.harness import ROOT, median, print_goals, run_job, step_times
+from phoenixft.bench.harness import ROOT, median, print_goals, run_job
 from phoenixft.bench.recovery import measure
+from phoenixft.observe.steps import from_events, step_times
 
 
 def default_python() -> str:
@@ -167,10 +168,10 @@ class TorchftRun:
 
 
 def torchft_step_times(events: list[dict], replica: int = 0, skip: int = 5) -> list[float]:
-    """Gaps between consecutive committed steps of one replica group, after warm-up."""
-    steps = [(e["step"], e["t"]) for e in events
-             if e["event"] == "step" and e["replica"] == replica and e["committed"]]
-    return [t1 - t0 for (s0, t0), (s1, t1) in zip(steps, steps[1:]) if s1 == s0 + 1 and s0 >= skip]
+    """Step times (`observe.steps`) of one replica group's committed steps, after warm-up
+    (a step torchft did not commit is redone under the same number)."""
+    mine = [e for e in events if e["event"] == "step" and e["replica"] == replica and e["committed"]]
+    return step_times(from_events(mine, epoch="attempt"), skip=skip)
 
 
 def torchft_fault(events: list[dict], restarts: list[dict], microbatches: int) -> dict:
@@ -237,8 +238,8 @@ def cmd_torchft(args) -> int:
     if rc != 0:
         raise RuntimeError(f"plain DDP run failed ({rc}); see {root / 'ddp' / 'torchrun.log'}")
     from phoenixft.observe.events import read_events
-    ddp_steps = [e for e in read_events(root / "ddp" / "events.jsonl") if e["event"] == "step"]
-    ddp_step = median([b["t"] - a["t"] for a, b in zip(ddp_steps, ddp_steps[1:]) if a["step"] >= 5])
+    ddp_step = median(step_times(from_events(read_events(root / "ddp" / "events.jsonl"),
+                                             epoch="attempt"), skip=5))
     if args.free_runs:
         console.print("phoenixft failure-free, torchft failure-free")
         px_free = phoenix("phoenixft-free", [])["events"]
@@ -251,7 +252,7 @@ def cmd_torchft(args) -> int:
         tf_free = [e for e in tf_kill.events if e["event"] != "step" or e["step"] < args.kill_step]
     # warm-up steps left out (the spare and the lighthouse start beside the first steps)
     skip = 5 if args.free_runs else min(5, max(1, args.kill_step // 3))
-    px_step = median(step_times(px_free, skip=skip))
+    px_step = median(step_times(from_events(px_free), skip=skip))
     tf_step = median(torchft_step_times(tf_free, skip=skip))
     rows = {
         "phoenixft": {"step_s": round(px_step, 4), "step_ratio_vs_ddp": round(px_step / ddp_step, 4),
