@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from phoenixft.bench.simulate import (
+from phoenixft.simulate.model import (
     RATES,
     Costs,
     _replay,
