@@ -36,19 +36,8 @@ def run_job(run_dir: Path, timeout_s: float = 1800, **agent_cfg) -> dict:
     return summary
 
 
-def print_goals(console, goals: list[dict]) -> None:
-    """The goals table every benchmark ends with: name, target, measured, met."""
-    from rich.table import Table
-
-    g = Table(title="goals")
-    for col in ("goal", "target", "measured", "met"):
-        g.add_column(col)
-    for x in goals:
-        g.add_row(x["name"], x["goal"], x["measured"], "yes" if x["met"] else "NO")
-    console.print(g)
-
-
 def median(xs: list[float]) -> float:
+    """The median, NaN for none (a run that timed no step shows as such, not as an error)."""
     return statistics.median(xs) if xs else float("nan")
 
 

@@ -35,8 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from phoenixft.bench.options import BenchOptions
+from phoenixft.bench.runner import command
+from phoenixft.observe.goals import Goal, as_dicts, print_goals
 
-def register(sub) -> None:
+
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-ft", help="serving through engine crashes: log overhead, recovery "
                        "vs cold restart and warm re-prefill", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,7 +53,7 @@ def register(sub) -> None:
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end server run")
     p.add_argument("--tiny", action="store_true", help="a 2 x 64 model (smoke test)")
     p.add_argument("--out", default="runs/bench/serve_ft.json")
-    p.set_defaults(func=cmd_serve_ft)
+    p.set_defaults(func=command(measure, show))
 
 
 def build_model(out: Path, tiny: bool) -> str:
@@ -215,9 +219,6 @@ def cold_start(model: str, threads: int) -> float:
 def end_to_end(model: str, args, tmp: Path) -> dict:
     """`phoenixft serve` with streaming clients; the engine SIGKILLed mid-generation."""
     import signal
-    import threading
-
-    import httpx
 
     port = _free_port()
     run_dir = tmp / "e2e"
@@ -226,7 +227,6 @@ def end_to_end(model: str, args, tmp: Path) -> dict:
                              "--max-model-len", "1024", "--run-dir", str(run_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    arrivals: list[list[float]] = [[] for _ in range(args.requests)]
     try:
         _until(lambda: _ok(base) and json.loads((run_dir / "status.json").read_text())
                .get("standby_warm"), 180)
@@ -234,17 +234,7 @@ def end_to_end(model: str, args, tmp: Path) -> dict:
         bodies = [{"model": Path(model).name, "prompt": [rng.randrange(256) for _ in range(512)],
                    "max_tokens": 400, "temperature": 0.0, "ignore_eos": True, "stream": True}
                   for _ in range(args.requests)]
-
-        def client(i: int, body: dict) -> None:
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        arrivals[i].append(time.time())
-
-        threads = [threading.Thread(target=client, args=(i, b), daemon=True)
-                   for i, b in enumerate(bodies)]
-        for t in threads:
-            t.start()
+        arrivals, threads = _stream(base, bodies)
         _until(lambda: min(len(a) for a in arrivals) >= 20, 120)
         pid = json.loads((run_dir / "status.json").read_text())["engine_pid"]
         t_kill = time.time()
@@ -253,16 +243,8 @@ def end_to_end(model: str, args, tmp: Path) -> dict:
             t.join(300)
         events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
         rec = next(e for e in events if e["event"] == "engine_recovered")
-        # per stream: the first token the new engine computed (arriving after its ready;
-        # tokens that were already on their way when the engine died arrive sooner), and
-        # the stream's longest pause between two tokens against its usual pause
-        nxt = [min(t for t in a if t > rec["t"]) - t_kill for a in arrivals]
-        gaps = [[b - a for a, b in zip(a, a[1:])] for a in arrivals]
         return {"context": 512, "requests": args.requests,
-                "kill_to_next_token_s": statistics.median(nxt),
-                "kill_to_next_token_max_s": max(nxt),
-                "stall_s": statistics.median(max(g) for g in gaps),
-                "usual_gap_s": statistics.median(statistics.median(g) for g in gaps),
+                **_after_kill(arrivals, rec, t_kill),
                 "recover_s": rec["recover_s"], "replay_s": rec["report"]["seconds"],
                 "processes": "front + engine + warm standby"}
     finally:
@@ -271,6 +253,39 @@ def end_to_end(model: str, args, tmp: Path) -> dict:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _stream(base: str, bodies: list[dict]) -> tuple[list[list[float]], list]:
+    """One streaming client thread per body, started; each records its tokens' arrivals."""
+    import threading
+
+    import httpx
+
+    arrivals: list[list[float]] = [[] for _ in bodies]
+
+    def client(i: int, body: dict) -> None:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals[i].append(time.time())
+
+    threads = [threading.Thread(target=client, args=(i, b), daemon=True)
+               for i, b in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    return arrivals, threads
+
+
+def _after_kill(arrivals: list[list[float]], rec: dict, t_kill: float) -> dict:
+    """Per stream: the first token the new engine computed (arriving after its ready;
+    tokens that were already on their way when the engine died arrive sooner), and the
+    stream's longest pause between two tokens against its usual pause."""
+    nxt = [min(t for t in a if t > rec["t"]) - t_kill for a in arrivals]
+    gaps = [[b - a for a, b in zip(a, a[1:])] for a in arrivals]
+    return {"kill_to_next_token_s": statistics.median(nxt),
+            "kill_to_next_token_max_s": max(nxt),
+            "stall_s": statistics.median(max(g) for g in gaps),
+            "usual_gap_s": statistics.median(statistics.median(g) for g in gaps)}
 
 
 def _free_port() -> int:
@@ -301,20 +316,25 @@ def _until(check, timeout: float) -> None:
         time.sleep(0.05)  # polling a state with a deadline
 
 
-def cmd_serve_ft(args) -> int:
+def measure(opts: BenchOptions) -> dict:
+    """The log's overhead, recovery at each context, then the end-to-end run, in a
+    temporary directory in shared memory (removed at the end)."""
+    import shutil
+
     import torch
 
-    torch.set_num_threads(args.threads)
+    args = opts.own
+    torch.set_num_threads(opts.threads)
     contexts = [int(x) for x in args.contexts.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="phoenixft-serve-ft-", dir="/dev/shm"))
     t_start = time.time()
     model = str(tmp / "model")
     desc = build_model(Path(model), args.tiny)
-    print(f"[serve-ft] {desc}; {args.requests} requests; 1 process x {args.threads} torch "
+    print(f"[serve-ft] {desc}; {args.requests} requests; 1 process x {opts.threads} torch "
           "thread(s) per engine", flush=True)
     overhead = log_overhead(model, args, tmp)
     print(f"[serve-ft] decode with the log: {overhead['ratio']:.3f}x", flush=True)
-    cold = statistics.median(cold_start(model, args.threads) for _ in range(2))
+    cold = statistics.median(cold_start(model, opts.threads) for _ in range(2))
     rows = []
     for ctx in contexts:
         rows.append(recovery_at(model, ctx, args, tmp, cold))
@@ -322,35 +342,38 @@ def cmd_serve_ft(args) -> int:
         print(f"[serve-ft] context {ctx}: replay+token {r['phoenixft_s']:.3f} s, warm re-prefill "
               f"{r['warm_reprefill_s']:.3f} s, cold restart {r['cold_restart_s']:.3f} s", flush=True)
     e2e = None if args.no_e2e else end_to_end(model, args, tmp)
-    top = max(rows, key=lambda r: r["context"])
-    goals = [
-        {"name": "decode throughput with the log", "goal": ">= 0.97x without",
-         "measured": f"{overhead['ratio']:.3f}x ± {overhead['se']:.3f}",
-         "met": overhead["ratio"] >= 0.97},
-        {"name": f"recovery vs cold restart at {top['context']} tokens", "goal": ">= 5x faster",
-         "measured": f"{top['vs_cold']:.1f}x", "met": top["vs_cold"] >= 5},
-        {"name": f"recovery vs warm re-prefill at {top['context']} tokens", "goal": ">= 2x faster",
-         "measured": f"{top['vs_warm_reprefill']:.1f}x", "met": top["vs_warm_reprefill"] >= 2},
-    ]
     result = {"benchmark": "serve-ft", "model": desc, "requests": args.requests,
-              "threads": args.threads, "processes": "1 (engines one at a time) + 1 cold-start "
+              "threads": opts.threads, "processes": "1 (engines one at a time) + 1 cold-start "
               "subprocess; end to end: front + engine + standby", "cpu_count": os.cpu_count(),
               "cold_start_s": cold, "log_overhead": overhead, "recovery": rows,
-              "end_to_end": e2e, "goals": goals, "bench_wall_s": time.time() - t_start}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    _print(result)
-    print(f"wrote {args.out}")
-    import shutil
+              "end_to_end": e2e}
+    result["goals"] = as_dicts(goals(result))
     shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+    return {**result, "bench_wall_s": time.time() - t_start}
 
 
-def _print(result: dict) -> None:
+def goals(result: dict) -> list[Goal]:
+    """The issue's goals (the module docstring), at the longest context measured."""
+    overhead = result["log_overhead"]
+    top = max(result["recovery"], key=lambda r: r["context"])
+    return [
+        Goal("decode throughput with the log", ">= 0.97x without",
+             f"{overhead['ratio']:.3f}x ± {overhead['se']:.3f}", overhead["ratio"] >= 0.97),
+        Goal(f"recovery vs cold restart at {top['context']} tokens", ">= 5x faster",
+             f"{top['vs_cold']:.1f}x", top["vs_cold"] >= 5),
+        Goal(f"recovery vs warm re-prefill at {top['context']} tokens", ">= 2x faster",
+             f"{top['vs_warm_reprefill']:.1f}x", top["vs_warm_reprefill"] >= 2),
+    ]
+
+
+def headline(result: dict) -> str:
+    return "; ".join(f"{g.name}: {g.measured}" for g in goals(result))
+
+
+def show(result: dict, opts: BenchOptions) -> None:
+    """The log's overhead line, the recovery table, the end-to-end line, the goals."""
     from rich.console import Console
     from rich.table import Table
-
-    from .harness import print_goals
 
     console = Console(width=max(Console().width, 140))
     o = result["log_overhead"]
@@ -378,4 +401,4 @@ def _print(result: dict) -> None:
                       f"median over streams (max {e['kill_to_next_token_max_s']:.3f} s; takeover "
                       f"{e['recover_s']:.3f} s, replay {e['replay_s']:.3f} s); longest pause in a "
                       f"stream {e['stall_s']:.3f} s vs {e['usual_gap_s']:.3f} s between tokens usually")
-    print_goals(console, result["goals"])
+    print_goals(console, goals(result))

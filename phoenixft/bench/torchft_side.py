@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -34,8 +33,11 @@ from rich.table import Table
 
 from phoenixft.bench.faults import ProcessTree
 from phoenixft.bench.goodput_jobs import ENV, TorchrunJob, Workload, _fresh
-from phoenixft.bench.harness import ROOT, median, print_goals, run_job
-from phoenixft.bench.recovery import measure
+from phoenixft.bench.harness import ROOT, median, run_job
+from phoenixft.bench.options import BenchOptions
+from phoenixft.bench.recovery import measure_events
+from phoenixft.bench.runner import command
+from phoenixft.observe.goals import Goal, as_dicts, print_goals
 from phoenixft.observe.steps import from_events, step_times
 
 
@@ -54,7 +56,7 @@ INSTALL = ("pip install -e '.[torchft]' (torchft beside phoenixft, on the same C
            ".venv-torchft/bin/pip install --no-deps torchft==0.2.0")
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("torchft", help="torchft 0.2.0 beside phoenixft: same job, same kill")
     p.add_argument("--python", default=None,
                    help="the interpreter of an environment with torchft 0.2.0 (default: "
@@ -70,7 +72,7 @@ def register(sub) -> None:
                    help="failure-free runs of both for the step time (--no-free-runs: the "
                         "median step before the kill instead; quicker, for smoke tests)")
     p.add_argument("--out", default="runs/bench/torchft.json")
-    p.set_defaults(func=cmd_torchft)
+    p.set_defaults(func=command(measure, show))
 
 
 def torchft_version(python: str) -> str:
@@ -200,7 +202,7 @@ def torchft_fault(events: list[dict], restarts: list[dict], microbatches: int) -
 def phoenix_fault(events: list[dict]) -> dict:
     """bench recovery's figures, named as torchft's are: the spare's first step is also
     the survivor's (both are in the step the job resumes with)."""
-    m = measure(events)
+    m = measure_events(events)
     return {"kill_to_survivor_step_s": m["kill_to_next_step_s"],
             "kill_to_full_strength_s": m["kill_to_next_step_s"],
             "restart_to_ready_s": None,  # the spare was warm before the kill
@@ -209,14 +211,25 @@ def phoenix_fault(events: list[dict]) -> dict:
             "microbatches_not_trained": 0}
 
 
-def cmd_torchft(args) -> int:
-    console = Console(width=max(Console().width, 130))
-    args.python = args.python or default_python()
-    version = torchft_version(args.python)
-    root = Path(args.out).parent / "torchft-runs"
-    work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches, nproc=2)
-    t0 = time.time()
+def _ddp_step_s(root: Path, work: Workload) -> float:
+    """Plain DDP under torchrun, failure-free: the median step (the reference for both)."""
+    from phoenixft.observe.events import read_events
 
+    ddp = TorchrunJob(run_dir=root / "ddp", work=work, max_restarts=0, ckpt_every=10**9)
+    tree = ddp.start([])
+    try:
+        rc = tree.popen.wait(900)
+    finally:
+        tree.kill()
+    if rc != 0:
+        raise RuntimeError(f"plain DDP run failed ({rc}); see {root / 'ddp' / 'torchrun.log'}")
+    return median(step_times(from_events(read_events(root / "ddp" / "events.jsonl"),
+                                         epoch="attempt"), skip=5))
+
+
+def _runs(args: argparse.Namespace, root: Path, work: Workload) -> tuple[list, list, dict, TorchftRun]:
+    """Both systems failure-free (or, with --no-free-runs, their steps before the kill),
+    then both with the same kill; the failure-free events and the kill runs."""
     def phoenix(name: str, inject: list[str]) -> dict:
         return run_job(root / name, nproc=2, spares=1, inject=inject,
                        heartbeat_timeout_s=args.heartbeat_timeout,
@@ -228,28 +241,30 @@ def cmd_torchft(args) -> int:
         run.events = run.run()
         return run
 
-    console.print(f"torchft {version}; plain DDP (failure-free reference)")
-    ddp = TorchrunJob(run_dir=root / "ddp", work=work, max_restarts=0, ckpt_every=10**9)
-    tree = ddp.start([])
-    try:
-        rc = tree.popen.wait(900)
-    finally:
-        tree.kill()
-    if rc != 0:
-        raise RuntimeError(f"plain DDP run failed ({rc}); see {root / 'ddp' / 'torchrun.log'}")
-    from phoenixft.observe.events import read_events
-    ddp_step = median(step_times(from_events(read_events(root / "ddp" / "events.jsonl"),
-                                             epoch="attempt"), skip=5))
     if args.free_runs:
-        console.print("phoenixft failure-free, torchft failure-free")
+        print("phoenixft failure-free, torchft failure-free", flush=True)
         px_free = phoenix("phoenixft-free", [])["events"]
         tf_free = torchft("torchft-free", None).events
-    console.print(f"phoenixft with a kill at step {args.kill_step}, torchft with the same kill")
+    print(f"phoenixft with a kill at step {args.kill_step}, torchft with the same kill", flush=True)
     px_kill = phoenix("phoenixft-kill", [f"kill:rank=1:step={args.kill_step}"])
     tf_kill = torchft("torchft-kill", args.kill_step)
     if not args.free_runs:  # the steps before the kill
         px_free = [e for e in px_kill["events"] if e["event"] != "step" or e["step"] < args.kill_step]
         tf_free = [e for e in tf_kill.events if e["event"] != "step" or e["step"] < args.kill_step]
+    return px_free, tf_free, px_kill, tf_kill
+
+
+def measure(opts: BenchOptions) -> dict:
+    """Plain DDP, then both systems failure-free and with the same SIGKILL."""
+    args = opts.own
+    args.python = args.python or default_python()
+    version = torchft_version(args.python)
+    root = opts.runs_dir("torchft")
+    work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches, nproc=2)
+    t0 = time.time()
+    print(f"torchft {version}; plain DDP (failure-free reference)", flush=True)
+    ddp_step = _ddp_step_s(root, work)
+    px_free, tf_free, px_kill, tf_kill = _runs(args, root, work)
     # warm-up steps left out (the spare and the lighthouse start beside the first steps)
     skip = 5 if args.free_runs else min(5, max(1, args.kill_step // 3))
     px_step = median(step_times(from_events(px_free), skip=skip))
@@ -260,42 +275,76 @@ def cmd_torchft(args) -> int:
         "torchft": {"step_s": round(tf_step, 4), "step_ratio_vs_ddp": round(tf_step / ddp_step, 4),
                     **torchft_fault(tf_kill.events, tf_kill.restarts, args.microbatches)},
     }
-    table = Table(title=f"torchft {version} vs phoenixft ({args.preset} preset, 2 members x 1 "
-                        f"torch thread, kill at step {args.kill_step}, loopback)")
-    cols = ["step_s", "step_ratio_vs_ddp", "kill_to_survivor_step_s", "kill_to_full_strength_s",
-            "restart_to_ready_s", "lost_steps", "steps_short_of_data", "microbatches_not_trained"]
-    table.add_column("system")
-    for c in cols:
-        table.add_column(c.replace("_", " "))
-    for name, r in rows.items():
-        table.add_row(name, *("-" if r[c] is None else str(r[c]) for c in cols))
-    console.print(table)
-    console.print(f"plain DDP step: {ddp_step:.4f} s")
-    px, tf = rows["phoenixft"], rows["torchft"]
-    goals = [
-        {"name": "survivor stall after a kill, phoenixft vs torchft", "goal": "<= torchft's",
-         "measured": f"{px['kill_to_survivor_step_s']} s vs {tf['kill_to_survivor_step_s']} s",
-         "met": px["kill_to_survivor_step_s"] <= tf["kill_to_survivor_step_s"]},
-        {"name": "back to full strength after a kill, phoenixft vs torchft", "goal": "<= torchft's",
-         "measured": f"{px['kill_to_full_strength_s']} s vs "
-                     f"{tf['kill_to_full_strength_s'] or 'not within the run'} s",
-         "met": tf["kill_to_full_strength_s"] is None
-                or px["kill_to_full_strength_s"] <= tf["kill_to_full_strength_s"]},
-        {"name": "microbatches not trained on through a kill", "goal": "0",
-         "measured": f"phoenixft {px['microbatches_not_trained']}, "
-                     f"torchft {tf['microbatches_not_trained']}",
-         "met": px["microbatches_not_trained"] == 0},
-    ]
-    print_goals(console, goals)
     result = {"benchmark": "torchft", "torchft_version": version, "preset": args.preset,
               "steps": args.steps, "microbatches": args.microbatches, "kill_step": args.kill_step,
               "step_time_from": "failure-free runs" if args.free_runs else "steps before the kill",
               "processes": "2 members x 1 torch thread each (+1 spare for phoenixft, +1 "
                            "lighthouse for torchft)",
-              "ddp_step_s": round(ddp_step, 4), "rows": rows, "goals": goals,
-              "wall_s": round(time.time() - t0, 1)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {args.out}")
-    return 0
+              "ddp_step_s": round(ddp_step, 4), "rows": rows}
+    result["goals"] = as_dicts(goals(result))
+    return {**result, "wall_s": round(time.time() - t0, 1)}
 
+
+COLUMNS = ["step_s", "step_ratio_vs_ddp", "kill_to_survivor_step_s", "kill_to_full_strength_s",
+           "restart_to_ready_s", "lost_steps", "steps_short_of_data", "microbatches_not_trained"]
+
+
+def show(result: dict, opts: BenchOptions) -> None:
+    """Both systems' figures side by side, the DDP step, the goals."""
+    console = Console(width=max(Console().width, 130))
+    table = Table(title=f"torchft {result['torchft_version']} vs phoenixft ({result['preset']} "
+                        f"preset, 2 members x 1 torch thread, kill at step {result['kill_step']}, "
+                        "loopback)")
+    table.add_column("system")
+    for c in COLUMNS:
+        table.add_column(c.replace("_", " "))
+    for name, r in result["rows"].items():
+        table.add_row(name, *("-" if r[c] is None else str(r[c]) for c in COLUMNS))
+    console.print(table)
+    console.print(f"plain DDP step: {result['ddp_step_s']:.4f} s")
+    print_goals(console, goals(result))
+
+
+def goals(result: dict) -> list[Goal]:
+    """phoenixft's survivor stall and time back to full strength no worse than torchft's,
+    and no microbatch left untrained through the kill."""
+    px, tf = result["rows"]["phoenixft"], result["rows"]["torchft"]
+    return [
+        Goal("survivor stall after a kill, phoenixft vs torchft", "<= torchft's",
+             f"{px['kill_to_survivor_step_s']} s vs {tf['kill_to_survivor_step_s']} s",
+             px["kill_to_survivor_step_s"] <= tf["kill_to_survivor_step_s"]),
+        Goal("back to full strength after a kill, phoenixft vs torchft", "<= torchft's",
+             f"{px['kill_to_full_strength_s']} s vs "
+             f"{tf['kill_to_full_strength_s'] or 'not within the run'} s",
+             tf["kill_to_full_strength_s"] is None
+             or px["kill_to_full_strength_s"] <= tf["kill_to_full_strength_s"]),
+        Goal("microbatches not trained on through a kill", "0",
+             f"phoenixft {px['microbatches_not_trained']}, "
+             f"torchft {tf['microbatches_not_trained']}",
+             px["microbatches_not_trained"] == 0),
+    ]
+
+
+def headline(result: dict) -> str:
+    p, t = result["rows"]["phoenixft"], result["rows"]["torchft"]
+    return (f"SIGKILL -> survivor's next step: phoenixft {p['kill_to_survivor_step_s']:.2f} s, "
+            f"torchft {t['kill_to_survivor_step_s']:.2f} s; back to full strength "
+            f"{p['kill_to_full_strength_s']:.2f} s vs {t['kill_to_full_strength_s']} s; "
+            f"microbatches not trained {p['microbatches_not_trained']} vs "
+            f"{t['microbatches_not_trained']}; step time vs plain DDP "
+            f"{p['step_ratio_vs_ddp']:.2f}x vs {t['step_ratio_vs_ddp']:.2f}x")
+
+
+def markdown(result: dict) -> list[str]:
+    """Both systems' figures as a markdown table, for BENCHMARKS.md."""
+    cols = [("step_s", "step s"), ("step_ratio_vs_ddp", "step / plain DDP"),
+            ("kill_to_survivor_step_s", "kill -> survivor's next step s"),
+            ("kill_to_full_strength_s", "kill -> full strength s"),
+            ("lost_steps", "updates thrown away"),
+            ("microbatches_not_trained", "microbatches not trained")]
+    rows = ["| system | " + " | ".join(c for _, c in cols) + " |",
+            "|---" * (len(cols) + 1) + "|"]
+    for name, r in result["rows"].items():
+        rows.append(f"| {name} | " + " | ".join(str(r[k]) for k, _ in cols) + " |")
+    return rows + ["", f"torchft {result['torchft_version']}; plain DDP step "
+                   f"{result['ddp_step_s']} s; {result['processes']}."]
