@@ -15,7 +15,7 @@ optimizer and data, one mode after the other:
 - dcp.save / dcp.async_save: torch.distributed.checkpoint (async: stall = until the
   call returns plus the wait on the previous save; durable = until its future completes).
 Each at one checkpoint per step and one per K steps (the per-step stall is then amortised).
-The first `checkpoint_runs.WARM` steps of each run are not timed (step times and stalls alike). Besides
+The first `WARM` steps of each run are not timed (step times and stalls alike). Besides
 the stall, every mode reports its wall time per step against the plain loop's ("step vs
 none"): background work (a writer thread, the persister) costs no stall but competes for
 the same cores, and a stall alone would hide that.
