@@ -18,7 +18,7 @@ _COMMANDS = [
     "phoenixft.launch.chaos_cli",  # chaos
     "phoenixft.checkpoint.cli",    # ckpt
     "phoenixft.serve.cli",       # serve, generate
-    "phoenixft.bench.simulate",  # simulate
+    "phoenixft.simulate.cli",   # simulate
     "phoenixft.observe.plot",    # plot
 ]
 # modules whose register(subparsers) adds `phoenixft bench <name>`.

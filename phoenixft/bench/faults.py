@@ -33,6 +33,8 @@ from typing import Protocol
 
 import psutil
 
+from phoenixft.observe.steps import StepEvent
+
 
 class ProcessTree:
     """A job started in its own session, with every descendant it ever had remembered.
@@ -110,17 +112,6 @@ class JsonlTail:
             except json.JSONDecodeError:
                 continue
         return out
-
-
-@dataclass(frozen=True, slots=True)
-class StepEvent:
-    """A completed optimizer step. `epoch` grows with every recovery: phoenixft's
-    generation, torchrun's restart attempt."""
-
-    t: float
-    step: int
-    epoch: int
-    world_size: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,12 +29,16 @@ the time-weighted mean number of surviving workers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from phoenixft.bench.options import BenchOptions
+from phoenixft.bench.runner import command
+from phoenixft.observe.goals import Goal
+from phoenixft.observe.steps import step_times
 
 if TYPE_CHECKING:  # imported where used: `phoenixft --help` must not pay for torch or psutil
     from phoenixft.bench.faults import Outcome
@@ -48,7 +52,7 @@ LABELS = {"clean": "(d) phoenixft failure-free", "spares": "(a) phoenixft warm s
 QUICK = {"preset": "tiny", "steps": 150, "failures": 2, "timeout": 150.0}
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("goodput", help="effective throughput under SIGKILLs: spares, ReCoVer "
                                        "shrink, torchrun checkpoint-restart, failure-free",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,7 +77,7 @@ def register(sub) -> None:
                    help="about 2 minutes: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="runs/bench/goodput.json")
     p.add_argument("--plot", default="runs/bench/goodput.png")
-    p.set_defaults(func=cmd_goodput)
+    p.set_defaults(func=command(measure, show, quick=QUICK, exit_code=exit_code))
 
 
 def make_job(mode: str, run_dir: Path, work: Workload, args):
@@ -97,7 +101,7 @@ def processes(mode: str, args) -> str:
     return str(args.nproc)
 
 
-def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> dict:
+def measure_mode(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> dict:
     """Figures of one mode from its step events (see the module docstring)."""
     steps = out.steps
     for k in out.kills:
@@ -119,7 +123,7 @@ def measure(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> di
     mean_cores = _time_mean(steps, wall, lambda w: min(w, cores))
     eff = (last.step - first.step) / wall
     seen = [s.step for s in steps]
-    gaps = [b.t - a.t for a, b in zip(steps, steps[1:]) if b.epoch == a.epoch and b.step == a.step + 1]
+    gaps = step_times(steps)
     after = [_kill_to_next_step(k, steps) for k in out.kills]
     return {**row, "completed": completed, "final_step": last.step,
             "workers_start": first.world_size, "workers_end": last.world_size,
@@ -203,7 +207,7 @@ def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
     job = make_job(mode, root / mode, work, args)
     print(f"[goodput] {mode}: {' '.join(job.argv())}", flush=True)
     out = drive(job, cfg, step_faults)
-    r = measure(mode, out, work, tokens_per_step)
+    r = measure_mode(mode, out, work, tokens_per_step)
     r.update(processes=processes(mode, args), run_dir=str(root / mode), loadavg_1m=os.getloadavg()[0])
     if isinstance(job, TorchrunJob):
         r["restarts"] = job.restart_report()
@@ -214,45 +218,82 @@ def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
     return r
 
 
-def cmd_goodput(args) -> int:
-    from phoenixft.bench.goodput_jobs import Workload
-    from phoenixft.bench.goodput_report import plot_progress, print_table
-    from phoenixft.bench.torchrun_baseline import microbatch_tokens
-
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    modes = _modes(args)
-    work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches,
-                    nproc=args.nproc, seed=args.seed)
-    tokens_per_step = args.microbatches * microbatch_tokens(args.preset)
-    root = Path(args.out).parent / "goodput-runs"
+def _run_modes(args: argparse.Namespace, modes: list[str], work: Workload, root: Path,
+               tokens_per_step: int) -> tuple[dict[str, dict], float | None]:
+    """Every mode in turn; without --interval or --fault-steps the clean run (first) sets
+    the SIGKILL interval: faults at 1/(F+1), 2/(F+1), ... of it."""
     rows: dict[str, dict] = {}
     interval = args.interval
-    t0, load_before = time.time(), os.getloadavg()
     for mode in modes:
         rows[mode] = run_mode(mode, work, args, interval or 1.0, root, tokens_per_step)
         if interval is None and args.fault_steps is None:
-            # faults at 1/(F+1), 2/(F+1), ... of the failure-free run
             interval = rows["clean"].get("wall_s", 0.0) / (args.failures + 1)
             if interval <= 0:
                 raise SystemExit("phoenixft bench goodput: the clean run failed; see "
                                  f"{rows['clean']['run_dir']}")
             print(f"[goodput] SIGKILL interval: {interval:.1f} s", flush=True)
+    return rows, interval
+
+
+def measure(opts: BenchOptions) -> dict:
+    """Each mode as its own process tree, one after another, then their ratios."""
+    from phoenixft.bench.goodput_jobs import Workload
+    from phoenixft.bench.torchrun_baseline import microbatch_tokens
+
+    args = opts.own
+    modes = _modes(args)
+    work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches,
+                    nproc=args.nproc, seed=args.seed)
+    tokens_per_step = args.microbatches * microbatch_tokens(args.preset)
+    t0, load_before = time.time(), os.getloadavg()
+    rows, interval = _run_modes(args, modes, work, opts.runs_dir("goodput"), tokens_per_step)
     compare(rows, args.nproc)
-    result = {"benchmark": "goodput", "preset": args.preset, "steps": args.steps,
-              "nproc": args.nproc, "microbatches": args.microbatches,
-              "tokens_per_step": tokens_per_step, "threads_per_worker": 1,
-              "cpu_count": os.cpu_count(), "loadavg_before": load_before,
-              "loadavg_after": os.getloadavg(), "failures": args.failures,
-              "interval_s": interval, "interval_auto": args.interval is None,
-              "fault_steps": args.fault_steps,
-              "ckpt_every": args.ckpt_every, "seed": args.seed,
-              "goals": {"shrink_vs_restart": 2.23, "shrink_vs_clean_scaled": 0.9},
-              "modes": rows, "bench_wall_s": time.time() - t0}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    return {"benchmark": "goodput", "preset": args.preset, "steps": args.steps,
+            "nproc": args.nproc, "microbatches": args.microbatches,
+            "tokens_per_step": tokens_per_step, "threads_per_worker": 1,
+            "cpu_count": os.cpu_count(), "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(), "failures": args.failures,
+            "interval_s": interval, "interval_auto": args.interval is None,
+            "fault_steps": args.fault_steps,
+            "ckpt_every": args.ckpt_every, "seed": args.seed,
+            "goals": {"shrink_vs_restart": 2.23, "shrink_vs_clean_scaled": 0.9},
+            "modes": rows, "bench_wall_s": time.time() - t0}
+
+
+def show(result: dict, opts: BenchOptions) -> None:
+    """The table, and the progress plot (`--plot`)."""
+    from phoenixft.bench.goodput_report import plot_progress, print_table
+
     print_table(result)
-    plot_progress(result, Path(args.plot))
-    print(f"wrote {args.out} and {args.plot}")
-    return 0 if all(r.get("completed") for r in rows.values()) else 1
+    plot_progress(result, Path(opts.own.plot))
+    print(f"wrote {opts.own.plot}")
+
+
+def exit_code(result: dict) -> int:
+    """1 if a mode did not complete: its figures are a timeout's, not a run's."""
+    return 0 if all(r.get("completed") for r in result["modes"].values()) else 1
+
+
+def goals(result: dict) -> list[Goal]:
+    """ReCoVer >= 2.23x checkpoint-and-restart and >= 0.9x the failure-free run scaled by
+    its surviving workers; every mode completed."""
+    m = result["modes"]
+    shrink, restart = m.get("shrink", {}), m.get("restart", {})
+    out = []
+    if shrink.get("vs_restart") is not None:
+        out.append(Goal("ReCoVer vs checkpoint-and-restart", ">= 2.23x",
+                        round(shrink["vs_restart"], 3), shrink["vs_restart"] >= 2.23))
+    if shrink.get("vs_clean_scaled") is not None:
+        out.append(Goal("ReCoVer vs failure-free scaled by survivors", ">= 0.9x",
+                        round(shrink["vs_clean_scaled"], 3), shrink["vs_clean_scaled"] >= 0.9))
+    if restart.get("completed") is not None:
+        done = all(r.get("completed") for r in m.values())
+        out.append(Goal("every mode completed", "yes", done, done))
+    return out
+
+
+def headline(result: dict) -> str:
+    m = result["modes"]
+    parts = [f"{k} {m[k]['eff_steps_s'] / m['clean']['eff_steps_s']:.2f}"
+             for k in ("spares", "shrink", "restart") if k in m and m[k].get("eff_steps_s")]
+    return "goodput vs failure-free, " + ", ".join(parts) + f" ({result['failures']} SIGKILLs)"

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import psutil
 
-from phoenixft.bench.faults import JsonlTail, ProcessTree, StepEvent, StepFault
+from phoenixft.bench.faults import JsonlTail, ProcessTree, StepFault
 from phoenixft.bench.harness import EXAMPLE
+from phoenixft.observe.steps import StepEvent
 
 BASELINE = Path(__file__).with_name("torchrun_baseline.py")
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}

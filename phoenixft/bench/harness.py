@@ -36,30 +36,8 @@ def run_job(run_dir: Path, timeout_s: float = 1800, **agent_cfg) -> dict:
     return summary
 
 
-def step_times(events: list[dict], skip: int = 5) -> list[float]:
-    """Durations between consecutive completed steps (rank 0), after `skip` warm-up steps,
-    within one generation (a recovery gap is not a step time)."""
-    steps = [(e["step"], e["gen"], e["t"]) for e in events if e["event"] == "step"]
-    out = []
-    for (s0, g0, t0), (s1, g1, t1) in zip(steps, steps[1:]):
-        if s1 == s0 + 1 and g1 == g0 and s0 >= skip:
-            out.append(t1 - t0)
-    return out
-
-
-def print_goals(console, goals: list[dict]) -> None:
-    """The goals table every benchmark ends with: name, target, measured, met."""
-    from rich.table import Table
-
-    g = Table(title="goals")
-    for col in ("goal", "target", "measured", "met"):
-        g.add_column(col)
-    for x in goals:
-        g.add_row(x["name"], x["goal"], x["measured"], "yes" if x["met"] else "NO")
-    console.print(g)
-
-
 def median(xs: list[float]) -> float:
+    """The median, NaN for none (a run that timed no step shows as such, not as an error)."""
     return statistics.median(xs) if xs else float("nan")
 
 

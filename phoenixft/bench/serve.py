@@ -42,7 +42,6 @@ batch also thins out at the end of a run, when the last clients have no request 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -50,6 +49,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from phoenixft.bench.options import BenchOptions
+from phoenixft.bench.runner import command
+from phoenixft.observe.goals import Goal
 
 
 @dataclass(kw_only=True)
@@ -244,6 +247,33 @@ def _step_costs(llm, hf, n: int, cfg: ServeBenchConfig, vocab: int, rounds: int 
             "transformers_step_ms": round(1e3 * h, 3), "step_cost_ratio": h / e}
 
 
+def _level(llm, hf, n: int, cfg: ServeBenchConfig, rng: random.Random, vocab: int,
+           width: int) -> dict:
+    """One concurrency level: `repeats` repeats of both systems in turn on the same
+    requests (the median repeat, all in `repeats`), then their decoding steps' costs."""
+    reps: dict[str, list[dict]] = {"engine": [], "transformers": []}
+    for _ in range(cfg.repeats):
+        reqs = _workload(n * cfg.rounds, cfg, rng, vocab)
+        for name, fn, model in (("engine", _run_engine, llm),
+                                ("transformers", _run_hf, hf)):
+            res = fn(model, reqs, n, width)
+            reps[name].append({
+                "tokens_per_s": res["useful_tokens"] / res["wall_s"],
+                "ttft_mean_ms": 1e3 * statistics.fmean(res["ttft_s"]),
+                "ttft_p50_ms": 1e3 * statistics.median(res["ttft_s"]),
+                "useful_tokens": res["useful_tokens"],
+                "computed_tokens": res["computed_tokens"], "wall_s": res["wall_s"]})
+    row: dict = {"concurrency": n, "requests_per_repeat": n * cfg.rounds}
+    for name, runs in reps.items():
+        median = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+        row[name] = median | {"repeats": runs}
+    row["speedup"] = row["engine"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+    waves = row["transformers"]
+    row["ceiling"] = waves["computed_tokens"] / waves["useful_tokens"]
+    row |= _step_costs(llm, hf, n, cfg, vocab)
+    return row
+
+
 def run(cfg: ServeBenchConfig) -> dict:
     import torch
     import transformers
@@ -267,29 +297,7 @@ def run(cfg: ServeBenchConfig) -> dict:
             warm = _workload(n, cfg, rng, vocab)
             _run_engine(llm, warm, n)
             _run_hf(hf, warm, n, width)
-        rows = []
-        for n in cfg.concurrency:
-            reps: dict[str, list[dict]] = {"engine": [], "transformers": []}
-            for _ in range(cfg.repeats):
-                reqs = _workload(n * cfg.rounds, cfg, rng, vocab)
-                for name, fn, model in (("engine", _run_engine, llm),
-                                        ("transformers", _run_hf, hf)):
-                    res = fn(model, reqs, n, width)
-                    reps[name].append({
-                        "tokens_per_s": res["useful_tokens"] / res["wall_s"],
-                        "ttft_mean_ms": 1e3 * statistics.fmean(res["ttft_s"]),
-                        "ttft_p50_ms": 1e3 * statistics.median(res["ttft_s"]),
-                        "useful_tokens": res["useful_tokens"],
-                        "computed_tokens": res["computed_tokens"], "wall_s": res["wall_s"]})
-            row: dict = {"concurrency": n, "requests_per_repeat": n * cfg.rounds}
-            for name, runs in reps.items():
-                median = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
-                row[name] = median | {"repeats": runs}
-            row["speedup"] = row["engine"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
-            waves = row["transformers"]
-            row["ceiling"] = waves["computed_tokens"] / waves["useful_tokens"]
-            row |= _step_costs(llm, hf, n, cfg, vocab)
-            rows.append(row)
+        rows = [_level(llm, hf, n, cfg, rng, vocab, width) for n in cfg.concurrency]
         eng = llm.engine
         return {"bench": "serve", "model": desc, "config": asdict(cfg),
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -300,7 +308,8 @@ def run(cfg: ServeBenchConfig) -> dict:
                 "results": rows}
 
 
-def _print(result: dict) -> None:
+def show(result: dict, opts: BenchOptions) -> None:
+    """Per concurrency level: both systems' tokens/s and TTFT, the speedup and its ceiling."""
     from rich.console import Console
     from rich.table import Table
 
@@ -321,17 +330,26 @@ def _print(result: dict) -> None:
             f"{result['kv_pool']['block_size']} = {result['kv_pool']['bytes'] / 2**20:.1f} MiB")
 
 
-def _main(args: argparse.Namespace) -> int:
-    cfg = ServeBenchConfig(concurrency=args.concurrency, rounds=args.rounds, size=args.size,
-                           repeats=args.repeats,
-                           threads=args.threads, model_dir=args.model)
-    result = run(cfg)
-    _print(result)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
-    return 0
+def measure(opts: BenchOptions) -> dict:
+    args = opts.own
+    return run(ServeBenchConfig(concurrency=args.concurrency, rounds=args.rounds, size=args.size,
+                                repeats=args.repeats, threads=opts.threads, model_dir=args.model))
+
+
+def goals(result: dict) -> list[Goal]:
+    """The engine >= 2x transformers at 8 concurrent requests and more."""
+    return [Goal(f"engine vs transformers at {r['concurrency']} concurrent (ceiling "
+                 f"for equal step costs: {r['ceiling']:.2f}x"
+                 + (f"; transformers' step / the engine's: {r['step_cost_ratio']:.2f}x"
+                    if "step_cost_ratio" in r else "") + ")", ">= 2x",
+                 round(r["speedup"], 2), r["speedup"] >= 2)
+            for r in result["results"] if r["concurrency"] >= 8]
+
+
+def headline(result: dict) -> str:
+    size = result["model"].split(",")[1].strip()
+    return size + ": " + ", ".join(f"{r['speedup']:.2f}x transformers at "
+                                   f"{r['concurrency']}" for r in result["results"])
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -349,4 +367,4 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
                    help="repeats per level, alternating the systems; median shown")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--out", default=None, help="write the JSON result here")
-    p.set_defaults(func=_main)
+    p.set_defaults(func=command(measure, show))

@@ -45,8 +45,24 @@ def lighthouse(args: argparse.Namespace) -> None:
     server.shutdown()
 
 
-def replica(args: argparse.Namespace) -> None:
+def _manager(args: argparse.Namespace, model, opt, store):
+    """torchft's Manager for this replica group (group world size 1), its state the model
+    and optimizer, handed to a healing replica over torchft's HTTP transport."""
     from torchft import Manager, ProcessGroupGloo
+
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)),
+        min_replica_size=1,
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
+                                    opt.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+        replica_id=f"replica_{args.replica}", store_addr="127.0.0.1", store_port=store.port,
+        rank=0, world_size=1, lighthouse_addr=args.lighthouse, hostname="127.0.0.1",
+        timeout=timedelta(seconds=args.timeout), quorum_timeout=timedelta(seconds=60),
+        connect_timeout=timedelta(seconds=30))
+
+
+def replica(args: argparse.Namespace) -> None:
     from torchft.optim import OptimizerWrapper
 
     from phoenixft.bench.torchrun_baseline import BATCH
@@ -65,16 +81,7 @@ def replica(args: argparse.Namespace) -> None:
     windows = MicrobatchWindows(corpus, context=cfg.max_position_embeddings,
                                 batch=BATCH[args.preset], seed=args.seed)
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)),
-        min_replica_size=1,
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
-                                    opt.load_state_dict(sd["optim"])),
-        state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
-        replica_id=f"replica_{args.replica}", store_addr="127.0.0.1", store_port=store.port,
-        rank=0, world_size=1, lighthouse_addr=args.lighthouse, hostname="127.0.0.1",
-        timeout=timedelta(seconds=args.timeout), quorum_timeout=timedelta(seconds=60),
-        connect_timeout=timedelta(seconds=30))
+    manager = _manager(args, model, opt, store)
     optim = OptimizerWrapper(manager, opt)
     params = [p for p in model.parameters() if p.requires_grad]
     log.emit("ready", init_s=round(time.time() - t_launch, 3))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -32,10 +31,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from phoenixft.bench.faults import ProcessTree
-from phoenixft.bench.goodput_jobs import ENV, TorchrunJob, Workload, _fresh
-from phoenixft.bench.harness import ROOT, median, print_goals, run_job, step_times
-from phoenixft.bench.recovery import measure
+from phoenixft.bench.goodput_jobs import TorchrunJob, Workload
+from phoenixft.bench.harness import ROOT, median, run_job
+from phoenixft.bench.options import BenchOptions
+from phoenixft.bench.recovery import measure_events
+from phoenixft.bench.runner import command
+from phoenixft.bench.torchft_run import TorchftRun
+from phoenixft.observe.goals import Goal, as_dicts, print_goals
+from phoenixft.observe.steps import from_events, step_times
 
 
 def default_python() -> str:
@@ -53,7 +56,7 @@ INSTALL = ("pip install -e '.[torchft]' (torchft beside phoenixft, on the same C
            ".venv-torchft/bin/pip install --no-deps torchft==0.2.0")
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("torchft", help="torchft 0.2.0 beside phoenixft: same job, same kill")
     p.add_argument("--python", default=None,
                    help="the interpreter of an environment with torchft 0.2.0 (default: "
@@ -69,7 +72,7 @@ def register(sub) -> None:
                    help="failure-free runs of both for the step time (--no-free-runs: the "
                         "median step before the kill instead; quicker, for smoke tests)")
     p.add_argument("--out", default="runs/bench/torchft.json")
-    p.set_defaults(func=cmd_torchft)
+    p.set_defaults(func=command(measure, show))
 
 
 def torchft_version(python: str) -> str:
@@ -87,90 +90,11 @@ def torchft_version(python: str) -> str:
     return out.stdout.strip()
 
 
-class TorchftRun:
-    """A lighthouse and R replica groups, each its own process tree; a replica that dies is
-    restarted at once (attempt + 1). Everything it started is SIGKILLed by PID at the end."""
-
-    def __init__(self, python: str, run_dir: Path, work: Workload, *, kill_step: int | None,
-                 heartbeat_timeout_s: float) -> None:
-        self.python, self.run_dir, self.work = python, _fresh(run_dir), work
-        self.kill_step, self.hb = kill_step, heartbeat_timeout_s
-        self.env = {**ENV, "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        self.trees: list[ProcessTree] = []
-        self.restarts: list[dict] = []
-
-    def _spawn(self, args: list[str], log: str) -> ProcessTree:
-        tree = ProcessTree([self.python, "-m", "phoenixft.bench.torchft_job", *args],
-                           log=self.run_dir / log, env=self.env)
-        self.trees.append(tree)
-        return tree
-
-    def _replica(self, r: int, attempt: int, lighthouse: str) -> ProcessTree:
-        w = self.work
-        args = ["replica", "--replica", str(r), "--replicas", str(w.nproc), "--attempt",
-                str(attempt), "--lighthouse", lighthouse, "--steps", str(w.steps),
-                "--preset", w.preset, "--microbatches", str(w.microbatches),
-                "--seed", str(w.seed), "--events", str(self.run_dir / "events.jsonl"),
-                "--go-file", str(self.run_dir / "go"), "--timeout", str(max(10.0, 5 * self.hb))]
-        if self.kill_step is not None and r == w.nproc - 1:
-            args += ["--kill-at", str(self.kill_step)]
-        return self._spawn(args, f"replica{r}.{attempt}.log")
-
-    def run(self, timeout_s: float = 900) -> list[dict]:
-        from phoenixft.observe.events import read_events
-
-        addr_file = self.run_dir / "lighthouse.addr"
-        lh = self._spawn(["lighthouse", "--addr-file", str(addr_file), "--heartbeat-timeout",
-                          str(self.hb)], "lighthouse.log")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not addr_file.exists():  # the lighthouse is up: a state, bounded
-                self._check(lh, deadline, "lighthouse")
-                time.sleep(0.05)
-            addr = addr_file.read_text().strip()
-            reps = {r: self._replica(r, 0, addr) for r in range(self.work.nproc)}
-            attempts = dict.fromkeys(reps, 0)
-            events = self.run_dir / "events.jsonl"
-            while sum(e["event"] == "ready" for e in read_events(events)) < len(reps):
-                for r, t in reps.items():
-                    self._check(t, deadline, f"replica {r}")
-                time.sleep(0.05)  # every group built its manager: start them together
-            (self.run_dir / "go").touch()
-            while True:
-                done = {e["replica"] for e in read_events(events) if e["event"] == "done"}
-                for r, tree in reps.items():
-                    rc = tree.popen.poll()
-                    if rc is None or r in done:
-                        continue
-                    if rc != -9 or attempts[r] >= 1:
-                        raise RuntimeError(f"torchft replica {r} exited with {rc}; see "
-                                           f"{self.run_dir}/replica{r}.{attempts[r]}.log")
-                    attempts[r] += 1  # SIGKILLed: restart it, as torchelastic would
-                    self.restarts.append({"t": time.time(), "replica": r})
-                    reps[r] = self._replica(r, attempts[r], addr)
-                if len(done) == len(reps) and all(t.popen.poll() is not None for t in reps.values()):
-                    return list(read_events(events))
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"torchft job in {self.run_dir} ran past {timeout_s:.0f}s")
-                time.sleep(0.05)  # polling process states, bounded
-        finally:
-            for t in self.trees:
-                t.kill()
-
-    @staticmethod
-    def _check(tree: ProcessTree, deadline: float, what: str) -> None:
-        if tree.popen.poll() is not None:
-            raise RuntimeError(f"torchft {what} exited with {tree.popen.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"torchft {what} never got ready")
-
-
 def torchft_step_times(events: list[dict], replica: int = 0, skip: int = 5) -> list[float]:
-    """Gaps between consecutive committed steps of one replica group, after warm-up."""
-    steps = [(e["step"], e["t"]) for e in events
-             if e["event"] == "step" and e["replica"] == replica and e["committed"]]
-    return [t1 - t0 for (s0, t0), (s1, t1) in zip(steps, steps[1:]) if s1 == s0 + 1 and s0 >= skip]
+    """Step times (`observe.steps`) of one replica group's committed steps, after warm-up
+    (a step torchft did not commit is redone under the same number)."""
+    mine = [e for e in events if e["event"] == "step" and e["replica"] == replica and e["committed"]]
+    return step_times(from_events(mine, epoch="attempt"), skip=skip)
 
 
 def torchft_fault(events: list[dict], restarts: list[dict], microbatches: int) -> dict:
@@ -199,7 +123,7 @@ def torchft_fault(events: list[dict], restarts: list[dict], microbatches: int) -
 def phoenix_fault(events: list[dict]) -> dict:
     """bench recovery's figures, named as torchft's are: the spare's first step is also
     the survivor's (both are in the step the job resumes with)."""
-    m = measure(events)
+    m = measure_events(events)
     return {"kill_to_survivor_step_s": m["kill_to_next_step_s"],
             "kill_to_full_strength_s": m["kill_to_next_step_s"],
             "restart_to_ready_s": None,  # the spare was warm before the kill
@@ -208,14 +132,25 @@ def phoenix_fault(events: list[dict]) -> dict:
             "microbatches_not_trained": 0}
 
 
-def cmd_torchft(args) -> int:
-    console = Console(width=max(Console().width, 130))
-    args.python = args.python or default_python()
-    version = torchft_version(args.python)
-    root = Path(args.out).parent / "torchft-runs"
-    work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches, nproc=2)
-    t0 = time.time()
+def _ddp_step_s(root: Path, work: Workload) -> float:
+    """Plain DDP under torchrun, failure-free: the median step (the reference for both)."""
+    from phoenixft.observe.events import read_events
 
+    ddp = TorchrunJob(run_dir=root / "ddp", work=work, max_restarts=0, ckpt_every=10**9)
+    tree = ddp.start([])
+    try:
+        rc = tree.popen.wait(900)
+    finally:
+        tree.kill()
+    if rc != 0:
+        raise RuntimeError(f"plain DDP run failed ({rc}); see {root / 'ddp' / 'torchrun.log'}")
+    return median(step_times(from_events(read_events(root / "ddp" / "events.jsonl"),
+                                         epoch="attempt"), skip=5))
+
+
+def _runs(args: argparse.Namespace, root: Path, work: Workload) -> tuple[list, list, dict, TorchftRun]:
+    """Both systems failure-free (or, with --no-free-runs, their steps before the kill),
+    then both with the same kill; the failure-free events and the kill runs."""
     def phoenix(name: str, inject: list[str]) -> dict:
         return run_job(root / name, nproc=2, spares=1, inject=inject,
                        heartbeat_timeout_s=args.heartbeat_timeout,
@@ -227,31 +162,33 @@ def cmd_torchft(args) -> int:
         run.events = run.run()
         return run
 
-    console.print(f"torchft {version}; plain DDP (failure-free reference)")
-    ddp = TorchrunJob(run_dir=root / "ddp", work=work, max_restarts=0, ckpt_every=10**9)
-    tree = ddp.start([])
-    try:
-        rc = tree.popen.wait(900)
-    finally:
-        tree.kill()
-    if rc != 0:
-        raise RuntimeError(f"plain DDP run failed ({rc}); see {root / 'ddp' / 'torchrun.log'}")
-    from phoenixft.observe.events import read_events
-    ddp_steps = [e for e in read_events(root / "ddp" / "events.jsonl") if e["event"] == "step"]
-    ddp_step = median([b["t"] - a["t"] for a, b in zip(ddp_steps, ddp_steps[1:]) if a["step"] >= 5])
     if args.free_runs:
-        console.print("phoenixft failure-free, torchft failure-free")
+        print("phoenixft failure-free, torchft failure-free", flush=True)
         px_free = phoenix("phoenixft-free", [])["events"]
         tf_free = torchft("torchft-free", None).events
-    console.print(f"phoenixft with a kill at step {args.kill_step}, torchft with the same kill")
+    print(f"phoenixft with a kill at step {args.kill_step}, torchft with the same kill", flush=True)
     px_kill = phoenix("phoenixft-kill", [f"kill:rank=1:step={args.kill_step}"])
     tf_kill = torchft("torchft-kill", args.kill_step)
     if not args.free_runs:  # the steps before the kill
         px_free = [e for e in px_kill["events"] if e["event"] != "step" or e["step"] < args.kill_step]
         tf_free = [e for e in tf_kill.events if e["event"] != "step" or e["step"] < args.kill_step]
+    return px_free, tf_free, px_kill, tf_kill
+
+
+def measure(opts: BenchOptions) -> dict:
+    """Plain DDP, then both systems failure-free and with the same SIGKILL."""
+    args = opts.own
+    args.python = args.python or default_python()
+    version = torchft_version(args.python)
+    root = opts.runs_dir("torchft")
+    work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches, nproc=2)
+    t0 = time.time()
+    print(f"torchft {version}; plain DDP (failure-free reference)", flush=True)
+    ddp_step = _ddp_step_s(root, work)
+    px_free, tf_free, px_kill, tf_kill = _runs(args, root, work)
     # warm-up steps left out (the spare and the lighthouse start beside the first steps)
     skip = 5 if args.free_runs else min(5, max(1, args.kill_step // 3))
-    px_step = median(step_times(px_free, skip=skip))
+    px_step = median(step_times(from_events(px_free), skip=skip))
     tf_step = median(torchft_step_times(tf_free, skip=skip))
     rows = {
         "phoenixft": {"step_s": round(px_step, 4), "step_ratio_vs_ddp": round(px_step / ddp_step, 4),
@@ -259,42 +196,76 @@ def cmd_torchft(args) -> int:
         "torchft": {"step_s": round(tf_step, 4), "step_ratio_vs_ddp": round(tf_step / ddp_step, 4),
                     **torchft_fault(tf_kill.events, tf_kill.restarts, args.microbatches)},
     }
-    table = Table(title=f"torchft {version} vs phoenixft ({args.preset} preset, 2 members x 1 "
-                        f"torch thread, kill at step {args.kill_step}, loopback)")
-    cols = ["step_s", "step_ratio_vs_ddp", "kill_to_survivor_step_s", "kill_to_full_strength_s",
-            "restart_to_ready_s", "lost_steps", "steps_short_of_data", "microbatches_not_trained"]
-    table.add_column("system")
-    for c in cols:
-        table.add_column(c.replace("_", " "))
-    for name, r in rows.items():
-        table.add_row(name, *("-" if r[c] is None else str(r[c]) for c in cols))
-    console.print(table)
-    console.print(f"plain DDP step: {ddp_step:.4f} s")
-    px, tf = rows["phoenixft"], rows["torchft"]
-    goals = [
-        {"name": "survivor stall after a kill, phoenixft vs torchft", "goal": "<= torchft's",
-         "measured": f"{px['kill_to_survivor_step_s']} s vs {tf['kill_to_survivor_step_s']} s",
-         "met": px["kill_to_survivor_step_s"] <= tf["kill_to_survivor_step_s"]},
-        {"name": "back to full strength after a kill, phoenixft vs torchft", "goal": "<= torchft's",
-         "measured": f"{px['kill_to_full_strength_s']} s vs "
-                     f"{tf['kill_to_full_strength_s'] or 'not within the run'} s",
-         "met": tf["kill_to_full_strength_s"] is None
-                or px["kill_to_full_strength_s"] <= tf["kill_to_full_strength_s"]},
-        {"name": "microbatches not trained on through a kill", "goal": "0",
-         "measured": f"phoenixft {px['microbatches_not_trained']}, "
-                     f"torchft {tf['microbatches_not_trained']}",
-         "met": px["microbatches_not_trained"] == 0},
-    ]
-    print_goals(console, goals)
     result = {"benchmark": "torchft", "torchft_version": version, "preset": args.preset,
               "steps": args.steps, "microbatches": args.microbatches, "kill_step": args.kill_step,
               "step_time_from": "failure-free runs" if args.free_runs else "steps before the kill",
               "processes": "2 members x 1 torch thread each (+1 spare for phoenixft, +1 "
                            "lighthouse for torchft)",
-              "ddp_step_s": round(ddp_step, 4), "rows": rows, "goals": goals,
-              "wall_s": round(time.time() - t0, 1)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {args.out}")
-    return 0
+              "ddp_step_s": round(ddp_step, 4), "rows": rows}
+    result["goals"] = as_dicts(goals(result))
+    return {**result, "wall_s": round(time.time() - t0, 1)}
 
+
+COLUMNS = ["step_s", "step_ratio_vs_ddp", "kill_to_survivor_step_s", "kill_to_full_strength_s",
+           "restart_to_ready_s", "lost_steps", "steps_short_of_data", "microbatches_not_trained"]
+
+
+def show(result: dict, opts: BenchOptions) -> None:
+    """Both systems' figures side by side, the DDP step, the goals."""
+    console = Console(width=max(Console().width, 130))
+    table = Table(title=f"torchft {result['torchft_version']} vs phoenixft ({result['preset']} "
+                        f"preset, 2 members x 1 torch thread, kill at step {result['kill_step']}, "
+                        "loopback)")
+    table.add_column("system")
+    for c in COLUMNS:
+        table.add_column(c.replace("_", " "))
+    for name, r in result["rows"].items():
+        table.add_row(name, *("-" if r[c] is None else str(r[c]) for c in COLUMNS))
+    console.print(table)
+    console.print(f"plain DDP step: {result['ddp_step_s']:.4f} s")
+    print_goals(console, goals(result))
+
+
+def goals(result: dict) -> list[Goal]:
+    """phoenixft's survivor stall and time back to full strength no worse than torchft's,
+    and no microbatch left untrained through the kill."""
+    px, tf = result["rows"]["phoenixft"], result["rows"]["torchft"]
+    return [
+        Goal("survivor stall after a kill, phoenixft vs torchft", "<= torchft's",
+             f"{px['kill_to_survivor_step_s']} s vs {tf['kill_to_survivor_step_s']} s",
+             px["kill_to_survivor_step_s"] <= tf["kill_to_survivor_step_s"]),
+        Goal("back to full strength after a kill, phoenixft vs torchft", "<= torchft's",
+             f"{px['kill_to_full_strength_s']} s vs "
+             f"{tf['kill_to_full_strength_s'] or 'not within the run'} s",
+             tf["kill_to_full_strength_s"] is None
+             or px["kill_to_full_strength_s"] <= tf["kill_to_full_strength_s"]),
+        Goal("microbatches not trained on through a kill", "0",
+             f"phoenixft {px['microbatches_not_trained']}, "
+             f"torchft {tf['microbatches_not_trained']}",
+             px["microbatches_not_trained"] == 0),
+    ]
+
+
+def headline(result: dict) -> str:
+    p, t = result["rows"]["phoenixft"], result["rows"]["torchft"]
+    return (f"SIGKILL -> survivor's next step: phoenixft {p['kill_to_survivor_step_s']:.2f} s, "
+            f"torchft {t['kill_to_survivor_step_s']:.2f} s; back to full strength "
+            f"{p['kill_to_full_strength_s']:.2f} s vs {t['kill_to_full_strength_s']} s; "
+            f"microbatches not trained {p['microbatches_not_trained']} vs "
+            f"{t['microbatches_not_trained']}; step time vs plain DDP "
+            f"{p['step_ratio_vs_ddp']:.2f}x vs {t['step_ratio_vs_ddp']:.2f}x")
+
+
+def markdown(result: dict) -> list[str]:
+    """Both systems' figures as a markdown table, for BENCHMARKS.md."""
+    cols = [("step_s", "step s"), ("step_ratio_vs_ddp", "step / plain DDP"),
+            ("kill_to_survivor_step_s", "kill -> survivor's next step s"),
+            ("kill_to_full_strength_s", "kill -> full strength s"),
+            ("lost_steps", "updates thrown away"),
+            ("microbatches_not_trained", "microbatches not trained")]
+    rows = ["| system | " + " | ".join(c for _, c in cols) + " |",
+            "|---" * (len(cols) + 1) + "|"]
+    for name, r in result["rows"].items():
+        rows.append(f"| {name} | " + " | ".join(str(r[k]) for k, _ in cols) + " |")
+    return rows + ["", f"torchft {result['torchft_version']}; plain DDP step "
+                   f"{result['ddp_step_s']} s; {result['processes']}."]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from phoenixft.observe.steps import StepEvent, follows, from_events
+
 _STEP = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _RECOVER = (.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 300)
 
@@ -26,7 +28,7 @@ class TrainMetrics(CollectorRegistry):
         self.run_dir = Path(run_dir)
         self._pos = 0
         self._lock = threading.Lock()
-        self._last_step: tuple[int, float, int] | None = None  # step, t, generation
+        self._last_step: StepEvent | None = None
         self._gens_recovered: set[int] = set()
         self.steps = Counter("phoenixft_train_steps", "optimizer steps completed (steps redone "
                              "after a recovery count again)", registry=self)
@@ -99,11 +101,11 @@ class TrainMetrics(CollectorRegistry):
             self.steps.inc()
             self.step.set(e["step"])
             self.loss.set(e["loss"])
-            gen = e.get("gen", 0)
+            step = from_events([e])[0]
             last = self._last_step
-            if last is not None and e["step"] == last[0] + 1 and gen == last[2]:
-                self.step_time.observe(e["t"] - last[1])
-            self._last_step = (e["step"], e["t"], gen)
+            if last is not None and follows(last, step):
+                self.step_time.observe(step.t - last.t)
+            self._last_step = step
             if "world_size" in e:
                 self.world.set(e["world_size"])
         elif kind == "failure":

@@ -14,7 +14,7 @@ LAYERS = {
     "observe": 0, "faults": 0, "models": 0, "platform": 0,
     "comm": 1, "cluster": 1,
     "checkpoint": 2,
-    "train": 3, "launch": 3, "serve": 3,
+    "train": 3, "launch": 3, "serve": 3, "simulate": 3,
     "bench": 4,
     "cli": 5,
 }

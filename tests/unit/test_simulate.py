@@ -5,15 +5,9 @@ from __future__ import annotations
 
 import math
 
-from phoenixft.bench.simulate import (
-    RATES,
-    Costs,
-    _replay,
-    mean_effective,
-    simulate,
-    validate,
-    young_daly,
-)
+from phoenixft.simulate.model import Costs, mean_effective, simulate, young_daly
+from phoenixft.simulate.rates import RATES
+from phoenixft.simulate.validate import _replay, validate
 
 
 def test_without_failures_only_the_overheads_remain():

@@ -1,0 +1,75 @@
+"""The `phoenixft simulate` command: its flags, then project, find the crossover, validate
+against a goodput run when one is given, report and write the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from phoenixft.observe.goals import as_dicts
+from phoenixft.simulate import model, report
+from phoenixft.simulate.measured import measured_costs, read_json
+from phoenixft.simulate.model import Costs, crossover, projection
+from phoenixft.simulate.rates import MIX, RATES, parse_rates
+from phoenixft.simulate.validate import validate
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="project goodput to 100k+ GPUs under published "
+                                        "failure rates: checkpoint-restart, spares, ReCoVer, "
+                                        "tiers", description=model.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", default="1024,16384,100000,131072",
+                   help="comma-separated job sizes")
+    p.add_argument("--rates", default="llama3,projected",
+                   help=f"failure-rate presets ({', '.join(RATES)}) or per-GPU-hour numbers")
+    p.add_argument("--step-s", type=float, default=Costs.step_s)
+    p.add_argument("--restart-s", type=float, default=Costs.restart_s,
+                   help="checkpoint-and-restart: seconds from a failure to training again")
+    p.add_argument("--ckpt-s", type=float, default=Costs.ckpt_s,
+                   help="checkpoint-and-restart: training stall per checkpoint")
+    p.add_argument("--spare-frac", type=float, default=Costs.spare_frac,
+                   help="warm spare nodes as a share of the job's nodes (at least one)")
+    p.add_argument("--outage-per-day", type=float, default=Costs.outage_per_day,
+                   help="whole-job outages per day (power, storage, scheduler)")
+    p.add_argument("--repair-h", type=float, default=Costs.repair_h)
+    p.add_argument("--recovery-json", default="runs/bench/recovery.json",
+                   help="measured detect/recover/lost steps (phoenixft bench recovery)")
+    p.add_argument("--overhead-json", default="runs/bench/overhead.json",
+                   help="measured snapshot overhead (phoenixft bench overhead)")
+    p.add_argument("--runs", type=int, default=16, help="Monte-Carlo runs per cell")
+    p.add_argument("--horizon-h", type=float, default=168.0, help="simulated wall time per run")
+    p.add_argument("--validate", default="runs/bench/goodput.json", metavar="GOODPUT_JSON",
+                   help="predict this `phoenixft bench goodput` run's ratios and report the "
+                        "error (skipped if the file does not exist)")
+    p.add_argument("--out", default="runs/bench/simulate.json")
+    p.set_defaults(func=cmd_simulate)
+
+
+def simulate_result(args: argparse.Namespace) -> dict:
+    """The projection, the crossover and the validation for these flags, with their goals."""
+    base = Costs(step_s=args.step_s, restart_s=args.restart_s, ckpt_s=args.ckpt_s,
+                 spare_frac=args.spare_frac, outage_per_day=args.outage_per_day,
+                 repair_h=args.repair_h)
+    costs = measured_costs(args.recovery_json, args.overhead_json, base)
+    sizes = [int(x) for x in args.gpus.split(",")]
+    rates = parse_rates(args.rates)
+    rows = projection(costs, sizes, rates, args.runs, args.horizon_h)
+    cross = crossover(costs, 16384, 2.23, args.runs, args.horizon_h)
+    goodput = read_json(args.validate)
+    checks = [] if goodput is None else validate(goodput, read_json(args.recovery_json))
+    result = {"benchmark": "simulate", "costs": asdict(costs), "rates": rates, "mix": MIX,
+              "rows": rows, "crossover_2_23x": cross, "validation": checks}
+    result["goals"] = as_dicts(report.goals(result))
+    return {**result, "runs": args.runs, "horizon_h": args.horizon_h}
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    result = simulate_result(args)
+    report.show(result, args.validate if args.validate and Path(args.validate).is_file() else None)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,86 @@
+"""What `phoenixft simulate` reports from its result dict: its goals, its line in the
+README's headline table, its tables for the console and for BENCHMARKS.md. Reads only
+the result, so `bench all` renders a simulation it ran in another process the same way."""
+
+from __future__ import annotations
+
+from phoenixft.observe.goals import Goal
+from phoenixft.simulate.model import STRATEGIES
+
+
+def goals(result: dict) -> list[Goal]:
+    """The projection at the sizes the issue names, and the validation's error per mode."""
+    by = {(r["rate"], r["gpus"]): r for r in result["rows"]}
+    out = []
+    if ("llama3", 16384) in by:
+        tiers = by["llama3", 16384]["tiers"]
+        out.append(Goal("phoenixft + tiers at 16k GPUs, Llama 3 failure rate", ">= 0.97",
+                        tiers, tiers >= 0.97))
+    if ("projected", 100000) in by:
+        tiers = by["projected", 100000]["tiers"]
+        out.append(Goal("phoenixft + tiers at 100k GPUs, projected failure rate", ">= 0.9",
+                        tiers, tiers >= 0.9))
+    for c in result["validation"]:
+        out.append(Goal(f"simulator predicts the {c['mode']} goodput ratio", "error <= 10%",
+                        f"{100 * c['error']:.1f}%", c["error"] <= 0.1))
+    return out
+
+
+def headline(result: dict) -> str:
+    """Tiers against restart at 16k (Llama 3's rate) and 100k GPUs (projected), and the
+    validation's errors."""
+    rows = {(r["rate"], r["gpus"]): r for r in result["rows"]}
+    a, b = rows[("llama3", 16384)], rows[("projected", 100000)]
+    errs = ", ".join(f"{v['mode']} {100 * v['error']:.0f}%" for v in result["validation"])
+    return (f"phoenixft + tiers {a['tiers']:.3f} of failure-free at 16k GPUs (Llama 3 "
+            f"rate; restart {a['restart']:.3f}), {b['tiers']:.3f} at 100k (projected; "
+            f"restart {b['restart']:.3f}); validation error {errs}")
+
+
+def markdown(result: dict) -> list[str]:
+    """The projection table, the 2.23x crossover and the validation, as markdown lines."""
+    rows = ["| rate | GPUs | job MTBF | restart | spares | ReCoVer | spares + tiers | "
+            "tiers / restart |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        rows.append(f"| {r['rate']} | {r['gpus']:,} | {r['mtbf_min']:.1f} min | "
+                    f"{r['restart']:.3f} | {r['spares']:.3f} | {r['recover']:.3f} | "
+                    f"{r['tiers']:.3f} | {r['tiers_vs_restart']}x |")
+    c = result["crossover_2_23x"]
+    rows += ["", f"ReCoVer reaches {c['target_ratio']}x checkpoint-and-restart at "
+             f"{c['gpus']:,} GPUs when the job's MTBF is {c['job_mtbf_min']:.1f} minutes "
+             f"({c['per_gpu_hour']:.2e} failures per GPU-hour)."]
+    if result.get("validation"):
+        rows += ["", "| validation | predicted ratio | measured ratio | error |",
+                 "|---|---|---|---|"]
+        rows += [f"| {v['mode']} | {v['predicted_ratio']:.3f} | {v['measured_ratio']:.3f} | "
+                 f"{100 * v['error']:.1f}% |" for v in result["validation"]]
+    return rows
+
+
+def show(result: dict, validated_from: str | None) -> None:
+    """The console's tables: effective throughput per rate and size, the crossover, and
+    the validation against `validated_from` (when it ran)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="effective throughput (failure-free = 1.00), mean of "
+                        f"{result['runs']} runs of {result['horizon_h']:.0f} h")
+    for col in ("rate", "GPUs", "job MTBF", *STRATEGIES, "tiers / restart"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        table.add_row(r["rate"], f"{r['gpus']:,}", f"{r['mtbf_min']:.1f} min",
+                      *(f"{r[s]:.3f}" for s in STRATEGIES),
+                      f"{r['tiers_vs_restart']}x" if r["tiers_vs_restart"] else "inf")
+    Console().print(table)
+    cross = result["crossover_2_23x"]
+    print(f"ReCoVer reaches 2.23x checkpoint-and-restart at 16k GPUs when the job's MTBF is "
+          f"{cross['job_mtbf_min']:.1f} min ({cross['per_gpu_hour']:.2e} failures per GPU-hour)")
+    if not validated_from:
+        return
+    v = Table(title=f"validation against {validated_from} (goal: error <= 10%)")
+    for col in ("mode", "predicted ratio", "measured ratio", "error"):
+        v.add_column(col, justify="right")
+    for c in result["validation"]:
+        v.add_row(c["mode"], f"{c['predicted_ratio']:.3f}", f"{c['measured_ratio']:.3f}",
+                  f"{100 * c['error']:.1f}%")
+    Console().print(v)
