@@ -17,7 +17,7 @@ _COMMANDS = [
     "phoenixft.launch.store_cli",  # store
     "phoenixft.launch.chaos_cli",  # chaos
     "phoenixft.checkpoint.cli",    # ckpt
-    "phoenixft.serve.cli",       # serve, generate
+    "phoenixft.serve.server.cli",       # serve, generate
     "phoenixft.bench.simulate",  # simulate
     "phoenixft.observe.plot",    # plot
 ]

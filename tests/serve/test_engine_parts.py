@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from phoenixft.serve import LLM, EngineConfig, SamplingParams
-from phoenixft.serve.block_manager import BlockManager
-from phoenixft.serve.sampler import sample, uniform
-from phoenixft.serve.sequence import Sequence
+from phoenixft.serve.engine.block_manager import BlockManager
+from phoenixft.serve.engine.sampler import sample, uniform
+from phoenixft.serve.engine.sequence import Sequence
 
 
 def seq(tokens, sid="s", **params) -> Sequence:
@@ -166,7 +166,7 @@ def test_socket_dirs_of_fronts_that_are_gone_are_removed(tmp_path):
     import tempfile
     from pathlib import Path
 
-    from phoenixft.serve.supervisor import SOCK_PREFIX, EngineSupervisor, remove_stale_socket_dirs
+    from phoenixft.serve.server.supervisor import SOCK_PREFIX, EngineSupervisor, remove_stale_socket_dirs
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     tmp = Path(tempfile.gettempdir())

@@ -11,11 +11,11 @@ import pytest
 from test_crash_recovery import write_adapter
 
 from phoenixft.serve import EngineConfig, SamplingParams
-from phoenixft.serve.adapters import check_adapter_name
-from phoenixft.serve.engine import LLMEngine
-from phoenixft.serve.recorder import Recorder
-from phoenixft.serve.recovery import recover
-from phoenixft.serve.store import RequestStore
+from phoenixft.serve.engine.adapters import check_adapter_name
+from phoenixft.serve.engine.llm_engine import LLMEngine
+from phoenixft.serve.recovery.recorder import Recorder
+from phoenixft.serve.recovery.restore import recover
+from phoenixft.serve.server.store import RequestStore
 
 CFG = EngineConfig(block_size=4, num_blocks=64, max_model_len=128)
 

@@ -23,7 +23,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine, RequestOutput
 from .sequence import Sequence
 
 log = logging.getLogger("phoenixft.serve")

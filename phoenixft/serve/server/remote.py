@@ -27,11 +27,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .async_engine import EngineDead, RequestFailed
-from .config import SamplingParams
-from .engine import RequestOutput
-from .sequence import Sequence
-from .spec import EngineSpec
+from phoenixft.serve.engine.async_engine import EngineDead, RequestFailed
+from phoenixft.serve.engine.config import SamplingParams
+from phoenixft.serve.engine.llm_engine import RequestOutput
+from phoenixft.serve.engine.sequence import Sequence
+from phoenixft.serve.engine.spec import EngineSpec
+
 from .store import RequestStore, key_id
 
 

@@ -143,7 +143,7 @@ class EngineSupervisor:
     def _spawn(self, role: str) -> EngineProc:
         logs = self.work_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "phoenixft.serve.engine_proc", "--socket", self.sock_path,
+        cmd = [sys.executable, "-m", "phoenixft.serve.server.engine_proc", "--socket", self.sock_path,
                "--model", self.model_dir, "--config", json.dumps(self.engine_config),
                "--log-dir", str(self.log_dir), "--role", role, "--parent", str(os.getpid()),
                "--ring-bytes", str(self.ring_bytes), "--compact-bytes", str(self.compact_bytes)]

@@ -1,11 +1,11 @@
-"""`python -m phoenixft.serve.engine_proc`: one serving engine process, supervised by the
+"""`python -m phoenixft.serve.server.engine_proc`: one serving engine process, supervised by the
 HTTP front (`supervisor.py`).
 
 It loads the model (imports paid, weights loaded, one warm-up generation run), connects to
 the front's socket and says hello with its role. The *active* engine serves at once,
 recovering first from the log if one is there (the whole server was restarted); a warm
 *standby* waits for `activate`, then rebuilds the crashed engine's requests from the log it
-left (`recovery.py`) and serves them on. Either way it keeps the recovery log itself
+left (`recovery/restore.py`) and serves them on. Either way it keeps the recovery log itself
 (`recorder.py`), through a log executor process started with the engine (`executor.py`).
 It dies with the front (parent-death signal), and its executor with it.
 
@@ -49,9 +49,9 @@ class EngineServer:
         self._consecutive_failures = 0
 
     def start_recording(self) -> dict:
-        from .log import lock_log, segments
-        from .recorder import Recorder
-        from .recovery import RecoveryReport, recover
+        from phoenixft.serve.recovery.log import lock_log, segments
+        from phoenixft.serve.recovery.recorder import Recorder
+        from phoenixft.serve.recovery.restore import RecoveryReport, recover
 
         lock = lock_log(self.args.log_dir, wait_s=10.0)  # the crashed engine's executor is gone
         try:
@@ -80,7 +80,7 @@ class EngineServer:
             self.wake.set()
 
     def _drain(self) -> None:
-        from .config import SamplingParams
+        from phoenixft.serve.engine.config import SamplingParams
         while True:
             try:
                 msg = self.commands.get_nowait()
@@ -157,10 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(args.parent)
     import torch
 
+    from phoenixft.serve.engine.config import EngineConfig
+    from phoenixft.serve.engine.llm_engine import LLMEngine
+    from phoenixft.serve.recovery.executor import start_executor
+
     from . import wire
-    from .config import EngineConfig
-    from .engine import LLMEngine
-    from .executor import start_executor
 
     if args.threads:
         torch.set_num_threads(args.threads)
