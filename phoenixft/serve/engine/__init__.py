@@ -7,6 +7,7 @@ weights from ``loader``), ``llm_engine`` (the step loop, sampling by ``sampler``
 handling), ``llm`` (the offline API). Around them: ``config``, ``spec`` (a model without
 its weights, what the HTTP front validates requests with), ``tokenizer``, ``adapters``.
 
-This part knows nothing of HTTP. Nothing is imported here, so importing a module of this
+This part knows nothing of the recovery log or of HTTP: it sees the log only through
+``step_recorder.StepRecorder``. Nothing is imported here, so importing a module of this
 package does not import its siblings.
 """

@@ -29,6 +29,7 @@ from .sampler import logprobs, penalize, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec import EngineSpec
+from .step_recorder import StepRecorder
 
 
 @dataclass(slots=True)
@@ -62,7 +63,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._last_step: list[Sequence] = []  # what the current or last step computes
         self._before: list[tuple[int, int]] = []  # their (tokens, computed) before it
-        self.recorder = None  # the recovery log (recorder.py), when serving keeps one
+        # what records each step (the recovery log, when serving keeps one): step_recorder.py
+        self.recorder: StepRecorder | None = None
         self.adapters = AdapterStore()
         self.runner.adapters = self.adapters
 

@@ -47,6 +47,7 @@ class EngineServer:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self._consecutive_failures = 0
+        self.recorder = None  # the engine's StepRecorder, kept here for its summary
 
     def start_recording(self) -> dict:
         from phoenixft.serve.recovery.log import lock_log, segments
@@ -59,7 +60,7 @@ class EngineServer:
                 else RecoveryReport()
         finally:
             os.close(lock)  # this engine's executor takes it when it starts writing
-        self.engine.recorder = Recorder(
+        self.recorder = self.engine.recorder = Recorder(
             self.engine, self.args.log_dir, first_epoch=report.last_commit + 1,
             first_seq=report.next_seq, compact_bytes=self.args.compact_bytes,
             executor=self.executor,
@@ -126,7 +127,7 @@ class EngineServer:
                 "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "kv_usage": e.block_manager.usage, "preemptions": e.scheduler.num_preemptions,
                 "generated": e.num_generated_tokens,
-                "log": e.recorder.summary() if e.recorder is not None else None}
+                "log": self.recorder.summary() if self.recorder is not None else None}
 
     def serve(self) -> None:
         threading.Thread(target=self.read, daemon=True, name="phoenixft-engine-reader").start()
