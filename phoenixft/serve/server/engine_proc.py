@@ -9,9 +9,9 @@ left (`recovery/restore.py`) and serves them on. Either way it keeps the recover
 (`recorder.py`), through a log executor process started with the engine (`executor.py`).
 It dies with the front (parent-death signal), and its executor with it.
 
-Messages (wire.py), front -> engine: add {id, prompt, params, seed}, abort {id}, activate,
-shutdown. Engine -> front: hello {pid, role}, ready {report, resumed}, out {outs, stats},
-log_failed {error}.
+Messages (`messages.py`, over `wire.py`), front -> engine: Add, Abort, LoadAdapter,
+Activate. Engine -> front: Hello, Ready, Outputs, Failed, AdapterLoaded/AdapterRefused,
+LogFailed, Fatal. The front closing the connection ends the process.
 """
 
 from __future__ import annotations
@@ -25,6 +25,22 @@ import threading
 import time
 
 from phoenixft.platform import die_with_parent
+
+from .messages import (
+    Abort,
+    Activate,
+    AdapterLoaded,
+    AdapterRefused,
+    Add,
+    Failed,
+    Fatal,
+    Hello,
+    LoadAdapter,
+    LogFailed,
+    Outputs,
+    Ready,
+    Resumed,
+)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,7 +65,7 @@ class EngineServer:
         self._consecutive_failures = 0
         self.recorder = None  # the engine's StepRecorder, kept here for its summary
 
-    def start_recording(self) -> dict:
+    def start_recording(self) -> Ready:
         from phoenixft.serve.recovery.log import lock_log, segments
         from phoenixft.serve.recovery.recorder import Recorder
         from phoenixft.serve.recovery.restore import RecoveryReport, recover
@@ -64,49 +80,43 @@ class EngineServer:
             self.engine, self.args.log_dir, first_epoch=report.last_commit + 1,
             first_seq=report.next_seq, compact_bytes=self.args.compact_bytes,
             executor=self.executor,
-            on_error=lambda msg: self.ch.send({"op": "log_failed", "error": msg}))
-        resumed = [{"id": s.seq_id, "prompt_tokens": s.num_prompt_tokens,
-                    "completion": s.completion_token_ids, "emitted": s.emitted}
+            on_error=lambda msg: self.ch.send(LogFailed(msg)))
+        resumed = [Resumed(s.seq_id, s.num_prompt_tokens, s.completion_token_ids, s.emitted)
                    for s in self.engine.seqs.values()]
-        return {"report": report.as_dict(), "resumed": resumed,
-                "adapters": dict(self.engine.adapters.current)}
+        return Ready(os.getpid(), report.as_dict(), resumed, dict(self.engine.adapters.current))
 
     def read(self) -> None:
         """Reader thread: the front's commands; the front gone means this process ends."""
         while True:
             msg = self.ch.recv()
-            if msg is None or msg.get("op") == "shutdown":
+            if msg is None:
                 os._exit(0)
             self.commands.put(msg)
             self.wake.set()
 
     def _drain(self) -> None:
-        from phoenixft.serve.engine.config import SamplingParams
         while True:
             try:
                 msg = self.commands.get_nowait()
             except queue.Empty:
                 return
-            if msg["op"] == "add":
+            if isinstance(msg, Add):
                 try:
-                    seq = self.engine.spec.make_sequence(msg["id"], msg["prompt"],
-                                                         SamplingParams(**msg["params"]))
-                    seq.seed, seq.adapter = msg["seed"], msg.get("adapter")
-                    seq.adapter_version = msg.get("adapter_version") or 0
+                    seq = self.engine.spec.make_sequence(msg.id, msg.prompt, msg.params)
+                    seq.seed, seq.adapter = msg.seed, msg.adapter
+                    seq.adapter_version = msg.adapter_version or 0
                     self.engine.add_sequence(seq)
                 except ValueError as exc:
-                    self.ch.send({"op": "failed", "ids": [msg["id"]], "error": str(exc),
-                                  "client": True})
-            elif msg["op"] == "abort":
-                self.engine.abort(msg["id"])
-            elif msg["op"] == "load_adapter":
+                    self.ch.send(Failed([msg.id], str(exc), client=True))
+            elif isinstance(msg, Abort):
+                self.engine.abort(msg.id)
+            elif isinstance(msg, LoadAdapter):
                 try:
-                    version = self.engine.load_adapter(msg["name"], msg["path"],
-                                                       replace=bool(msg.get("replace")))
-                    self.ch.send({"op": "adapter", "token": msg["token"], "name": msg["name"],
-                                  "version": version})
+                    version = self.engine.load_adapter(msg.name, msg.path,
+                                                       replace=bool(msg.replace))
+                    self.ch.send(AdapterLoaded(msg.token, msg.name, version))
                 except ValueError as exc:
-                    self.ch.send({"op": "adapter_error", "token": msg["token"], "error": str(exc)})
+                    self.ch.send(AdapterRefused(msg.token, str(exc)))
 
     def _step(self) -> list:
         try:
@@ -118,7 +128,7 @@ class EngineServer:
             if self._consecutive_failures >= 3:
                 raise
             outs, ids = self.engine.isolate_failed_step()
-            self.ch.send({"op": "failed", "ids": ids, "error": repr(exc)})
+            self.ch.send(Failed(ids, repr(exc)))
             return outs
 
     def stats(self) -> dict:
@@ -138,16 +148,12 @@ class EngineServer:
                 self.wake.wait(0.5)
                 self.wake.clear()
                 if time.monotonic() - last_stats > 0.5:
-                    self.ch.send({"op": "out", "outs": [], "stats": self.stats()})
+                    self.ch.send(Outputs([], self.stats()))
                     last_stats = time.monotonic()
                 continue
-            outs = self._step()
-            msg = {"op": "out", "outs": [[o.request_id, o.new_token_ids, o.new_text,
-                                          o.num_completion_tokens, o.finished, o.finish_reason,
-                                          o.prompt_computed, o.num_prompt_tokens, o.logprobs]
-                                         for o in outs]}
+            msg = Outputs(self._step())
             if time.monotonic() - last_stats > 0.5:
-                msg["stats"] = self.stats()
+                msg.stats = self.stats()
                 last_stats = time.monotonic()
             if not self.ch.send(msg):
                 os._exit(0)
@@ -174,20 +180,18 @@ def main(argv: list[str] | None = None) -> None:
     executor = start_executor(engine.runner, args.log_dir, args.ring_bytes)  # warm, idle
     engine.warm_up()
     ch = wire.connect(args.socket)
-    ch.send({"op": "hello", "pid": os.getpid(), "role": args.role})
-    if args.role == "standby":
-        msg = ch.recv()
-        if msg is None or msg.get("op") != "activate":
-            os._exit(0)
+    ch.send(Hello(os.getpid(), args.role))
+    if args.role == "standby" and not isinstance(ch.recv(), Activate):
+        os._exit(0)
     server = EngineServer(engine, ch, args, executor)
     t0 = time.perf_counter()
     ready = server.start_recording()
-    ready["report"]["activate_s"] = round(time.perf_counter() - t0, 4)
-    ch.send({"op": "ready", "pid": os.getpid(), **ready})
+    ready.report["activate_s"] = round(time.perf_counter() - t0, 4)
+    ch.send(ready)
     try:
         server.serve()
     except BaseException as exc:  # noqa: BLE001 - told to the front, then the process ends
-        ch.send({"op": "fatal", "error": repr(exc)})
+        ch.send(Fatal(repr(exc)))
         sys.stderr.write(f"phoenixft engine {os.getpid()}: {exc!r}\n")
         os._exit(1)
 

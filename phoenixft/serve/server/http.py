@@ -31,6 +31,7 @@ from . import errors
 from .handlers import OpenAIHandlers
 from .janitor import start_janitor
 from .limits import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT_S, BodyLimit
+from .messages import Ready
 from .metrics import ServeMetrics
 from .remote import RemoteEngine
 from .store import DEFAULT_KEEP, DEFAULT_KEEP_S, RequestStore
@@ -103,10 +104,10 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
                 "log_dir": str(log), "model": str(model_dir), "error": supervisor.error,
                 "janitor_pid": janitor.pid})
 
-    def _on_ready(ready: dict, timing: dict) -> None:
+    def _on_ready(ready: Ready, timing: dict) -> None:
         backend.on_ready(ready, timing)
-        events.emit("engine_ready", pid=ready["pid"], resumed=len(ready["resumed"]),
-                    report=ready["report"], **timing)
+        events.emit("engine_ready", pid=ready.pid, resumed=len(ready.resumed),
+                    report=ready.report, **timing)
         status()
 
     cleaned = threading.Event()
