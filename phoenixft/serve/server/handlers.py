@@ -30,12 +30,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from phoenixft.serve.engine.adapters import check_adapter_name
-from phoenixft.serve.engine.async_engine import EngineDead, RequestFailed
 from phoenixft.serve.engine.llm_engine import RequestOutput
 from phoenixft.serve.engine.sequence import Sequence
 from phoenixft.serve.engine.spec import EngineSpec
 
-from .errors import APIError, error_body
+from .errors import APIError, EngineDead, RequestFailed, error_body
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, _Common
 from .remote import RemoteEngine

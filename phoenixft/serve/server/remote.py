@@ -27,12 +27,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phoenixft.serve.engine.async_engine import EngineDead, RequestFailed
 from phoenixft.serve.engine.config import SamplingParams
 from phoenixft.serve.engine.llm_engine import RequestOutput
 from phoenixft.serve.engine.sequence import Sequence
 from phoenixft.serve.engine.spec import EngineSpec
 
+from .errors import EngineDead, RequestFailed
 from .messages import (
     Abort,
     AdapterLoaded,
@@ -74,7 +74,7 @@ def _check_end(last: RequestOutput, after: int) -> None:
 
 
 class RemoteEngine:
-    """What the HTTP handlers talk to (the same calls as the in-process `AsyncEngine`)."""
+    """What the HTTP handlers talk to: the request table in front of the engine processes."""
 
     def __init__(self, spec: EngineSpec, run_dir: str | Path | None,
                  store: RequestStore | None = None) -> None:
