@@ -17,8 +17,8 @@ _COMMANDS = [
     "phoenixft.launch.store_cli",  # store
     "phoenixft.launch.chaos_cli",  # chaos
     "phoenixft.checkpoint.cli",    # ckpt
-    "phoenixft.serve.cli",       # serve, generate
-    "phoenixft.simulate.cli",   # simulate
+    "phoenixft.serve.server.cli",  # serve, generate
+    "phoenixft.simulate.cli",      # simulate
     "phoenixft.observe.plot",    # plot
 ]
 # modules whose register(subparsers) adds `phoenixft bench <name>`.

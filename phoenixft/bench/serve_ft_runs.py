@@ -31,14 +31,14 @@ def build_model(out: Path, tiny: bool) -> str:
 
 
 def _engine(model: str, max_len: int):
-    from phoenixft.serve.config import EngineConfig
-    from phoenixft.serve.engine import LLMEngine
+    from phoenixft.serve.engine.config import EngineConfig
+    from phoenixft.serve.engine.llm_engine import LLMEngine
     return LLMEngine(model, EngineConfig(max_model_len=max_len, max_num_seqs=64,
                                          kv_cache_bytes=1 << 30))
 
 
 def _requests(engine, n: int, prompt_len: int, seed: int = 0, tag: str = "r") -> None:
-    from phoenixft.serve.config import SamplingParams
+    from phoenixft.serve.engine.config import SamplingParams
     rng = random.Random(seed)
     for i in range(n):
         ids = [rng.randrange(256) for _ in range(prompt_len)]
@@ -61,7 +61,7 @@ def log_overhead(model: str, args, tmp: Path) -> dict:
     pairs' quartiles for reading); each "on" block pays for the executor work of its own
     steps (the first "off" step after it may still overlap the last epoch: 1 step in a
     block)."""
-    from phoenixft.serve.recorder import Recorder
+    from phoenixft.serve.recovery.recorder import Recorder
 
     ctx = 512
     engine = _engine(model, 2304)
@@ -119,10 +119,10 @@ def _first_tokens(engine, ids: set[str]) -> float:
 def recovery_at(model: str, ctx: int, args, tmp: Path, cold_start_s: float) -> dict:
     """One context length: crash an engine with `ctx`-token requests in flight, then time
     each way back to the next token."""
-    from phoenixft.serve.config import SamplingParams
-    from phoenixft.serve.log import dir_bytes
-    from phoenixft.serve.recorder import Recorder
-    from phoenixft.serve.recovery import recover
+    from phoenixft.serve.engine.config import SamplingParams
+    from phoenixft.serve.recovery.log import dir_bytes
+    from phoenixft.serve.recovery.recorder import Recorder
+    from phoenixft.serve.recovery.restore import recover
 
     max_len = min(max(ctx + 64, 512), 2304)
     gen = 16
@@ -167,7 +167,7 @@ def cold_start(model: str, threads: int) -> float:
     it can prefill anything)."""
     code = ("import time, sys; t=time.perf_counter(); import torch; "
             f"torch.set_num_threads({threads}); "
-            "from phoenixft.serve.engine import LLMEngine; "
+            "from phoenixft.serve.engine.llm_engine import LLMEngine; "
             f"LLMEngine({model!r}); print(time.perf_counter() - t)")
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
@@ -180,7 +180,7 @@ def end_to_end(model: str, args, tmp: Path) -> dict:
 
     port = _free_port()
     run_dir = tmp / "e2e"
-    proc = subprocess.Popen([sys.executable, "-m", "phoenixft.serve.cli", "serve", model,
+    proc = subprocess.Popen([sys.executable, "-m", "phoenixft.serve.server.cli", "serve", model,
                              "--port", str(port), "--threads", str(args.threads),
                              "--max-model-len", "1024", "--run-dir", str(run_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

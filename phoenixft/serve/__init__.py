@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"LLM": "phoenixft.serve.llm", "EngineConfig": "phoenixft.serve.config",
-            "SamplingParams": "phoenixft.serve.config"}
+_EXPORTS = {"LLM": "phoenixft.serve.engine.llm", "EngineConfig": "phoenixft.serve.engine.config",
+            "SamplingParams": "phoenixft.serve.engine.config"}
 __all__ = list(_EXPORTS)
 
 

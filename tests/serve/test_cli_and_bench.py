@@ -10,10 +10,11 @@ import time
 
 import pytest
 import torch
+from async_engine import AsyncEngine
 
 from phoenixft.serve import SamplingParams
-from phoenixft.serve.async_engine import AsyncEngine, EngineDead, RequestFailed
-from phoenixft.serve.engine import LLMEngine
+from phoenixft.serve.engine.llm_engine import LLMEngine
+from phoenixft.serve.server.errors import EngineDead, RequestFailed
 
 
 @pytest.mark.timeout(60)
@@ -22,7 +23,7 @@ def test_generate_cli_byte_model(tmp_path):
 
     torch.manual_seed(0)
     save_hf(LlamaForCausalLM(preset("tiny")), tmp_path / "m")
-    cmd = [sys.executable, "-m", "phoenixft.serve.cli", "generate", str(tmp_path / "m"),
+    cmd = [sys.executable, "-m", "phoenixft.serve.server.cli", "generate", str(tmp_path / "m"),
            "--prompt", "import os", "--max-tokens", "5", "--threads", "1"]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
@@ -154,7 +155,7 @@ def test_vllm_serve_flags(hf_models, tmp_path):
     (tmp_path / "t.jinja").write_text(
         "{% for m in messages %}<|system|> <|user|> {{ m['content'] }} {% endfor %}"
         "<|assistant|> ")
-    cmd = [sys.executable, "-m", "phoenixft.serve.cli", "serve", str(path), "--port", str(port),
+    cmd = [sys.executable, "-m", "phoenixft.serve.server.cli", "serve", str(path), "--port", str(port),
            "--max-model-len", "128", "--threads", "1", "--served-model-name", "tiny",
            "--api-key", "sk-test", "--block-size", "8", "--kv-cache-memory", "128KiB",
            "--max-num-batched-tokens", "256", "--chat-template", str(tmp_path / "t.jinja"),

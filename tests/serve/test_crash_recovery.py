@@ -41,7 +41,7 @@ class Server:
         self.run_dir, self.port = run_dir, port
         self.base = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "phoenixft.serve.cli", "serve", str(model), "--port", str(port),
+            [sys.executable, "-m", "phoenixft.serve.server.cli", "serve", str(model), "--port", str(port),
              "--max-model-len", str(MAX_LEN), "--threads", "1", "--run-dir", str(run_dir),
              "--served-model-name", "tiny", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_state import block_manager_state, engine_state, load_block_manager_state, load_engine_state
 
 from phoenixft.serve import LLM, EngineConfig, SamplingParams
-from phoenixft.serve.block_manager import BlockManager
-from phoenixft.serve.sampler import sample, uniform
-from phoenixft.serve.sequence import Sequence
+from phoenixft.serve.engine.block_manager import BlockManager
+from phoenixft.serve.engine.sampler import sample, uniform
+from phoenixft.serve.engine.sequence import Sequence
 
 
 def seq(tokens, sid="s", **params) -> Sequence:
@@ -44,12 +45,12 @@ def test_block_manager_refcounts_prefix_sharing_and_dirty_set():
     assert bm.can_append(d)
     bm.append(d)
     assert len(d.block_table) == 3
-    state = bm.state_dict()
+    state = block_manager_state(bm)
     other = BlockManager(num_blocks=8, block_size=4)
-    other.load_state_dict(state)
-    assert other.state_dict() == state and other.hash_to_block == bm.hash_to_block
+    load_block_manager_state(other, state)
+    assert block_manager_state(other) == state and other.hash_to_block == bm.hash_to_block
     with pytest.raises(ValueError, match="geometry"):
-        BlockManager(num_blocks=9, block_size=4).load_state_dict(state)
+        load_block_manager_state(BlockManager(num_blocks=9, block_size=4), state)
 
 
 def test_block_manager_refuses_when_full():
@@ -143,12 +144,12 @@ def test_state_dict_restore_continues_identically(hf_models):
         a.engine.add_request(f"q{i}", p, sp)
     for _ in range(6):
         a.engine.step()
-    dirty = a.engine.take_dirty_blocks()
+    dirty = a.engine.block_manager.take_dirty()
     assert dirty and set(dirty) <= {b for s in a.engine.seqs.values() for b in s.block_table}
-    state = a.engine.state_dict()
+    state = engine_state(a.engine)
     b = LLM(path, cfg)
-    b.engine.load_state_dict({k: (v.clone() if torch.is_tensor(v) else v)
-                              for k, v in state.items()})
+    load_engine_state(b.engine, {k: (v.clone() if torch.is_tensor(v) else v)
+                                 for k, v in state.items()})
     seqs = dict(b.engine.seqs)
     while b.engine.has_unfinished():
         b.engine.step()
@@ -166,7 +167,7 @@ def test_socket_dirs_of_fronts_that_are_gone_are_removed(tmp_path):
     import tempfile
     from pathlib import Path
 
-    from phoenixft.serve.supervisor import SOCK_PREFIX, EngineSupervisor, remove_stale_socket_dirs
+    from phoenixft.serve.server.supervisor import SOCK_PREFIX, EngineSupervisor, remove_stale_socket_dirs
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     tmp = Path(tempfile.gettempdir())

@@ -11,11 +11,11 @@ import time
 import pytest
 
 from phoenixft.serve import LLM, EngineConfig, SamplingParams
-from phoenixft.serve.engine import LLMEngine
-from phoenixft.serve.log import KV, _scan, replay, segments
-from phoenixft.serve.recorder import Recorder
-from phoenixft.serve.recovery import recover
-from phoenixft.serve.ring import Ring
+from phoenixft.serve.engine.llm_engine import LLMEngine
+from phoenixft.serve.recovery.log import KV, _scan, replay, segments
+from phoenixft.serve.recovery.recorder import Recorder
+from phoenixft.serve.recovery.restore import recover
+from phoenixft.serve.recovery.ring import Ring
 
 CFG = EngineConfig(block_size=4, num_blocks=96, max_model_len=128)
 PROMPTS = [list(range(3, 40)), list(range(50, 61)), [7, 8, 9, 10, 11] * 6]

@@ -20,13 +20,13 @@ import psutil
 import pytest
 from test_crash_recovery import MAX_LEN, Server, free_port, write_adapter
 
-from phoenixft.serve.http import default_log_dir
+from phoenixft.serve.server.http import default_log_dir
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def serve_cmd(model: Path, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "phoenixft.serve.cli", "serve", str(model), "--port",
+    return [sys.executable, "-m", "phoenixft.serve.server.cli", "serve", str(model), "--port",
             str(port), "--threads", "1", "--max-model-len", str(MAX_LEN), *extra]
 
 

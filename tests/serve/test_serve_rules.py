@@ -11,11 +11,12 @@ import pytest
 from test_crash_recovery import write_adapter
 
 from phoenixft.serve import EngineConfig, SamplingParams
-from phoenixft.serve.adapters import check_adapter_name
-from phoenixft.serve.engine import LLMEngine
-from phoenixft.serve.recorder import Recorder
-from phoenixft.serve.recovery import recover
-from phoenixft.serve.store import RequestStore
+from phoenixft.serve.engine.adapters import check_adapter_name
+from phoenixft.serve.engine.llm_engine import LLMEngine
+from phoenixft.serve.engine.step_recorder import StepRecorder
+from phoenixft.serve.recovery.recorder import Recorder
+from phoenixft.serve.recovery.restore import recover
+from phoenixft.serve.server.store import RequestStore
 
 CFG = EngineConfig(block_size=4, num_blocks=64, max_model_len=128)
 
@@ -86,3 +87,47 @@ def test_the_store_keeps_finished_requests_within_count_and_age(tmp_path):
     assert sorted(p.stem for p in (tmp_path / "requests").glob("*.json")) == ["r3"]
     with pytest.raises(ValueError, match="--keep-finished-requests"):
         RequestStore(tmp_path, keep=-1)
+
+
+class CallLog(StepRecorder):
+    """A StepRecorder that notes the engine's calls (and can refuse adapters)."""
+
+    def __init__(self, engine: LLMEngine, refuse: bool = False) -> None:
+        self.engine, self.refuse, self.calls = engine, refuse, []
+
+    def end_step(self) -> None:
+        self.calls.append(("end_step", len(self.engine.seqs)))
+
+    def adapter_payload(self, adapter) -> bytes:
+        self.calls.append(("payload", adapter.name, dict(self.engine.adapters.current)))
+        if self.refuse:
+            raise ValueError("cannot keep it")
+        return adapter.name.encode()
+
+    def log_adapter(self, payload: bytes) -> None:
+        self.calls.append(("log", payload, dict(self.engine.adapters.current)))
+
+
+@pytest.mark.timeout(60)
+def test_the_engine_keeps_its_step_recorder_contract(hf_models, tmp_path):
+    """What step_recorder.StepRecorder promises the recorder: end_step after every step
+    (finished requests already gone), an adapter offered before it is installed and
+    logged right after, and a refusal changing nothing."""
+    path = hf_models["llama"][0]
+    eng = LLMEngine(path, CFG)
+    eng.recorder = log = CallLog(eng)
+    a = write_adapter(path, tmp_path / "a.safetensors", 1)
+    assert eng.load_adapter("a", a) == 1
+    assert log.calls == [("payload", "a", {}), ("log", b"a", {"a": 1})]
+    log.calls.clear()
+    eng.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    eng.step()  # nothing scheduled: still told
+    assert log.calls == [("end_step", 1)] * (steps - 1) + [("end_step", 0)] * 2
+    eng.recorder = CallLog(eng, refuse=True)
+    with pytest.raises(ValueError, match="cannot keep it"):
+        eng.load_adapter("b", a)
+    assert dict(eng.adapters.current) == {"a": 1}

@@ -55,7 +55,7 @@ def server(hf_models):
     port = _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "phoenixft.serve.cli", "serve", str(path), "--port", str(port),
+        [sys.executable, "-m", "phoenixft.serve.server.cli", "serve", str(path), "--port", str(port),
          "--max-model-len", "256", "--threads", "1", "--served-model-name", "tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:

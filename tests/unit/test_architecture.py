@@ -1,6 +1,7 @@
 """The package's shape, checked from its source: no import circle (type-checking imports
-included), no lower layer importing a higher one, and no store key spelled outside
-`phoenixft/cluster/keys.py`."""
+included), no lower layer importing a higher one, serve's three parts apart (the engine
+imports neither the recovery log nor the server, the log not the server), and no store key
+spelled outside `phoenixft/cluster/keys.py`."""
 
 from __future__ import annotations
 
@@ -28,19 +29,34 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports() -> dict[str, set[str]]:
-    """module -> phoenixft modules it imports (anywhere in the file, TYPE_CHECKING too)."""
+def sources() -> dict[str, tuple[str, bool]]:
+    """module -> (its source, whether it is a package's __init__)."""
+    return {module_name(p): (p.read_text(), p.name == "__init__.py") for p in PKG.rglob("*.py")}
+
+
+def import_graph(modules: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> phoenixft modules it imports (anywhere in the file, TYPE_CHECKING too;
+    relative imports resolved, so `from ..server import x` counts like the absolute one)."""
     out: dict[str, set[str]] = {}
-    for path in PKG.rglob("*.py"):
-        mod = module_name(path)
+    for mod, (source, is_pkg) in modules.items():
         deps = out.setdefault(mod, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("phoenixft"):
-                deps.add(node.module)
-                deps.update(f"{node.module}.{a.name}" for a in node.names)
+        here = mod.split(".") if is_pkg else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here[:len(here) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                if base.startswith("phoenixft"):
+                    deps.add(base)
+                    deps.update(f"{base}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names if a.name.startswith("phoenixft"))
     return {m: {d for d in deps if d in out and d != m} for m, deps in out.items()}
+
+
+def imports() -> dict[str, set[str]]:
+    return import_graph(sources())
 
 
 def part(mod: str) -> str:
@@ -133,3 +149,59 @@ def test_the_key_check_can_fail():
     src = ('store.set("job_id", x)\nkv.get_int(self.store, f"spawn/{i}", 0)\n'
            'self._server.check([f"recovered/{g}"])\nstore.add(Keys.REPORTS, 1)\n')
     assert len(key_literals(src)) == 3
+
+
+# -- inside serve/: the engine, the recovery log, the server (docs/serving.md) -------------------
+SERVE_PARTS = ("engine", "recovery", "server")
+# (importer, imported): the engine knows the log only as its StepRecorder protocol, and
+# neither the engine nor the log knows the HTTP server or the engine processes
+SERVE_FORBIDDEN = {("engine", "recovery"), ("engine", "server"), ("recovery", "server")}
+
+
+def serve_part(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "serve" else None
+
+
+def serve_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in graph.items():
+        a = serve_part(mod)
+        if a is not None and a not in SERVE_PARTS:  # a module beside the parts
+            bad.append(f"{mod} is in none of serve's parts {SERVE_PARTS}")
+        for d in deps:
+            b = serve_part(d)
+            if (a, b) in SERVE_FORBIDDEN:
+                bad.append(f"{mod} imports {d} (serve.{a} may not import serve.{b})")
+    return sorted(bad)
+
+
+def test_serve_parts():
+    bad = serve_violations(imports())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_serve_parts_check_can_fail():
+    graph = import_graph({
+        "phoenixft.serve.engine.llm_engine": ("from phoenixft.serve.recovery.recorder import "
+                                              "Recorder\n", False),
+        "phoenixft.serve.engine.runner": ("from ..server import wire\n", False),
+        "phoenixft.serve.engine.ok": ("from . import runner\n", False),
+        "phoenixft.serve.recovery.recorder": ("import phoenixft.serve.server.http\n", False),
+        "phoenixft.serve.recovery": ("", True),
+        "phoenixft.serve.server": ("", True),
+        "phoenixft.serve.server.wire": ("", False),
+        "phoenixft.serve.server.http": ("from phoenixft.serve.engine.runner import x\n", False),
+        "phoenixft.serve.stray": ("", False),
+    })
+    assert serve_violations(graph) == [
+        "phoenixft.serve.engine.llm_engine imports phoenixft.serve.recovery.recorder "
+        "(serve.engine may not import serve.recovery)",
+        "phoenixft.serve.engine.runner imports phoenixft.serve.server "
+        "(serve.engine may not import serve.server)",
+        "phoenixft.serve.engine.runner imports phoenixft.serve.server.wire "
+        "(serve.engine may not import serve.server)",
+        "phoenixft.serve.recovery.recorder imports phoenixft.serve.server.http "
+        "(serve.recovery may not import serve.server)",
+        f"phoenixft.serve.stray is in none of serve's parts {SERVE_PARTS}",
+    ]

@@ -24,14 +24,29 @@ import asyncio
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .async_engine import EngineDead, RequestFailed
-from .config import SamplingParams
-from .engine import RequestOutput
-from .sequence import Sequence
-from .spec import EngineSpec
+from phoenixft.serve.engine.config import SamplingParams
+from phoenixft.serve.engine.llm_engine import RequestOutput
+from phoenixft.serve.engine.sequence import Sequence
+from phoenixft.serve.engine.spec import EngineSpec
+
+from .errors import EngineDead, RequestFailed
+from .messages import (
+    Abort,
+    AdapterLoaded,
+    AdapterRefused,
+    Add,
+    Failed,
+    Fatal,
+    LoadAdapter,
+    LogFailed,
+    Message,
+    Outputs,
+    Ready,
+    Resumed,
+)
 from .store import RequestStore, key_id
 
 
@@ -59,7 +74,7 @@ def _check_end(last: RequestOutput, after: int) -> None:
 
 
 class RemoteEngine:
-    """What the HTTP handlers talk to (the same calls as the in-process `AsyncEngine`)."""
+    """What the HTTP handlers talk to: the request table in front of the engine processes."""
 
     def __init__(self, spec: EngineSpec, run_dir: str | Path | None,
                  store: RequestStore | None = None) -> None:
@@ -75,6 +90,7 @@ class RemoteEngine:
         self.log_errors: list[str] = []  # the active engine's recovery log stopped working
         self.on_event: Callable[..., None] = lambda name, **fields: None
         self.adapters: dict[str, int] = {}  # name -> current version
+        # load_adapter's token -> where its AdapterLoaded/AdapterRefused goes
         self._replies: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()
         self._restore_from_store()
@@ -101,9 +117,8 @@ class RemoteEngine:
         sup = self.supervisor
         p.sent_pid = sup.active.pid if sup is not None and sup.active is not None else None
         if sup is not None:
-            sup.send({"op": "add", "id": s.seq_id, "prompt": s.prompt_token_ids,
-                      "params": asdict(s.params), "seed": s.seed, "adapter": s.adapter,
-                      "adapter_version": s.adapter_version})
+            sup.send(Add(s.seq_id, s.prompt_token_ids, s.params, s.seed, s.adapter,
+                         s.adapter_version))
 
     def admit(self, seq: Sequence, endpoint: str, key: str | None = None,
               body_sha: str | None = None) -> Pending:
@@ -125,16 +140,15 @@ class RemoteEngine:
         fut = loop.create_future()
         self._replies[token] = (loop, fut)
         try:
-            if not self.supervisor.send({"op": "load_adapter", "name": name, "path": path,
-                                         "replace": replace, "token": token}):
+            if not self.supervisor.send(LoadAdapter(name, path, replace, token)):
                 raise EngineDead("no engine is running")
-            msg = await asyncio.wait_for(fut, timeout_s)
+            msg: AdapterLoaded | AdapterRefused = await asyncio.wait_for(fut, timeout_s)
         finally:
             self._replies.pop(token, None)
-        if msg["op"] == "adapter_error":
-            raise ValueError(msg["error"])
-        self.adapters[name] = msg["version"]
-        return msg["version"]
+        if isinstance(msg, AdapterRefused):
+            raise ValueError(msg.error)
+        self.adapters[name] = msg.version
+        return msg.version
 
     def find(self, rid: str) -> Pending | None:
         return self.pending.get(rid)
@@ -201,7 +215,7 @@ class RemoteEngine:
         if p is not None:
             self._forget(p)
             if self.supervisor is not None:
-                self.supervisor.send({"op": "abort", "id": rid})
+                self.supervisor.send(Abort(rid))
 
     def _forget(self, p: Pending) -> None:
         """A request that ends without a result: its record and its key go (a retry with
@@ -211,29 +225,26 @@ class RemoteEngine:
             del self.keys[key_id(p.key)]
 
     # -- from the engine processes (supervisor threads) -------------------------------------
-    def on_message(self, msg: dict) -> None:
-        op = msg.get("op")
-        if "stats" in msg:
-            self.stats = msg["stats"]
-        if op == "out":
-            for rid, tokens, text, index, finished, reason, computed, n_prompt, lps in msg["outs"]:
-                out = RequestOutput(rid, tokens, text, finished, reason, n_prompt, index, computed,
-                                    lps)
-                self._deliver(rid, out)
-        elif op == "failed":
-            err = (ValueError if msg.get("client") else RequestFailed)(msg["error"])
-            for rid in msg["ids"]:
+    def on_message(self, msg: Message) -> None:
+        if isinstance(msg, Outputs):
+            if msg.stats is not None:
+                self.stats = msg.stats
+            for out in msg.outs:
+                self._deliver(out.request_id, out)
+        elif isinstance(msg, Failed):
+            err = (ValueError if msg.client else RequestFailed)(msg.error)
+            for rid in msg.ids:
                 self._fail(rid, err)
-        elif op in ("adapter", "adapter_error"):
-            loop, fut = self._replies.get(msg["token"], (None, None))
+        elif isinstance(msg, (AdapterLoaded, AdapterRefused)):
+            loop, fut = self._replies.get(msg.token, (None, None))
             if fut is not None:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(msg))
-        elif op == "log_failed":  # the engine serves on, but a crash now would lose work
-            self.log_errors.append(msg["error"])
-            self.on_event("log_failed", error=msg["error"])
-        elif op == "fatal":
+        elif isinstance(msg, LogFailed):  # the engine serves on, but a crash now would lose work
+            self.log_errors.append(msg.error)
+            self.on_event("log_failed", error=msg.error)
+        elif isinstance(msg, Fatal):
             for rid in list(self.pending):
-                self._fail(rid, RequestFailed(f"the engine failed: {msg['error']}"))
+                self._fail(rid, RequestFailed(f"the engine failed: {msg.error}"))
 
     def _deliver(self, rid: str, out: RequestOutput) -> None:
         with self._lock:
@@ -268,54 +279,54 @@ class RemoteEngine:
         for loop, q in list(p.waiters):
             loop.call_soon_threadsafe(q.put_nowait, err)
 
-    def on_ready(self, ready: dict, timing: dict) -> None:
+    def on_ready(self, ready: Ready, timing: dict) -> None:
         """An engine took over: tokens the log holds that no client got yet are delivered
         (the dead engine may have committed a step it never sent), and requests it did not
         resume are submitted to it again."""
-        resumed = {r["id"]: r for r in ready["resumed"]}
+        resumed = {r.id: r for r in ready.resumed}
         self.stats = {}  # the dead engine's figures are not the new one's
         # what the new engine holds, not what the dead one did: an adapter the log could
         # not restore is not listed, nor offered to requests
-        self.adapters = dict(ready.get("adapters", {}))
-        for loop, fut in list(self._replies.values()):  # asked of an engine that died
-            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(
-                {"op": "adapter_error", "error": "the engine restarted before it answered; "
-                 "load the adapter again"}))
+        self.adapters = dict(ready.adapters)
+        for token, (loop, fut) in list(self._replies.items()):  # asked of an engine that died
+            loop.call_soon_threadsafe(lambda f=fut, t=token: f.done() or f.set_result(
+                AdapterRefused(t, "the engine restarted before it answered; load the adapter "
+                               "again")))
         with self._lock:
-            for r in ready["resumed"]:
-                if r["id"] not in self.pending:
+            for r in ready.resumed:
+                if r.id not in self.pending:
                     self._adopt(r)  # the whole server restarted: its history from the log
             todo = [p for rid, p in self.pending.items()
-                    if rid not in resumed and not p.finished and p.sent_pid != ready["pid"]]
-        for r in ready["resumed"]:
+                    if rid not in resumed and not p.finished and p.sent_pid != ready.pid]
+        for r in ready.resumed:
             self._catch_up(r)
         for p in todo:
             p.history = [o for o in p.history]  # kept: indices dedupe the regenerated ones
             self._submit(p)
 
-    def _catch_up(self, r: dict) -> None:
+    def _catch_up(self, r: Resumed) -> None:
         """Deliver the resumed request's logged tokens beyond what its clients got (the
         indices dedupe the rest), with the text the engine emitted for each."""
-        text = self.spec.tokenizer.decode(r["completion"])
+        text = self.spec.tokenizer.decode(r.completion)
         prev = 0
-        for i, (tok, emitted) in enumerate(zip(r["completion"], r["emitted"]), start=1):
-            self._deliver(r["id"], RequestOutput(r["id"], [tok], text[prev:emitted], False, None,
-                                                 r["prompt_tokens"], i))
+        for i, (tok, emitted) in enumerate(zip(r.completion, r.emitted), start=1):
+            self._deliver(r.id, RequestOutput(r.id, [tok], text[prev:emitted], False, None,
+                                              r.prompt_tokens, i))
             prev = emitted
 
-    def _adopt(self, r: dict) -> None:
+    def _adopt(self, r: Resumed) -> None:
         """A request the log resumed whose front died with the server: registered again
         (`_catch_up` then fills its history from the log), so its client can reconnect
         where it stopped."""
-        rec = self._records.get(r["id"], {})
+        rec = self._records.get(r.id, {})
         params = SamplingParams(**rec["params"]) if "params" in rec else SamplingParams()
-        seq = Sequence(seq_id=r["id"], token_ids=[0] * r["prompt_tokens"] + r["completion"],
-                       num_prompt_tokens=r["prompt_tokens"], params=params,
+        seq = Sequence(seq_id=r.id, token_ids=[0] * r.prompt_tokens + r.completion,
+                       num_prompt_tokens=r.prompt_tokens, params=params,
                        seed=rec.get("seed", 0))
         p = Pending(seq, rec.get("endpoint", "completions"), rec.get("key"), rec.get("body_sha"))
-        self.pending[r["id"]] = p
+        self.pending[r.id] = p
         if p.key:
-            self.keys[key_id(p.key)] = (r["id"], p.body_sha)
+            self.keys[key_id(p.key)] = (r.id, p.body_sha)
 
     def _restore_from_store(self) -> None:
         """After a restart: finished results (for idempotent retries) and the unfinished

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from phoenixft.serve.engine.step_recorder import StepRecorder
+
 from . import ring as R
 from .executor import TASK_ADAPTER, TASK_EPOCH, TASK_START, epoch_task, start_executor
 from .regions import StateRegion, dirty_ranges
@@ -56,8 +58,10 @@ class RecorderStats:
     errors: list[str] = field(default_factory=list)
 
 
-class Recorder:
-    """`executor`: one started beforehand (`executor.start_executor`, when the engine is
+class Recorder(StepRecorder):
+    """The engine's `StepRecorder` (its guarantees are that class's docstring).
+
+    `executor`: one started beforehand (`executor.start_executor`, when the engine is
     loaded), else one is started now, in `mode` ("auto", "process" or "thread")."""
 
     def __init__(self, engine, log_dir: str | Path, *, first_epoch: int = 0, first_seq: int = 0,

@@ -29,16 +29,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .adapters import check_adapter_name
-from .api_errors import APIError, error_body
-from .async_engine import EngineDead, RequestFailed
-from .engine import RequestOutput
+from phoenixft.serve.engine.adapters import check_adapter_name
+from phoenixft.serve.engine.llm_engine import RequestOutput
+from phoenixft.serve.engine.sequence import Sequence
+from phoenixft.serve.engine.spec import EngineSpec
+
+from .errors import APIError, EngineDead, RequestFailed, error_body
 from .metrics import ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, _Common
 from .remote import RemoteEngine
-from .sequence import Sequence
 from .shapes import ResponseShapes, usage
-from .spec import EngineSpec
 
 _ENGINE_ERRORS = (EngineDead, RequestFailed)
 

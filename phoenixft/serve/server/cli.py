@@ -1,7 +1,7 @@
 """`phoenixft serve` and `phoenixft generate`.
 
 ``register(subparsers)`` is called by ``phoenixft.cli``; ``main()`` runs the same two
-commands standalone (``python -m phoenixft.serve.cli serve DIR``). Engine limits are
+commands standalone (``python -m phoenixft.serve.server.cli serve DIR``). Engine limits are
 ``EngineConfig`` fields; only the few that users commonly change are flags.
 """
 
@@ -89,7 +89,7 @@ def _engine_config(args: argparse.Namespace):
 
     import torch
 
-    from .config import EngineConfig
+    from phoenixft.serve.engine.config import EngineConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,8 +109,8 @@ def _engine_config(args: argparse.Namespace):
 def _serve(args: argparse.Namespace) -> int:
     import os
 
+    from .front import bind, run
     from .http import build_app
-    from .server import bind, run
     try:
         sizes = {flag: parse_bytes(getattr(args, flag[2:].replace("-", "_")), flag)
                  for flag in ("--max-request-body", "--recovery-ring-bytes")}
@@ -138,8 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .config import SamplingParams
-    from .llm import LLM
+    from phoenixft.serve.engine.config import SamplingParams
+    from phoenixft.serve.engine.llm import LLM
 
     try:
         llm = LLM(args.model_dir, _engine_config(args))

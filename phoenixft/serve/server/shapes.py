@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .engine import RequestOutput
-from .spec import EngineSpec
+from phoenixft.serve.engine.llm_engine import RequestOutput
+from phoenixft.serve.engine.spec import EngineSpec
 
 
 def usage(out: RequestOutput) -> dict:

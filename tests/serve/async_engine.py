@@ -1,4 +1,8 @@
-"""Runs an ``LLMEngine`` in one background thread and feeds asyncio consumers.
+"""Test helper: runs an ``LLMEngine`` in one background thread and feeds asyncio consumers.
+
+It was the server's engine loop before the engine moved into processes of its own
+(`phoenixft.serve.server.engine_proc`, which applies the same failure rules); nothing in
+phoenixft uses it now, and the tests use it to drive an in-process engine concurrently.
 
 Why a thread: the engine is single-threaded and steps continuously while requests come
 and go; HTTP handlers only tokenize/validate (``make_sequence``) and hand the sequence
@@ -23,18 +27,11 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .engine import LLMEngine, RequestOutput
-from .sequence import Sequence
+from phoenixft.serve.engine.llm_engine import LLMEngine, RequestOutput
+from phoenixft.serve.engine.sequence import Sequence
+from phoenixft.serve.server.errors import EngineDead, RequestFailed
 
 log = logging.getLogger("phoenixft.serve")
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped after an error; no request can be served."""
-
-
-class RequestFailed(RuntimeError):
-    """The engine raised while computing this request; it was dropped, serving goes on."""
 
 
 class AsyncEngine:

@@ -20,6 +20,14 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("phoenixft.serve")
 
 
+class EngineDead(RuntimeError):
+    """No engine can serve (none is running, or the one that was stopped after an error)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while computing this request; it was dropped, serving goes on."""
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, code: str,
                  type_: str = "invalid_request_error", param: str | None = None) -> None:

@@ -3,7 +3,7 @@ processes. The front validates and tokenizes requests, keeps their connections a
 request table (`remote.py`); the engines run in child processes, one active and one warm
 standby (`supervisor.py`), the active one keeping a recovery log outside itself
 (`recorder.py`, `log.py`) from which the standby takes its requests over when it dies.
-The handlers are in `handlers.py`, the error shape in `api_errors.py`; this module wires
+The handlers are in `handlers.py`, the error shape in `errors.py`; this module wires
 them to routes and to the run directory (`status.json`, `events.jsonl`), and bounds what a
 client can make the front hold (`limits.py`)."""
 
@@ -23,16 +23,17 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from phoenixft.observe.events import EventLog, write_json_atomic
+from phoenixft.serve.engine.config import EngineConfig
+from phoenixft.serve.engine.loader import weight_files
+from phoenixft.serve.engine.spec import EngineSpec
 
-from . import api_errors
-from .config import EngineConfig
+from . import errors
 from .handlers import OpenAIHandlers
 from .janitor import start_janitor
 from .limits import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT_S, BodyLimit
-from .loader import weight_files
+from .messages import Ready
 from .metrics import ServeMetrics
 from .remote import RemoteEngine
-from .spec import EngineSpec
 from .store import DEFAULT_KEEP, DEFAULT_KEEP_S, RequestStore
 from .supervisor import EngineSupervisor, make_socket_dir
 
@@ -103,10 +104,10 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
                 "log_dir": str(log), "model": str(model_dir), "error": supervisor.error,
                 "janitor_pid": janitor.pid})
 
-    def _on_ready(ready: dict, timing: dict) -> None:
+    def _on_ready(ready: Ready, timing: dict) -> None:
         backend.on_ready(ready, timing)
-        events.emit("engine_ready", pid=ready["pid"], resumed=len(ready["resumed"]),
-                    report=ready["report"], **timing)
+        events.emit("engine_ready", pid=ready.pid, resumed=len(ready.resumed),
+                    report=ready.report, **timing)
         status()
 
     cleaned = threading.Event()
@@ -136,9 +137,9 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
     app = FastAPI(title="phoenixft", lifespan=lifespan)
     app.state.spec, app.state.backend, app.state.supervisor = spec, backend, supervisor
     app.state.cleanup = cleanup
-    api_errors.install(app)
+    errors.install(app)
     if api_key:
-        api_errors.require_key(app, api_key)
+        errors.require_key(app, api_key)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
     app.post("/v1/completions")(h.completions)
     app.post("/v1/chat/completions")(h.chat_completions)

@@ -1,13 +1,15 @@
-"""Messages between the HTTP front and its engine processes: length-prefixed JSON over a
-Unix socket (never pickle: a message is data, not code). One writer lock per connection;
-`recv` returns None when the peer is gone."""
+"""The connection between the HTTP front and an engine process: length-prefixed messages
+(`messages.py`: typed, JSON, never pickle) over a Unix socket. One writer lock per
+connection; `recv` returns None when the peer is gone or sent what is not a message (a
+peer that breaks the protocol is treated as gone)."""
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 import threading
+
+from .messages import Message, decode, encode
 
 _LEN = struct.Struct(">I")
 MAX_MESSAGE = 256 << 20
@@ -19,8 +21,8 @@ class Channel:
         self._lock = threading.Lock()
         self._rfile = sock.makefile("rb")
 
-    def send(self, msg: dict) -> bool:
-        data = json.dumps(msg, separators=(",", ":")).encode()
+    def send(self, msg: Message) -> bool:
+        data = encode(msg)
         try:
             with self._lock:
                 self.sock.sendall(_LEN.pack(len(data)) + data)
@@ -28,7 +30,7 @@ class Channel:
         except OSError:
             return False
 
-    def recv(self) -> dict | None:
+    def recv(self) -> Message | None:
         try:
             head = self._rfile.read(_LEN.size)
             if len(head) < _LEN.size:
@@ -37,7 +39,7 @@ class Channel:
             if n > MAX_MESSAGE:
                 raise ValueError(f"message of {n} bytes is over the {MAX_MESSAGE} limit")
             body = self._rfile.read(n)
-            return json.loads(body) if len(body) == n else None
+            return decode(body) if len(body) == n else None
         except (OSError, ValueError):
             return None
 

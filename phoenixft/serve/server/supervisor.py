@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .messages import Activate, Hello, Message, Ready
 from .wire import Channel
 
 
@@ -38,7 +39,7 @@ class EngineProc:
     pidfd: int
     log: Path
     channel: Channel | None = None
-    ready: dict | None = None
+    ready: Ready | None = None
     # set once the front has taken this engine over (caught its clients up from the log):
     # the engine's outputs are read only then, so none can overtake the catch-up
     settled: threading.Event = field(default_factory=threading.Event)
@@ -116,7 +117,7 @@ def _last_line(path: Path) -> str:
 class EngineSupervisor:
     def __init__(self, model_dir: str | Path, engine_config: dict, log_dir: str | Path,
                  work_dir: str | Path, *, threads: int | None = None,
-                 on_message: Callable[[dict], None], on_ready: Callable[[dict, dict], None],
+                 on_message: Callable[[Message], None], on_ready: Callable[[Ready, dict], None],
                  emit: Callable[..., None], ring_bytes: int = 16 << 20,
                  compact_bytes: int = 256 << 20, sock_dir: str | None = None) -> None:
         self.model_dir, self.engine_config = str(model_dir), engine_config
@@ -143,7 +144,7 @@ class EngineSupervisor:
     def _spawn(self, role: str) -> EngineProc:
         logs = self.work_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "phoenixft.serve.engine_proc", "--socket", self.sock_path,
+        cmd = [sys.executable, "-m", "phoenixft.serve.server.engine_proc", "--socket", self.sock_path,
                "--model", self.model_dir, "--config", json.dumps(self.engine_config),
                "--log-dir", str(self.log_dir), "--role", role, "--parent", str(os.getpid()),
                "--ring-bytes", str(self.ring_bytes), "--compact-bytes", str(self.compact_bytes)]
@@ -158,7 +159,7 @@ class EngineSupervisor:
             self._pending_hello[p.pid] = proc
         return proc
 
-    def start(self, timeout_s: float = 300.0) -> dict:
+    def start(self, timeout_s: float = 300.0) -> Ready:
         """Start the active engine and its standby; returns the active one's `ready`
         (once: a second call returns the same)."""
         if self.active is not None:
@@ -182,11 +183,11 @@ class EngineSupervisor:
                 return
             ch = Channel(conn)
             hello = ch.recv()
-            if hello is None or hello.get("op") != "hello":
+            if not isinstance(hello, Hello):
                 ch.close()
                 continue
             with self._lock:
-                proc = self._pending_hello.pop(hello["pid"], None)
+                proc = self._pending_hello.pop(hello.pid, None)
             if proc is None:
                 ch.close()
                 continue
@@ -204,7 +205,7 @@ class EngineSupervisor:
             msg = proc.channel.recv()
             if msg is None:
                 return
-            if msg.get("op") == "ready":
+            if isinstance(msg, Ready):
                 with self._lock:
                     proc.ready = msg
                     self._ready.notify_all()
@@ -215,7 +216,7 @@ class EngineSupervisor:
             if proc is self.active:
                 self.on_message(msg)
 
-    def _await_ready(self, proc: EngineProc, timeout_s: float) -> dict:
+    def _await_ready(self, proc: EngineProc, timeout_s: float) -> Ready:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while proc.ready is None:
@@ -268,7 +269,7 @@ class EngineSupervisor:
             if standby is None:
                 raise RuntimeError("no standby engine")
             self._await_channel(standby, 300.0)
-            standby.channel.send({"op": "activate"})
+            standby.channel.send(Activate())
             self.active, self.standby = standby, None
             ready = self._await_ready(standby, 300.0)
         except RuntimeError as exc:
@@ -279,7 +280,7 @@ class EngineSupervisor:
             return
         recover_s = round(time.time() - t_detect, 4)
         self.emit("engine_recovered", pid=standby.pid, recover_s=recover_s,
-                  activate_s=ready["report"].get("activate_s"), report=ready["report"])
+                  activate_s=ready.report.get("activate_s"), report=ready.report)
         try:
             self.on_ready(ready, {"recover_s": recover_s})  # streams go on before anything else
         finally:  # a failing hook must not leave the job without its next standby
@@ -287,7 +288,7 @@ class EngineSupervisor:
             self.standby = self._spawn("standby")
 
     # -- commands ------------------------------------------------------------------------
-    def send(self, msg: dict) -> bool:
+    def send(self, msg: Message) -> bool:
         a = self.active
         return a is not None and a.channel is not None and a.channel.send(msg)
 

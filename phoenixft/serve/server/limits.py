@@ -22,7 +22,7 @@ import json
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .api_errors import error_body
+from .errors import error_body
 
 DEFAULT_MAX_BODY = 4 << 20
 DEFAULT_READ_TIMEOUT_S = 30.0

@@ -2,7 +2,7 @@
 (`ring.py`), captures the KV slots they name, and appends the epoch's records to the log
 (`log.py`) with one system call; it publishes its progress in the ring's control words.
 
-It runs as a process of its own (`python -m phoenixft.serve.executor`, started when the
+It runs as a process of its own (`python -m phoenixft.serve.recovery.executor`, started when the
 engine is loaded) reading the KV cache from shared memory: it never takes the engine's GIL,
 so logging costs the decode loop only its enqueue. A cache on an accelerator, or a CPU
 without total store order, runs it as a thread of the engine instead (`KVRegion` reads the
@@ -142,7 +142,7 @@ class ExecutorProcess:
         self.ring = Ring(ring_bytes)
         self.wake_fd = os.eventfd(0)
         layers, blocks, bs, heads, dim = runner.k_cache.shape
-        cmd = [sys.executable, "-m", "phoenixft.serve.executor", "--log-dir", str(log_dir),
+        cmd = [sys.executable, "-m", "phoenixft.serve.recovery.executor", "--log-dir", str(log_dir),
                "--ring-fd", str(self.ring.fd), "--kv-fd", str(kv_fd), "--wake-fd",
                str(self.wake_fd), "--shape", f"{layers},{blocks * bs},{heads * dim}",
                "--block-size", str(bs), "--itemsize", str(runner.k_cache.element_size()),

@@ -1,17 +1,17 @@
-"""`python -m phoenixft.serve.engine_proc`: one serving engine process, supervised by the
+"""`python -m phoenixft.serve.server.engine_proc`: one serving engine process, supervised by the
 HTTP front (`supervisor.py`).
 
 It loads the model (imports paid, weights loaded, one warm-up generation run), connects to
 the front's socket and says hello with its role. The *active* engine serves at once,
 recovering first from the log if one is there (the whole server was restarted); a warm
 *standby* waits for `activate`, then rebuilds the crashed engine's requests from the log it
-left (`recovery.py`) and serves them on. Either way it keeps the recovery log itself
+left (`recovery/restore.py`) and serves them on. Either way it keeps the recovery log itself
 (`recorder.py`), through a log executor process started with the engine (`executor.py`).
 It dies with the front (parent-death signal), and its executor with it.
 
-Messages (wire.py), front -> engine: add {id, prompt, params, seed}, abort {id}, activate,
-shutdown. Engine -> front: hello {pid, role}, ready {report, resumed}, out {outs, stats},
-log_failed {error}.
+Messages (`messages.py`, over `wire.py`), front -> engine: Add, Abort, LoadAdapter,
+Activate. Engine -> front: Hello, Ready, Outputs, Failed, AdapterLoaded/AdapterRefused,
+LogFailed, Fatal. The front closing the connection ends the process.
 """
 
 from __future__ import annotations
@@ -25,6 +25,22 @@ import threading
 import time
 
 from phoenixft.platform import die_with_parent
+
+from .messages import (
+    Abort,
+    Activate,
+    AdapterLoaded,
+    AdapterRefused,
+    Add,
+    Failed,
+    Fatal,
+    Hello,
+    LoadAdapter,
+    LogFailed,
+    Outputs,
+    Ready,
+    Resumed,
+)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,11 +63,12 @@ class EngineServer:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self._consecutive_failures = 0
+        self.recorder = None  # the engine's StepRecorder, kept here for its summary
 
-    def start_recording(self) -> dict:
-        from .log import lock_log, segments
-        from .recorder import Recorder
-        from .recovery import RecoveryReport, recover
+    def start_recording(self) -> Ready:
+        from phoenixft.serve.recovery.log import lock_log, segments
+        from phoenixft.serve.recovery.recorder import Recorder
+        from phoenixft.serve.recovery.restore import RecoveryReport, recover
 
         lock = lock_log(self.args.log_dir, wait_s=10.0)  # the crashed engine's executor is gone
         try:
@@ -59,53 +76,47 @@ class EngineServer:
                 else RecoveryReport()
         finally:
             os.close(lock)  # this engine's executor takes it when it starts writing
-        self.engine.recorder = Recorder(
+        self.recorder = self.engine.recorder = Recorder(
             self.engine, self.args.log_dir, first_epoch=report.last_commit + 1,
             first_seq=report.next_seq, compact_bytes=self.args.compact_bytes,
             executor=self.executor,
-            on_error=lambda msg: self.ch.send({"op": "log_failed", "error": msg}))
-        resumed = [{"id": s.seq_id, "prompt_tokens": s.num_prompt_tokens,
-                    "completion": s.completion_token_ids, "emitted": s.emitted}
+            on_error=lambda msg: self.ch.send(LogFailed(msg)))
+        resumed = [Resumed(s.seq_id, s.num_prompt_tokens, s.completion_token_ids, s.emitted)
                    for s in self.engine.seqs.values()]
-        return {"report": report.as_dict(), "resumed": resumed,
-                "adapters": dict(self.engine.adapters.current)}
+        return Ready(os.getpid(), report.as_dict(), resumed, dict(self.engine.adapters.current))
 
     def read(self) -> None:
         """Reader thread: the front's commands; the front gone means this process ends."""
         while True:
             msg = self.ch.recv()
-            if msg is None or msg.get("op") == "shutdown":
+            if msg is None:
                 os._exit(0)
             self.commands.put(msg)
             self.wake.set()
 
     def _drain(self) -> None:
-        from .config import SamplingParams
         while True:
             try:
                 msg = self.commands.get_nowait()
             except queue.Empty:
                 return
-            if msg["op"] == "add":
+            if isinstance(msg, Add):
                 try:
-                    seq = self.engine.spec.make_sequence(msg["id"], msg["prompt"],
-                                                         SamplingParams(**msg["params"]))
-                    seq.seed, seq.adapter = msg["seed"], msg.get("adapter")
-                    seq.adapter_version = msg.get("adapter_version") or 0
+                    seq = self.engine.spec.make_sequence(msg.id, msg.prompt, msg.params)
+                    seq.seed, seq.adapter = msg.seed, msg.adapter
+                    seq.adapter_version = msg.adapter_version or 0
                     self.engine.add_sequence(seq)
                 except ValueError as exc:
-                    self.ch.send({"op": "failed", "ids": [msg["id"]], "error": str(exc),
-                                  "client": True})
-            elif msg["op"] == "abort":
-                self.engine.abort(msg["id"])
-            elif msg["op"] == "load_adapter":
+                    self.ch.send(Failed([msg.id], str(exc), client=True))
+            elif isinstance(msg, Abort):
+                self.engine.abort(msg.id)
+            elif isinstance(msg, LoadAdapter):
                 try:
-                    version = self.engine.load_adapter(msg["name"], msg["path"],
-                                                       replace=bool(msg.get("replace")))
-                    self.ch.send({"op": "adapter", "token": msg["token"], "name": msg["name"],
-                                  "version": version})
+                    version = self.engine.load_adapter(msg.name, msg.path,
+                                                       replace=bool(msg.replace))
+                    self.ch.send(AdapterLoaded(msg.token, msg.name, version))
                 except ValueError as exc:
-                    self.ch.send({"op": "adapter_error", "token": msg["token"], "error": str(exc)})
+                    self.ch.send(AdapterRefused(msg.token, str(exc)))
 
     def _step(self) -> list:
         try:
@@ -117,7 +128,7 @@ class EngineServer:
             if self._consecutive_failures >= 3:
                 raise
             outs, ids = self.engine.isolate_failed_step()
-            self.ch.send({"op": "failed", "ids": ids, "error": repr(exc)})
+            self.ch.send(Failed(ids, repr(exc)))
             return outs
 
     def stats(self) -> dict:
@@ -126,7 +137,7 @@ class EngineServer:
                 "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "kv_usage": e.block_manager.usage, "preemptions": e.scheduler.num_preemptions,
                 "generated": e.num_generated_tokens,
-                "log": e.recorder.summary() if e.recorder is not None else None}
+                "log": self.recorder.summary() if self.recorder is not None else None}
 
     def serve(self) -> None:
         threading.Thread(target=self.read, daemon=True, name="phoenixft-engine-reader").start()
@@ -137,16 +148,12 @@ class EngineServer:
                 self.wake.wait(0.5)
                 self.wake.clear()
                 if time.monotonic() - last_stats > 0.5:
-                    self.ch.send({"op": "out", "outs": [], "stats": self.stats()})
+                    self.ch.send(Outputs([], self.stats()))
                     last_stats = time.monotonic()
                 continue
-            outs = self._step()
-            msg = {"op": "out", "outs": [[o.request_id, o.new_token_ids, o.new_text,
-                                          o.num_completion_tokens, o.finished, o.finish_reason,
-                                          o.prompt_computed, o.num_prompt_tokens, o.logprobs]
-                                         for o in outs]}
+            msg = Outputs(self._step())
             if time.monotonic() - last_stats > 0.5:
-                msg["stats"] = self.stats()
+                msg.stats = self.stats()
                 last_stats = time.monotonic()
             if not self.ch.send(msg):
                 os._exit(0)
@@ -157,10 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(args.parent)
     import torch
 
+    from phoenixft.serve.engine.config import EngineConfig
+    from phoenixft.serve.engine.llm_engine import LLMEngine
+    from phoenixft.serve.recovery.executor import start_executor
+
     from . import wire
-    from .config import EngineConfig
-    from .engine import LLMEngine
-    from .executor import start_executor
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,20 +180,18 @@ def main(argv: list[str] | None = None) -> None:
     executor = start_executor(engine.runner, args.log_dir, args.ring_bytes)  # warm, idle
     engine.warm_up()
     ch = wire.connect(args.socket)
-    ch.send({"op": "hello", "pid": os.getpid(), "role": args.role})
-    if args.role == "standby":
-        msg = ch.recv()
-        if msg is None or msg.get("op") != "activate":
-            os._exit(0)
+    ch.send(Hello(os.getpid(), args.role))
+    if args.role == "standby" and not isinstance(ch.recv(), Activate):
+        os._exit(0)
     server = EngineServer(engine, ch, args, executor)
     t0 = time.perf_counter()
     ready = server.start_recording()
-    ready["report"]["activate_s"] = round(time.perf_counter() - t0, 4)
-    ch.send({"op": "ready", "pid": os.getpid(), **ready})
+    ready.report["activate_s"] = round(time.perf_counter() - t0, 4)
+    ch.send(ready)
     try:
         server.serve()
     except BaseException as exc:  # noqa: BLE001 - told to the front, then the process ends
-        ch.send({"op": "fatal", "error": repr(exc)})
+        ch.send(Fatal(repr(exc)))
         sys.stderr.write(f"phoenixft engine {os.getpid()}: {exc!r}\n")
         os._exit(1)
 

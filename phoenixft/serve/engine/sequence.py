@@ -62,10 +62,6 @@ class Sequence:
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def to_dict(self) -> dict:
         """Plain-JSON state (no logits, no timing) from which ``from_dict`` rebuilds it."""
         return {"seq_id": self.seq_id, "token_ids": list(self.token_ids),

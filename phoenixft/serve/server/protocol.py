@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .config import SamplingParams
+from phoenixft.serve.engine.config import SamplingParams
 
 MAX_CHOICES = 64  # prompts x n of one request
 

@@ -1,8 +1,8 @@
 """Owns the model and the preallocated KV cache; turns a scheduled batch into logits.
 
 The cache is two tensors ``[layers, num_blocks, block_size, kv_heads, head_dim]`` (K and
-V) allocated once, so a block is a fixed slice that a recovery log can copy by index
-(``kv_block(layer, block)``) and that never moves while the engine runs.
+V) allocated once, so a block is a fixed slice that a recovery log can copy by index and
+that never moves while the engine runs.
 """
 
 from __future__ import annotations
@@ -159,7 +159,3 @@ class ModelRunner:
         hidden = self.model(ids, meta, self.k_cache, self.v_cache)
         logits = self.model.compute_logits(hidden if all_logits else hidden[last])
         return logits if self.device.type == "cpu" else logits.float().cpu()  # sampled on host
-
-    def kv_block(self, layer: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views (not copies) of one block's K and V in one layer: the unit of logging."""
-        return self.k_cache[layer, block], self.v_cache[layer, block]

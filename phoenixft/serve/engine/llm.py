@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig, SamplingParams
-from .engine import LLMEngine
+from .llm_engine import LLMEngine
 
 
 @dataclass(slots=True)

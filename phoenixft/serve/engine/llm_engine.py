@@ -3,12 +3,10 @@
 ``LLMEngine`` is single-threaded by design: only the thread that calls ``step()`` may call
 ``add_request``/``abort`` (the HTTP server funnels its calls through one engine thread).
 
-State seam for crash recovery (docs/architecture.md, "Serving"): ``state_dict()`` enumerates
-everything a restarted engine needs (the preallocated KV tensors, the block manager's
-tables, the scheduler's queues with each request's tokens, progress and seed), and
-``take_dirty_blocks()`` names the KV blocks (and slots) written since the previous call, so a log
-can copy only those. ``load_state_dict`` restores them into an engine built from the
-same model and config; generation then continues token for token as if uninterrupted.
+Crash recovery sees the engine through two doors: a `StepRecorder` (step_recorder.py)
+that it calls after every step, which reads what the step changed (the block manager's
+dirty slots, the requests' progress), and ``install()``, through which an engine rebuilt
+from the recovery log takes the logged requests over (their KV already scattered back).
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from .adapters import AdapterStore, check_adapter_name, read_adapter_file
 from .block_manager import BlockManager
@@ -29,6 +25,7 @@ from .sampler import logprobs, penalize, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec import EngineSpec
+from .step_recorder import StepRecorder
 
 
 @dataclass(slots=True)
@@ -62,7 +59,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._last_step: list[Sequence] = []  # what the current or last step computes
         self._before: list[tuple[int, int]] = []  # their (tokens, computed) before it
-        self.recorder = None  # the recovery log (recorder.py), when serving keeps one
+        # what records each step (the recovery log, when serving keeps one): step_recorder.py
+        self.recorder: StepRecorder | None = None
         self.adapters = AdapterStore()
         self.runner.adapters = self.adapters
 
@@ -253,22 +251,3 @@ class LLMEngine:
                     break
         end = safe
         return end
-
-    # -- state seam --------------------------------------------------------------------
-    def take_dirty_blocks(self) -> dict[int, list[int]]:
-        return self.block_manager.take_dirty()
-
-    def state_dict(self) -> dict:
-        """KV tensors (live, not copies), block tables and queues (plain JSON)."""
-        return {"k_cache": self.runner.k_cache, "v_cache": self.runner.v_cache,
-                "block_manager": self.block_manager.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "num_generated_tokens": self.num_generated_tokens}
-
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            self.runner.k_cache.copy_(state["k_cache"])
-            self.runner.v_cache.copy_(state["v_cache"])
-        self.block_manager.load_state_dict(state["block_manager"])
-        self.seqs = {s.seq_id: s for s in self.scheduler.load_state_dict(state["scheduler"])}
-        self.num_generated_tokens = state["num_generated_tokens"]

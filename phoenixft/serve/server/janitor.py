@@ -1,4 +1,4 @@
-"""`python -m phoenixft.serve.janitor FRONT_PID PATH...`: removes what a serving front
+"""`python -m phoenixft.serve.server.janitor FRONT_PID PATH...`: removes what a serving front
 leaves behind once it has exited, however it exited.
 
 A front creates an engines' socket directory (`/tmp/phoenixft-serve-<pid>-*`), a run
@@ -28,7 +28,7 @@ from phoenixft.platform import wait_for_exit
 
 def start_janitor(paths: list[str | Path]) -> subprocess.Popen:
     """Start the janitor for this process and `paths`."""
-    return subprocess.Popen([sys.executable, "-m", "phoenixft.serve.janitor", str(os.getpid()),
+    return subprocess.Popen([sys.executable, "-m", "phoenixft.serve.server.janitor", str(os.getpid()),
                              *map(str, paths)], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)

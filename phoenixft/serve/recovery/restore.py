@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .adapters import Adapter
+from phoenixft.serve.engine.adapters import Adapter
+
 from .log import ADAPTER, FULL, KV, STATE, cut_after_commit, replay
 from .regions import KVRegion, StateTable
 

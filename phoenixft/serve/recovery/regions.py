@@ -24,8 +24,9 @@ import json
 import numpy as np
 import torch
 
+from phoenixft.serve.engine.sequence import Sequence, SequenceStatus
+
 from .kv_slots import KV_HEAD, ranges_header, slots
-from .sequence import Sequence, SequenceStatus
 
 
 class KVRegion:

@@ -176,29 +176,6 @@ class BlockManager:
         dirty, self.dirty = self.dirty, {}
         return dirty
 
-    # -- state for the recovery log -------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"num_blocks": self.num_blocks, "block_size": self.block_size,
-                "ref_counts": list(self.ref_counts), "hashes": list(self.hashes),
-                "block_tokens": [None if t is None else list(t) for t in self.block_tokens],
-                "free": list(self.free)}
-
-    def load_state_dict(self, state: dict) -> None:
-        if (state["num_blocks"], state["block_size"]) != (self.num_blocks, self.block_size):
-            raise ValueError("block manager state has a different geometry: "
-                             f"{state['num_blocks']}x{state['block_size']} vs "
-                             f"{self.num_blocks}x{self.block_size}")
-        self.ref_counts = list(state["ref_counts"])
-        self.hashes = list(state["hashes"])
-        self.block_tokens = [None if t is None else tuple(t) for t in state["block_tokens"]]
-        self.free = OrderedDict((b, None) for b in state["free"])
-        self.hash_to_block = {}
-        for b, h in enumerate(self.hashes):
-            if h is not None:
-                self.hash_to_block.setdefault(h, b)
-        self.dirty = {}
-        self.quarantine = {}
-
     def rebuild(self, tables: list[list[int]]) -> None:
         """State from the block tables of the live sequences alone (a recovery: the log
         holds those, not the allocator's bookkeeping). Every other block is free; cached

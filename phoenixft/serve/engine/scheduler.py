@@ -96,15 +96,3 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-    def state_dict(self) -> dict:
-        """Queues in order, each sequence as plain JSON (see ``Sequence.to_dict``)."""
-        return {"waiting": [s.to_dict() for s in self.waiting],
-                "running": [s.to_dict() for s in self.running],
-                "num_preemptions": self.num_preemptions}
-
-    def load_state_dict(self, state: dict) -> list[Sequence]:
-        self.waiting = deque(Sequence.from_dict(d) for d in state["waiting"])
-        self.running = deque(Sequence.from_dict(d) for d in state["running"])
-        self.num_preemptions = state["num_preemptions"]
-        return [*self.waiting, *self.running]
