@@ -110,6 +110,13 @@ class JobInfo:
 
 
 class Persister:
+    """One rank's background writer to the persistent tier: takes the snapshot its
+    snapshot thread just copied (`offer`, never a wait), writes a base every
+    `PersistConfig.every` records and deltas between, within its CPU share (a stride of
+    steps), and announces each durable record; rank 0 writes the step's manifest, the
+    commit, once every rank's record is durable. Storage errors are counted and reported,
+    and training goes on."""
+
     def __init__(self, tier: FsspecTier, *, rank: int, shm_dir: str, cfg: PersistConfig,
                  job: JobInfo, connect: Callable[[], dist.Store],
                  emit: Callable[..., None]) -> None:

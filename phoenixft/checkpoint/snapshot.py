@@ -73,6 +73,14 @@ def mark_committed(store: dist.Store, step: int, info: dict) -> None:
 
 
 class Snapshotter:
+    """One rank's snapshot thread for one generation: copies each step's unique state
+    into double-buffered slot files in the node's shared memory (slot s % 2 is only
+    rewritten once snapshot s-1 is committed), sends or copies replicas to their holders,
+    acknowledges, and commits the step when every copy of every rank is acknowledged.
+    `begin(step, tensors, header)` returns at once; the optimizer's pre-step hook waits
+    (`wait_copied`) before the next update may change the tensors. Errors surface to the
+    training thread at that wait, never silently."""
+
     def __init__(self, *, shm_dir: str | Path, rank: int, generation: int,
                  connect: Callable[[], dist.Store], rep_pg: dist.ProcessGroup | None,
                  holders: list[int], sources: list[int], world_size: int,

@@ -104,6 +104,12 @@ class Failure:
 
 
 class Leader:
+    """The job's decider, run by the agent that holds the lead: reads failure reports and
+    heartbeats, decides each next generation (`policy.py`) and publishes its plan, writes
+    status.json and, at the end, summary.json. Its state is saved in the store after
+    every change, so another agent can take the lead over (`resume`). The failure policy
+    is in the module docstring."""
+
     def __init__(self, store: dist.Store, events: EventLog, run_dir: Path,
                  cfg: LeaderConfig) -> None:
         self.store = store

@@ -28,6 +28,10 @@ class PlanKind(str, enum.Enum):
 
 @dataclass
 class Plan:
+    """A generation: who holds which rank (`members`, rank -> worker id) on which node,
+    which dead workers it replaces, and why; or the end of the job (`kind` DONE or
+    ABORT, with the reason). Written once by the leader at `gen/{g}/plan`, never changed."""
+
     generation: int
     kind: PlanKind = PlanKind.RUN
     members: dict[int, str] = field(default_factory=dict)  # rank -> worker id

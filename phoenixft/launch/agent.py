@@ -57,6 +57,13 @@ class _Proc:
 
 
 class Agent:
+    """`phoenixft run` on one node: starts the node's workers and warm spares, watches
+    their exits through pidfds and reports them, carries out fences, owns the node's
+    snapshot shared memory, hosts the store on node 0 (or joins one), runs the leader
+    when it holds the lead, and tells the console what happens (`observe/story.py`).
+    `run()` returns the job's exit status; the lifecycle guarantees are in the module
+    docstring."""
+
     def __init__(self, cfg: AgentConfig, forks: ForkServer | None = None,
                  lock: RunDirLock | None = None) -> None:
         """`forks`: a fork server started early (`phoenixft run` starts it before this

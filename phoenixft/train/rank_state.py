@@ -22,6 +22,11 @@ from phoenixft.train.tracked import Tracked
 
 @dataclass(kw_only=True)
 class RankState:
+    """What one rank holds: the model, its `StateLayout` (the parallelism seam: which of
+    its state is unique to this rank), the tracked objects (samplers, loaders), the step,
+    M, and who wrote the newest snapshot. The generation protocol and recovery work on
+    it, never on the user-facing `Session`."""
+
     model: nn.Module
     layout: StateLayout
     tracked: Tracked

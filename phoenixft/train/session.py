@@ -50,6 +50,18 @@ __all__ = ["JobAborted", "Session"]
 
 
 class Session:
+    """A training job's user API: wrap a plain PyTorch loop and phoenixft runs the step
+    (gradient reduction, the optimizer update through the rank's `StateLayout`, a
+    snapshot in the background) and survives failures underneath it.
+
+    Under `phoenixft run` it reads its place from the environment; without it, it is a
+    standalone one-process session (notebooks, tests). `setup(model, optimizer_factory)`
+    registers the model (a warm spare waits there until it is needed); `steps(N)`
+    yields `Step`s until N optimizer steps are done, recovering in between (survivors
+    are never restarted: after a failure the loop simply resumes at the restored step);
+    `full_state()`, `save_pretrained()` and `load_state()` read and write the model.
+    What a rank holds is its `RankState`; the generation protocol is its `Member`."""
+
     def __init__(self, config: SessionConfig | None = None) -> None:
         self.cfg = config or SessionConfig.from_env()
         self.wid = self.cfg.worker_id
