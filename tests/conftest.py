@@ -1,10 +1,7 @@
-import sys
-from pathlib import Path
+"""Session-wide fixtures. Shared helpers are the `tests.support` package (imported by
+name: the tests are a package, nothing is put on sys.path)."""
 
-sys.path.insert(0, str(Path(__file__).parent / "integration"))
-
-
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

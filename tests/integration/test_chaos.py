@@ -7,7 +7,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from jobs import EXAMPLE, PHOENIXFT, ROOT, kill_members, kill_tree, load
+
+from tests.support.jobs import EXAMPLE, PHOENIXFT, ROOT, kill_members, kill_tree, load
 
 pytestmark = [pytest.mark.integration]
 

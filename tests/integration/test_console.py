@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from jobs import (
+
+from tests.support.jobs import (
     GATED,
     PHOENIXFT,
     ROOT,

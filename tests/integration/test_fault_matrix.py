@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from jobs import failure_free, run, run_two_nodes
+
+from tests.support.jobs import failure_free, run, run_two_nodes
 
 pytestmark = [pytest.mark.integration]
 STEPS = 30

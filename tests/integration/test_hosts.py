@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import (
+
+from phoenixft.observe.events import read_events
+from tests.support.jobs import (
     EXAMPLE,
     PHOENIXFT,
     ROOT,
@@ -25,9 +27,7 @@ from jobs import (
     start,
     wait_until,
 )
-from netns import can_make_namespaces, two_hosts
-
-from phoenixft.observe.events import read_events
+from tests.support.netns import can_make_namespaces, two_hosts
 
 pytestmark = [pytest.mark.integration]
 STEPS = 30

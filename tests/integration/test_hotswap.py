@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import (
+
+from phoenixft.observe.events import read_events
+from tests.support.jobs import (
     GATED,
     UNTIL_STOPPED,
     failure_free,
@@ -21,8 +23,6 @@ from jobs import (
     start,
     wait_until,
 )
-
-from phoenixft.observe.events import read_events
 
 pytestmark = [pytest.mark.integration]
 STEPS = 16

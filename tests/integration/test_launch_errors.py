@@ -8,7 +8,8 @@ import textwrap
 import time
 
 import pytest
-from jobs import PHOENIXFT, ROOT, kill_members, kill_tree, load
+
+from tests.support.jobs import PHOENIXFT, ROOT, kill_members, kill_tree, load
 
 pytestmark = [pytest.mark.integration]
 

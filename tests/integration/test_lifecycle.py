@@ -15,7 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from jobs import (
+
+from phoenixft.observe.events import read_events
+from tests.support.jobs import (
     PHOENIXFT,
     ROOT,
     UNTIL_STOPPED,
@@ -29,8 +31,6 @@ from jobs import (
     start,
     wait_until,
 )
-
-from phoenixft.observe.events import read_events
 
 pytestmark = [pytest.mark.integration]
 

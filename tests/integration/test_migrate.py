@@ -13,7 +13,8 @@ import sys
 import textwrap
 
 import pytest
-from jobs import PHOENIXFT, ROOT, kill_members, kill_tree, load, run_script
+
+from tests.support.jobs import PHOENIXFT, ROOT, kill_members, kill_tree, load, run_script
 
 pytestmark = [pytest.mark.integration]
 

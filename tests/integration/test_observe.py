@@ -10,9 +10,9 @@ import sys
 
 import httpx
 import pytest
-from jobs import PHOENIXFT, ROOT, kill_members, kill_tree, start, wait_until
 
 from phoenixft.cluster.store import free_port
+from tests.support.jobs import PHOENIXFT, ROOT, kill_members, kill_tree, start, wait_until
 
 pytestmark = [pytest.mark.integration]
 

@@ -14,7 +14,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from jobs import (
+
+from phoenixft.checkpoint.slots import SlotFile
+from phoenixft.checkpoint.tiers import FsspecTier
+from phoenixft.observe.events import read_events
+from tests.support.jobs import (
     GATED,
     PHOENIXFT,
     ROOT,
@@ -28,10 +32,6 @@ from jobs import (
     start,
     wait_until,
 )
-
-from phoenixft.checkpoint.slots import SlotFile
-from phoenixft.checkpoint.tiers import FsspecTier
-from phoenixft.observe.events import read_events
 
 pytestmark = [pytest.mark.integration]
 STEPS = 30

@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from jobs import PHOENIXFT, ROOT, run
 
 from phoenixft.checkpoint.tiers import FsspecTier
+from tests.support.jobs import PHOENIXFT, ROOT, run
 
 pytestmark = [pytest.mark.integration]
 PER_STEP = ("--persist-cpu-share", "1")

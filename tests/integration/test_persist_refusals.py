@@ -11,7 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from jobs import EXAMPLE, PHOENIXFT, ROOT
+
+from tests.support.jobs import EXAMPLE, PHOENIXFT, ROOT
 
 pytestmark = [pytest.mark.integration]
 

@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from jobs import GATED, kill_members, kill_tree, load, run, start, wait_until
 
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.observe.events import read_events
+from tests.support.jobs import GATED, kill_members, kill_tree, load, run, start, wait_until
 
 pytestmark = [pytest.mark.integration]
 HOLD = ("--hold-at", "2", "--hold-until-file", "go")  # the job waits at step 2 for the test

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from jobs import GATED, run, run_script
 from safetensors.torch import load_file
+
+from tests.support.jobs import GATED, run, run_script
 
 pytestmark = [pytest.mark.integration]
 STEPS, M = 12, 8

@@ -10,11 +10,11 @@ import time
 
 import pytest
 import torch
-from async_engine import AsyncEngine
 
 from phoenixft.serve import SamplingParams
 from phoenixft.serve.engine.llm_engine import LLMEngine
 from phoenixft.serve.server.errors import EngineDead, RequestFailed
+from tests.support.async_engine import AsyncEngine
 
 
 @pytest.mark.timeout(60)

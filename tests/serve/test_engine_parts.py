@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_state import block_manager_state, engine_state, load_block_manager_state, load_engine_state
 
 from phoenixft.serve import LLM, EngineConfig, SamplingParams
 from phoenixft.serve.engine.block_manager import BlockManager
 from phoenixft.serve.engine.sampler import sample, uniform
 from phoenixft.serve.engine.sequence import Sequence
+from tests.support.engine_state import (
+    block_manager_state,
+    engine_state,
+    load_block_manager_state,
+    load_engine_state,
+)
 
 
 def seq(tokens, sid="s", **params) -> Sequence:

@@ -13,9 +13,9 @@ import time
 
 import httpx
 import pytest
-from test_crash_recovery import MAX_LEN, Server, SSEClient, free_port, write_adapter
 
 from phoenixft.serve import LLM, EngineConfig, SamplingParams
+from tests.support.serving import MAX_LEN, Server, SSEClient, free_port, write_adapter
 
 pytestmark = pytest.mark.timeout(180)
 

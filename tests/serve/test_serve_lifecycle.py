@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_crash_recovery import MAX_LEN, Server, free_port, write_adapter
 
 from phoenixft.serve.server.http import default_log_dir
+from tests.support.serving import MAX_LEN, Server, free_port, write_adapter
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,7 +8,6 @@ import json
 import time
 
 import pytest
-from test_crash_recovery import write_adapter
 
 from phoenixft.serve import EngineConfig, SamplingParams
 from phoenixft.serve.engine.adapters import check_adapter_name
@@ -17,6 +16,7 @@ from phoenixft.serve.engine.step_recorder import StepRecorder
 from phoenixft.serve.recovery.recorder import Recorder
 from phoenixft.serve.recovery.restore import recover
 from phoenixft.serve.server.store import RequestStore
+from tests.support.serving import write_adapter
 
 CFG = EngineConfig(block_size=4, num_blocks=64, max_model_len=128)
 

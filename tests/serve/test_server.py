@@ -10,7 +10,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,9 @@ import pytest
 import torch
 
 from phoenixft.serve import LLM, SamplingParams
+from tests.support.waiting import free_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _poll(url: str, deadline_s: float, proc: subprocess.Popen | None = None,
@@ -52,7 +46,7 @@ def _poll(url: str, deadline_s: float, proc: subprocess.Popen | None = None,
 @pytest.fixture(scope="module")
 def server(hf_models):
     path, _ = hf_models["qwen2"]  # WordLevel tokenizer + chat template
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "phoenixft.serve.server.cli", "serve", str(path), "--port", str(port),

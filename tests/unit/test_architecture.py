@@ -205,3 +205,30 @@ def test_the_serve_parts_check_can_fail():
         "(serve.recovery may not import serve.server)",
         f"phoenixft.serve.stray is in none of serve's parts {SERVE_PARTS}",
     ]
+
+
+TESTS = PKG.parent / "tests"
+
+
+def sys_path_edits(paths) -> list[str]:
+    """Calls that change sys.path (`sys.path.insert/append/extend`), as FILE:LINE."""
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            f = node.func if isinstance(node, ast.Call) else None
+            if (isinstance(f, ast.Attribute) and f.attr in ("insert", "append", "extend")
+                    and isinstance(f.value, ast.Attribute) and f.value.attr == "path"
+                    and isinstance(f.value.value, ast.Name) and f.value.value.id == "sys"):
+                out.append(f"{path}:{node.lineno}")
+    return out
+
+
+def test_the_tests_put_nothing_on_sys_path():
+    """Shared test helpers are the importable `tests.support` package."""
+    assert not sys_path_edits(TESTS.rglob("*.py"))
+
+
+def test_a_sys_path_edit_is_found(tmp_path):
+    bad = tmp_path / "conftest.py"
+    bad.write_text("import sys\nsys.path.insert(0, 'x')\n")
+    assert sys_path_edits([bad]) == [f"{bad}:2"]

@@ -7,19 +7,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from phoenixft.observe.events import read_events
+from tests.support.waiting import wait_until as wait_until  # (the job tests' wait)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 # a tiny job that can hold at a step until a file appears (or a respawned worker registered)
-GATED = Path(__file__).with_name("scripts") / "gated.py"
+GATED = ROOT / "tests" / "integration" / "scripts" / "gated.py"
 PHOENIXFT = [sys.executable, "-m", "phoenixft.cli"]
 # steps for a job that runs until its test stops it (one that could finish first would race it)
 UNTIL_STOPPED = 100_000
@@ -76,19 +75,6 @@ def kill_members(run_dir: Path) -> None:
                 p.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-
-
-def wait_until(check: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
-    """Poll `check` until it returns something truthy (returned), or fail naming `what`:
-    tests wait for a state, bounded by a deadline, never for a number of seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(poll)
 
 
 def reached_step(run_dir: Path, step: int) -> bool:
