@@ -69,11 +69,11 @@ def assert_healthy(server: Server) -> None:
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     # Content-Length of 400 MB, and only a few bytes sent: the answer comes at once
+    # (a server that waited for the body would answer 408 after --request-read-timeout, and
+    # the socket's timeout fails a server that never answers: 413 is the state to see)
     s = raw(server.port, head("/v1/completions", "Content-Length: 400000000\r\n") + b'{"mo')
-    t0 = time.monotonic()
     reply = read_response(s)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
-    assert time.monotonic() - t0 < 10
     body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
     assert body["error"]["code"] == "request_too_large"
     assert "65536" in body["error"]["message"] and "--max-request-body" in body["error"]["message"]
@@ -100,7 +100,6 @@ def test_slow_loris_connections_are_closed(server):
     and a body that never comes both end with 408 and a closed connection."""
     s = socket.create_connection(("127.0.0.1", server.port), timeout=20)
     request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
-    t0 = time.monotonic()
     closed = False
     for byte in request:
         try:
@@ -117,8 +116,9 @@ def test_slow_loris_connections_are_closed(server):
         assert got.startswith(b"HTTP/1.1 408") or got == b"", got[:100]
         break
     s.close()
+    # closed before the request was complete: a server that reset its timer on each byte
+    # would have kept it open to the end
     assert closed, "the server kept a trickling connection open for 200 s"
-    assert time.monotonic() - t0 < READ_TIMEOUT + 10
     # a body announced but never sent
     s = raw(server.port, head("/v1/completions", "Content-Length: 100\r\n") + b'{"model"')
     reply = read_response(s)
