@@ -10,7 +10,6 @@ import signal
 import subprocess
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -52,12 +51,12 @@ def test_sigkill_of_the_agent_leaves_no_orphans_and_no_shared_memory(tmp_path):
         wait_until(lambda: reached_step(tmp_path, 3), 60, "step 3")
         pids, shm = worker_pids(tmp_path), shm_dirs(tmp_path)
         assert len(pids) == 3 and shm and all(d.exists() for d in shm)
-        t0 = time.monotonic()
         p.kill()
-        p.wait()
-        wait_until(lambda: not any(alive(pid) for pid in pids), 10, "every worker to die")
-        wait_until(lambda: not any(d.parent.exists() for d in shm), 10, "shared memory removed")
-        assert time.monotonic() - t0 < 10
+        p.wait(timeout=30)
+        # states, bounded only by the test's timeout: the workers die with their agent and
+        # its janitor removes the node's shared memory
+        wait_until(lambda: not any(alive(pid) for pid in pids), 50, "every worker to die")
+        wait_until(lambda: not any(d.parent.exists() for d in shm), 50, "shared memory removed")
     finally:
         kill_tree(p.pid)
         kill_members(tmp_path)
@@ -70,18 +69,21 @@ def test_a_signal_stops_the_job_with_its_reason(tmp_path, sig):
     try:
         wait_until(lambda: reached_step(tmp_path, 3), 60, "step 3")
         pids, shm = worker_pids(tmp_path), shm_dirs(tmp_path)
-        t0 = time.monotonic()
         p.send_signal(sig)
-        out, _ = p.communicate(timeout=30)
-        took = time.monotonic() - t0
+        out, _ = p.communicate(timeout=60)  # it exits (a hang fails here, loudly)
     finally:
         kill_tree(p.pid)
         kill_members(tmp_path)
     assert p.returncode == 128 + sig, out
-    assert took < 10, f"took {took:.1f}s to stop"
     assert f"{sig.name} received" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["aborted"] == f"interrupted by {sig.name}"
+    # promptly: the leader published the abort plan and every worker read it and left on
+    # its own within the grace period (one SIGKILLed at its end would not have said so)
+    events = list(read_events(tmp_path / "events.jsonl"))
+    assert [e["reason"] for e in events if e["event"] == "abort"] == [f"interrupted by {sig.name}"]
+    for log in (tmp_path / "logs").iterdir():
+        assert f"job stopped by the leader: interrupted by {sig.name}" in log.read_text(), log
     # what it did before the signal: its last completed step and every loss up to it
     assert summary["final_step"] >= 3 and summary["final_state_digest"] is None
     assert len(summary["losses"]) == summary["final_step"]
@@ -107,7 +109,6 @@ def run_script(tmp_path: Path, body: str, *launch: str, timeout: float = 90):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     run_dir = tmp_path / "run"
-    t0 = time.monotonic()
     p = subprocess.Popen([*PHOENIXFT, "run", "--run-dir", str(run_dir), *launch, str(script)],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -115,9 +116,7 @@ def run_script(tmp_path: Path, body: str, *launch: str, timeout: float = 90):
     finally:
         kill_tree(p.pid)
         kill_members(run_dir)
-    job = load(run_dir, p.returncode, out + err)
-    job.took = time.monotonic() - t0
-    return job
+    return load(run_dir, p.returncode, out + err)
 
 
 @pytest.mark.timeout(120)
@@ -126,7 +125,6 @@ def test_a_rank_that_exits_early_is_a_failure_of_that_rank(tmp_path, code):
     job = run_script(tmp_path, EARLY_EXIT.format(code=code), "--nproc", "2")
     assert job.rc == 1, job.out
     assert f"worker n0w1 (rank 1) failed (exit code {code}" in job.out
-    assert job.took < 60
     [f] = job.summary["failures"]
     assert (f["wid"], f["rank"], f["kind"]) == ("n0w1", 1, "exit")
 
@@ -145,7 +143,10 @@ def test_a_script_without_a_session_stops_the_job_at_once(tmp_path):
     job = run_script(tmp_path, "print('I forgot phoenixft.Session()')\n", "--nproc", "2")
     assert job.rc == 1
     assert "exited during start-up" in job.out and "phoenixft.Session()" in job.out
-    assert job.took < 30
+    # at once: stopped by the worker's exit report, not by the start-up deadline
+    [abort] = job.of("abort")
+    assert "exited during start-up" in abort["reason"], abort
+    assert "start-up did not complete" not in job.out
 
 
 @pytest.mark.timeout(60)
@@ -221,7 +222,7 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path):
 def test_a_hung_spare_does_not_keep_a_finished_job_from_exiting(tmp_path):
     """A SIGSTOPped spare (never fenced here: the heartbeat deadline is far away) used to
     keep the agent waiting for it forever once training was done, SIGTERM ignored."""
-    from jobs import GATED
+    from tests.support.jobs import GATED
 
     p = start(tmp_path, "--nproc", "1", "--spares", "1", "--heartbeat-timeout", "600",
               script=GATED, steps=None,
