@@ -170,7 +170,7 @@ def test_slurm_node_lists():
 
 @pytest.mark.timeout(240)
 def test_bf16_parameters_on_fp32_master_shards_survive_a_sigkill(tmp_path, tmp_path_factory):
-    from jobs import failure_free, run
+    from tests.support.jobs import failure_free, run
     ref = failure_free(tmp_path_factory, 2, 10, "--dtype", "bfloat16")
     job = run(tmp_path, "--nproc", "2", "--spares", "1", "--inject", "kill:rank=0:step=6",
               steps=10, script_args=("--dtype", "bfloat16"))
