@@ -29,6 +29,7 @@ import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.slots import SlotFile, slot_path
+from phoenixft.checkpoint.tiers import ShmTier
 from phoenixft.comm.collectives import GroupOps
 
 
@@ -47,23 +48,20 @@ class SnapshotSource(Protocol):
 
 
 class ShmSource:
-    """Slot files in this node's shared memory: "snap" (a rank's own snapshot) or "rep"
-    (a replica this node holds for a peer)."""
+    """A memory tier (`tiers.ShmTier`, the one the tiers' shared test body checks) as a
+    restore source: "snap" (a rank's own snapshot) or "rep" (a replica this node holds
+    for a peer)."""
 
     def __init__(self, shm_dir: str | Path, kind: str, name: str,
                  report: Callable[[str, str], None] | None = None) -> None:
-        self.shm_dir, self.kind, self.name = Path(shm_dir), kind, name
+        self.tier, self.name = ShmTier(shm_dir, kind), name
         self.report = report or (lambda tier, error: None)  # a damaged copy, named
 
     def open(self, rank: int, step: int, generation: int | None) -> SlotFile | None:
-        p = slot_path(self.shm_dir, self.kind, rank, step)
-        if not p.exists():
-            return None
-        f = SlotFile(p)
-        if f.peek()[1] not in (step, -1):  # that slot holds another step: nothing here
-            return None
         try:
-            hdr = f.verify(step)
+            f, hdr = self.tier.open(step, rank)
+        except KeyError:  # not here
+            return None
         except IntegrityError as exc:
             self.report(self.name, str(exc))
             return None
@@ -84,8 +82,6 @@ class PersistentSource:
     def __init__(self, tier, scratch_dir: str | Path,
                  report: Callable[[str, str], None] | None = None,
                  job_id: str | None = None) -> None:
-        from phoenixft.checkpoint.tiers import ShmTier
-
         self.tier, self.job_id = tier, job_id
         self.report = report or (lambda tier, error: None)
         self._scratch = ShmTier(scratch_dir, "disk")

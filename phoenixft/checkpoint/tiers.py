@@ -78,14 +78,21 @@ class ShmTier:
         f.put_image(np.frombuffer(data, dtype=np.uint8), step)  # incomplete until verified
         return RecordInfo(step, rank, "slot", checksum(data), len(data))
 
-    def get(self, step: int, rank: int) -> bytes:
+    def open(self, step: int, rank: int) -> tuple[SlotFile, dict]:
+        """The slot holding rank's snapshot of `step`, verified, and its header: what the
+        restore planner reads (`restore.ShmSource`) and `get` returns the bytes of.
+        KeyError: not here (no slot, or it moved on to another step); IntegrityError:
+        here, but damaged."""
         p = slot_path(self.shm_dir, self.kind, rank, step)
         if not p.exists():
             raise KeyError((step, rank))
         f = SlotFile(p)
         if f.peek()[1] not in (step, -1):  # the slot moved on to another step: not here
             raise KeyError((step, rank))
-        f.verify(step)
+        return f, f.verify(step)
+
+    def get(self, step: int, rank: int) -> bytes:
+        f, _ = self.open(step, rank)
         return bytes(f.np[:f.used_nbytes()])
 
     def list(self) -> list[RecordInfo]:
