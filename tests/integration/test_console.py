@@ -4,16 +4,14 @@ cadence; `--quiet` keeps the failure and the summary."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import re
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 
+from tests.support.disks import fill_up, small_tmpfs
 from tests.support.jobs import (
     GATED,
     PHOENIXFT,
@@ -95,29 +93,9 @@ def test_status_on_a_missing_or_damaged_run_dir_says_so(tmp_path):
 
 @pytest.fixture()
 def small_run_disk(tmp_path):
-    """An 8 MiB tmpfs for the run directory (CI runs as root; without root the test fails
-    naming why, since a skip would let CI pass without checking anything)."""
-    if os.geteuid() != 0:
-        pytest.fail("needs root to mount a small tmpfs (CI runs as root); deselect with "
-                    "-k 'not full_run_dir' to run the rest unprivileged")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
-    try:
+    """An 8 MiB tmpfs for the run directory."""
+    with small_tmpfs(tmp_path, "8m", deselect="full_run_dir") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(disk: Path) -> Path:
-    filler = disk / "filler"
-    with filler.open("wb", buffering=0) as f:  # unbuffered: close must not retry a write
-        try:
-            while True:
-                f.write(bytes(64 << 10))
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
-    return filler
 
 
 @pytest.mark.timeout(300)
@@ -142,7 +120,7 @@ def test_a_full_run_dir_disk_mid_run_costs_records_not_training(tmp_path, tmp_pa
     try:
         wait_until(lambda: reached_step(run_dir, 3) or p.poll() is not None, 120, "step 3")
         assert p.poll() is None, "".join(lines)
-        filler = _fill(small_run_disk)
+        filler = fill_up(small_run_disk)
         (run_dir / "go").touch()  # an empty file needs no room on tmpfs
         wait_until(lambda: any("cannot write the run directory" in ln for ln in lines) or
                    p.poll() is not None, 120, "the console saying the run dir is full")

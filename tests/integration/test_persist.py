@@ -5,9 +5,7 @@ over, storage that fills up or turns read-only, and export to Hugging Face."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import signal
 import subprocess
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 from phoenixft.checkpoint.slots import SlotFile
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.observe.events import read_events
+from tests.support.disks import fill_up, small_tmpfs
 from tests.support.jobs import (
     GATED,
     PHOENIXFT,
@@ -271,30 +270,10 @@ def test_a_replica_damaged_in_transit_is_rejected_and_storage_serves_instead(
 
 @pytest.fixture()
 def small_disk(tmp_path):
-    """A 4 MiB tmpfs (the test is root in CI): room for the first records whatever order
-    the ranks write them in; the test fills it up itself. Without root the test fails
-    naming why: a skip would let CI pass without checking anything."""
-    if os.geteuid() != 0:
-        pytest.fail("needs root to mount a small tmpfs (CI runs as root); deselect with "
-                    "-k 'not storage_full' to run the rest unprivileged")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    try:
+    """A 4 MiB tmpfs: room for the first records whatever order the ranks write them in;
+    the test fills it up itself."""
+    with small_tmpfs(tmp_path, "4m", deselect="storage_full") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def fill_up(disk: Path) -> None:
-    """Write a file until the disk has no room left (ENOSPC), as another tenant would.
-    Unbuffered: a buffered file would retry its last partial write on close and raise."""
-    with (disk / "filler").open("wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(bytes(64 << 10))
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
 
 
 HOLD_AT = 6

@@ -19,31 +19,12 @@ from phoenixft.cluster import store as kv
 from phoenixft.comm.collectives import GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
 from phoenixft.train.flat_layout import FlatZero1
+from tests.support.threads import ranks
 
 LAYOUTS = {
     "flat-zero1": lambda model: FlatZero1(model, lambda p: torch.optim.AdamW(p, lr=1e-2)),
 }
 _prefixes = itertools.count()
-
-
-def ranks(fn, n):
-    """fn(rank) on n threads; the first error is raised."""
-    out, errs = [None] * n, []
-
-    def body(r):
-        try:
-            out[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
-
-    ts = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    if errs:
-        raise errs[0]
-    return out
 
 
 @pytest.fixture()

@@ -4,7 +4,6 @@ gloo groups and a real TCPStore (the processes are not the point here)."""
 from __future__ import annotations
 
 import shutil
-import threading
 from datetime import timedelta
 
 import pytest
@@ -19,26 +18,7 @@ from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import replica_holders
 from phoenixft.comm.collectives import CommFailure, GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
-
-
-def ranks(fn, n=2):
-    """Run fn(rank) in n threads; re-raise the first error."""
-    out, errs = [None] * n, []
-
-    def body(r):
-        try:
-            out[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
-
-    ts = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    if errs:
-        raise errs[0]
-    return out
+from tests.support.threads import ranks
 
 
 @pytest.fixture()
