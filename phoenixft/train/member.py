@@ -438,6 +438,10 @@ class Member:
         if self.snap is not None:
             self.snap.wait_copied(committed=True)
 
+    def count_pass(self) -> None:
+        """One microbatch pass done (added to the store by `tell_passes`)."""
+        self.passes += 1
+
     def tell_passes(self) -> None:
         """Add this worker's microbatch passes since the last call to the job's counter
         (`Keys.MB_COUNT`): once per step, at its all-reduce, not once per microbatch (a

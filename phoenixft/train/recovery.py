@@ -102,15 +102,7 @@ def restore_point(ctx: JoinContext, state: RankState, new_member: bool,
                                                   "adopted_by": ctx.generation})
             return RestorePoint(s_max, world, gen)
     if committed < 0:
-        point = _persisted_point(ctx, None)
-        if point is None and ctx.resume:
-            src = ctx.planner.persistent
-            raise IntegrityError(
-                f"--resume: no step persisted in {src.tier.url if src else 'storage'} could be read and "
-                "verified (each failure is named in events.jsonl, restore_source_failed), so "
-                "there is nothing to resume from; the job stops rather than train from step 0: "
-                "run without --resume to start afresh")
-        return point or RestorePoint(-1, -1, -1)
+        return _persisted_point(ctx, None) or _fresh_start(ctx)
     if not ctx.store.check([Keys.commit(committed)]):
         raise IntegrityError(f"step {committed} is marked committed but has no commit record")
     info = kv.get_json(ctx.store, Keys.commit(committed))
@@ -123,6 +115,19 @@ def restore_point(ctx: JoinContext, state: RankState, new_member: bool,
         return point
     # a rank and every holder of its copies are gone: the planner alone would stop here
     return _persisted_point(ctx, committed) or point
+
+
+def _fresh_start(ctx: JoinContext) -> RestorePoint:
+    """Nothing committed and nothing persisted: a fresh start, except for a job told to
+    resume (`--resume`), which stops instead of training from step 0 without a word."""
+    if ctx.resume:
+        src = ctx.planner.persistent
+        raise IntegrityError(
+            f"--resume: no step persisted in {src.tier.url if src else 'storage'} could be "
+            "read and verified (each failure is named in events.jsonl, restore_source_failed), "
+            "so there is nothing to resume from; the job stops rather than train from step 0: "
+            "run without --resume to start afresh")
+    return RestorePoint(-1, -1, -1)
 
 
 def _persisted_point(ctx: JoinContext, upto: int | None) -> RestorePoint | None:

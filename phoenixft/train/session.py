@@ -238,7 +238,7 @@ class Session:
         return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip)
 
     def _on_backward(self, st: Step) -> None:
-        self.member.passes += 1  # told to the store once per step (Member.tell_passes)
+        self.member.count_pass()
         self.member.injector.at_microbatch(self.rank, st.index, len(st.done) - 1)
 
     def _reduce(self, st: Step) -> None:
