@@ -33,6 +33,7 @@ class EventLog:
         self._fd: int | None = None
         self.failing: OSError | None = None
         self.lost = 0
+        self._torn = False  # the last write stopped mid-line: end that line first
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -41,8 +42,12 @@ class EventLog:
         record = {"t": round(time.time(), 6), "event": event, **self.common, **fields}
         if self._fd is not None:
             line = (json.dumps(record, default=str) + "\n").encode()
+            if self._torn:  # else this record would join the torn one and be lost with it
+                line = b"\n" + line
             try:
-                if os.write(self._fd, line) != len(line):  # a short write: the disk filled
+                n = os.write(self._fd, line)
+                self._torn = (self._torn and n == 0) or 0 < n < len(line)
+                if n != len(line):  # a short write: the disk filled
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 self.failing = None
             except OSError as exc:

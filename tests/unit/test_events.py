@@ -76,3 +76,30 @@ def test_the_follower_reads_only_what_was_appended_and_waits_for_a_line_to_end(t
         raw.writelines(json.dumps({"t": 2, "event": "step", "step": i}) + "\n" for i in range(9))
     assert p.stat().st_ino == ino
     assert [e["step"] for e in f.poll()] == list(range(9)) and f.restarted
+
+
+def test_a_record_after_a_short_write_is_not_lost_with_it(tmp_path):
+    """A write cut short by the file system (here RLIMIT_FSIZE, as a full disk would)
+    leaves a torn line; the next record starts on a line of its own, so only the torn
+    record is lost, not the one after it too. In a child process: the limit is its own."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "events.jsonl"
+    code = f"""
+import os, resource, signal
+from phoenixft.observe.events import EventLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+log = EventLog({str(path)!r})
+log.emit("a")
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize({str(path)!r}) + 10, resource.RLIM_INFINITY))
+log.emit("b", pad="x" * 100)  # 10 bytes of it written
+log.emit("c")  # nothing written
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+log.emit("d")
+print(log.lost, log.failing)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "2" and "None" in r.stdout
+    assert [e["event"] for e in read_events(path)] == ["a", "d"]
