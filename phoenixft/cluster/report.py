@@ -43,16 +43,21 @@ def recoveries(store: dist.Store, last_generation: int, failures: list) -> list[
         plan = Plan.from_json(store.get(Keys.plan(gen)))
         for rank, dead in sorted(plan.replaced.items()):
             f = kinds.get(dead)
-            src_key = Keys.source(gen, rank if rank < plan.world_size else 0)
             out.append({"gen": gen, "rank": rank, "failed_worker": dead,
                         "replacement": plan.members.get(rank),
                         "kind": f.kind if f else "unknown",
                         "detect_s": round(f.t_detect - f.t_fail, 4) if f else None,
                         "recover_s": rec["recover_s"], "lost_steps": rec["lost_steps"],
                         "restore_step": rec["restore_step"],
-                        "source": (store.get(src_key).decode()
-                                   if store.check([src_key]) else None)})
+                        "source": restore_source(store, plan, rank)})
     return out
+
+
+def restore_source(store: dist.Store, plan: Plan, rank: int) -> str | None:
+    """Where replaced `rank` of generation `plan` took its state from (`Keys.source`); a
+    rank a shrink removed is told by rank 0's source."""
+    key = Keys.source(plan.generation, rank if rank < plan.world_size else 0)
+    return store.get(key).decode() if store.check([key]) else None
 
 
 def summary(store: dist.Store, run_dir: Path, last_generation: int, failures: list,

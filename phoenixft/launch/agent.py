@@ -34,6 +34,7 @@ from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan, PlanKind
+from phoenixft.cluster.report import restore_source
 from phoenixft.faults.inject import format_env
 from phoenixft.launch.config import AgentConfig, LaunchError
 from phoenixft.launch.forkserver import Forked, ForkServer, worker_env_defaults
@@ -94,6 +95,7 @@ class Agent:
         self._follower: EventFollower | None = None
         self._told_gen = 0  # newest generation whose recovery the console has told
         self._progress = (0, time.monotonic())  # (step, when) of the last progress line
+        self._cadence = cfg.cadence  # (steps, seconds) between progress lines, parsed once
         self._run_dir_error: str | None = None  # told on the console while writes fail
         self._helpers: set[int] = {forks.pid} if forks is not None else set()
 
@@ -509,7 +511,7 @@ class Agent:
             return
         step = kv.get_int(store, Keys.PROGRESS, 0)
         last, t_last = self._progress
-        every_steps, every_s = self.cfg.cadence
+        every_steps, every_s = self._cadence
         now = time.monotonic()
         if every_steps is not None:
             due = list(range((last // every_steps + 1) * every_steps, step + 1, every_steps))
@@ -540,9 +542,7 @@ class Agent:
             return
         g = plan.generation
         if store.check([Keys.recovered(g)]):
-            rank = min((r for r in plan.replaced if r < plan.world_size), default=0)
-            src = store.get(Keys.source(g, rank)).decode() if store.check(
-                [Keys.source(g, rank)]) else None
+            src = restore_source(store, plan, min(plan.replaced, default=0))
             self._show(self.story.recovered(kv.get_json(store, Keys.recovered(g)), src))
             self._told_gen = g
 
