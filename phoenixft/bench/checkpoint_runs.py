@@ -179,15 +179,17 @@ def phoenix_run(args, kind: str, every: int, steps: int, settle: bool = False,
     previous one to be durable, so no offer is coalesced and the record kinds (base,
     delta) follow `every` exactly (for the delta sizes, not the timings). Step times are
     whole iterations: microbatches, reduce, update, snapshot begin, waits."""
+    from phoenixft.config import Persistence, Snapshots
     from phoenixft.train.config import SessionConfig
     from phoenixft.train.session import Session
 
     _quiet_disk()
     root = Path(tempfile.mkdtemp(prefix="phoenixft-", dir=args.dir))
-    persist = dict(persist_url=str(root / "ckpt"), persist_every=every, persist_keep=2,
-                   persist_cpu_share=1.0 if settle else args.persist_cpu_share)
+    persist = Persistence(url=str(root / "ckpt"), every=every, keep=2,
+                          cpu_share=1.0 if settle else args.persist_cpu_share)
     sess = Session(SessionConfig(run_dir=str(root / "run"), shm_dir=str(root / "shm"),
-                                 **(persist if checkpoints else {"snapshots": False})))
+                                 **({"persistence": persist} if checkpoints
+                                    else {"snapshots": Snapshots(enabled=False)})))
     work = _Workload(args.preset, kind)
     sess.setup(work.model, work.optimizer())
     times, warm = _timed_steps(sess, work, steps, settle, checkpoints)
@@ -251,6 +253,7 @@ def session_vs_plain(args, mode: str, block: int = 3) -> dict:
     (snapshots, and persistence as `phoenixft` mode 1 does: a base per record, the
     persister's CPU share as given). Returns the mean of the per-pair ratios (session
     block / plain block) with its standard error."""
+    from phoenixft.config import Persistence, Snapshots
     from phoenixft.train.config import SessionConfig
     from phoenixft.train.session import Session
 
@@ -258,9 +261,9 @@ def session_vs_plain(args, mode: str, block: int = 3) -> dict:
     plain = _Workload(args.preset, "full")
     opt = plain.optimizer()(list(plain.model.parameters()))
     root = Path(tempfile.mkdtemp(prefix="phoenixft-", dir=args.dir))
-    extra = {"without": {"snapshots": False}, "snapshots": {},
-             "with": dict(persist_url=str(root / "ckpt"), persist_every=1, persist_keep=2,
-                          persist_cpu_share=args.persist_cpu_share)}[mode]
+    extra = {"without": {"snapshots": Snapshots(enabled=False)}, "snapshots": {},
+             "with": {"persistence": Persistence(url=str(root / "ckpt"), every=1, keep=2,
+                                                 cpu_share=args.persist_cpu_share)}}[mode]
     sess = Session(SessionConfig(run_dir=str(root / "run"), shm_dir=str(root / "shm"), **extra))
     work = _Workload(args.preset, "full")
     sess.setup(work.model, work.optimizer())

@@ -20,7 +20,9 @@ EXAMPLE = ROOT / "examples" / "train_gpt.py"
 
 
 def run_job(run_dir: Path, timeout_s: float = 1800, **agent_cfg) -> dict:
-    """Run one job to completion; returns its summary.json (plus its events)."""
+    """Run one job to completion; returns its summary.json (plus its events).
+    `agent_cfg` is AgentConfig's tree as plain data (branches as dicts, e.g.
+    `snapshots={"enabled": False}`), `inject` a list of fault specs."""
     agent_cfg.setdefault("script", str(EXAMPLE))
     agent_cfg.update(run_dir=str(run_dir), echo=False)
     inject = agent_cfg.pop("inject", [])
@@ -42,11 +44,12 @@ def median(xs: list[float]) -> float:
 
 
 def _main() -> int:
+    from phoenixft.config import build
     from phoenixft.faults.inject import parse_spec
     from phoenixft.launch.agent import Agent, AgentConfig
 
     data = json.loads(sys.argv[1])
-    cfg = AgentConfig(**data["cfg"], inject=[parse_spec(s) for s in data["inject"]])
+    cfg = build(AgentConfig, {**data["cfg"], "inject": [parse_spec(s) for s in data["inject"]]})
     return Agent(cfg).run()
 
 

@@ -78,8 +78,9 @@ def in_run(args: argparse.Namespace, root: Path, replicas: int | None = None) ->
     """One job whose snapshots alternate on/off every `args.block` steps."""
     k, steps = args.block, 2 * args.block * args.blocks + args.block
     name = "in-run" if replicas is None else f"in-run-replicas{replicas}"
-    s = run_job(root / name, nproc=args.nproc, snapshots=True, snapshot_blocks=k,
-                replicas=replicas, script_args=_script_args(args, steps))
+    s = run_job(root / name, nproc=args.nproc,
+                snapshots={"enabled": True, "blocks": k, "replicas": replicas},
+                script_args=_script_args(args, steps))
     out = {"block": k, "steps": steps, "replicas": replicas, **paired_blocks(s["events"], k)}
     stats = [e for e in s["events"] if e["event"] == "snapshot_stats"]
     size = next((e for e in s["events"] if e["event"] == "snapshot_size"), {})
@@ -110,7 +111,7 @@ def _check(args: argparse.Namespace) -> None:
 def _separate_run(args: argparse.Namespace, root: Path, pair: int, snapshots: bool) -> dict:
     """One job with snapshots on or off throughout: its median step and snapshot figures."""
     label = "on" if snapshots else "off"
-    s = run_job(root / f"{pair}-{label}", nproc=args.nproc, snapshots=snapshots,
+    s = run_job(root / f"{pair}-{label}", nproc=args.nproc, snapshots={"enabled": snapshots},
                 script_args=_script_args(args, args.steps))
     times = step_times(from_events(s["events"]), skip=5)
     size = next((e for e in s["events"] if e["event"] == "snapshot_size"), {})

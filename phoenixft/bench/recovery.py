@@ -101,7 +101,7 @@ def measure(opts: BenchOptions) -> dict:
     for nproc, fault in _trials(args.trials):
         for i in range(args.repeat):
             s = run_job(root / f"{nproc}-{fault.replace(':', '_')}-{i}", nproc=nproc, spares=1,
-                        inject=[fault], heartbeat_timeout_s=args.heartbeat_timeout,
+                        inject=[fault], timeouts={"heartbeat_timeout_s": args.heartbeat_timeout},
                         script_args=["--steps", str(args.steps), "--preset", args.preset])
             row = {"nproc": nproc, "fault": fault, "run": i, **measure_events(s["events"]),
                    "source": s["recoveries"][0]["source"]}

@@ -153,7 +153,7 @@ def _runs(args: argparse.Namespace, root: Path, work: Workload) -> tuple[list, l
     then both with the same kill; the failure-free events and the kill runs."""
     def phoenix(name: str, inject: list[str]) -> dict:
         return run_job(root / name, nproc=2, spares=1, inject=inject,
-                       heartbeat_timeout_s=args.heartbeat_timeout,
+                       timeouts={"heartbeat_timeout_s": args.heartbeat_timeout},
                        script_args=[*work.script_args(), "--data", "ids"])
 
     def torchft(name: str, kill: int | None) -> TorchftRun:

@@ -55,30 +55,15 @@ import torch.distributed as dist
 from phoenixft.checkpoint.delta import CHUNK, chunk_hashes
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
 from phoenixft.checkpoint.manifests import collect_garbage
-from phoenixft.checkpoint.slots import SlotFile, slot_path, verify_blob
+from phoenixft.checkpoint.slots import SlotFile, SlotKind, slot_path, verify_blob
 from phoenixft.checkpoint.tiers import FsspecTier, info_dict
 from phoenixft.checkpoint.writer_lease import RENEW_S, TOKEN_ENV, WriterLease
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
+from phoenixft.config import Persistence
 
 GAPS = 9  # the step time the stride is set from: the median of this many recent gaps
 MIN_GAPS = 8  # offers after the first wait for this many gaps (module doc: CPU share)
-
-
-@dataclass(kw_only=True)
-class PersistConfig:
-    every: int = 10  # a base record every `every` records, deltas between
-    keep: int = 2  # bases kept (with the deltas and manifests that use them)
-    chunk: int = CHUNK  # delta granularity in bytes
-    cpu_share: float = 0.05  # of one core, on average (see the module doc)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.cpu_share <= 1:  # NaN fails too
-            raise ValueError(f"PersistConfig.cpu_share must be in (0, 1], got {self.cpu_share}")
-        if self.every < 1:
-            raise ValueError(f"--persist-every must be >= 1, got {self.every}")
-        if self.keep < 1:
-            raise ValueError(f"--persist-keep must be >= 1, got {self.keep}")
 
 
 @dataclass
@@ -112,12 +97,12 @@ class JobInfo:
 class Persister:
     """One rank's background writer to the persistent tier: takes the snapshot its
     snapshot thread just copied (`offer`, never a wait), writes a base every
-    `PersistConfig.every` records and deltas between, within its CPU share (a stride of
+    `Persistence.every` records and deltas between, within its CPU share (a stride of
     steps), and announces each durable record; rank 0 writes the step's manifest, the
     commit, once every rank's record is durable. Storage errors are counted and reported,
     and training goes on."""
 
-    def __init__(self, tier: FsspecTier, *, rank: int, shm_dir: str, cfg: PersistConfig,
+    def __init__(self, tier: FsspecTier, *, rank: int, shm_dir: str, cfg: Persistence,
                  job: JobInfo, connect: Callable[[], dist.Store],
                  emit: Callable[..., None]) -> None:
         self.tier, self.rank, self.shm_dir, self.cfg, self.job = tier, rank, shm_dir, cfg, job
@@ -284,7 +269,7 @@ class Persister:
     def _read_slot(self, step: int) -> bytes | None:
         """A verified copy of this rank's slot for `step` (verified after copying: the
         live slot may be rewritten meanwhile), or None."""
-        f = SlotFile(slot_path(self.shm_dir, "snap", self.rank, step))
+        f = SlotFile(slot_path(self.shm_dir, SlotKind.SNAP, self.rank, step))
         try:
             blob = bytes(f.np[:f.used_nbytes()])
             verify_blob(blob, step)
@@ -315,13 +300,13 @@ class Persister:
         if base is not None and (self._since_base >= self.cfg.every or len(base[1]) != len(blob)):
             base = None
         t0 = time.perf_counter()
-        info = self.tier.put(step, self.rank, blob, base=base, chunk=self.cfg.chunk,
+        info = self.tier.put(step, self.rank, blob, base=base, chunk=CHUNK,
                              base_hashes=self._base_hashes if base is not None else None,
                              base_checksum=self._base_checksum if base is not None else None)
         self.stats.write_s += time.perf_counter() - t0
         if info.kind == "base":
             self._base, self._base_checksum = (step, blob), info.checksum
-            self._base_hashes = chunk_hashes(blob, self.cfg.chunk)
+            self._base_hashes = chunk_hashes(blob, CHUNK)
             self.stats.bases += 1
             self._since_base = 1
         else:

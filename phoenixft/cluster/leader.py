@@ -31,7 +31,6 @@ so another agent can take over the lead from where it stood.
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatMonitor
 from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.membership import Plan, PlanKind
+from phoenixft.config import Timeouts
 from phoenixft.observe.events import EventLog, write_json_atomic
 
 
@@ -79,18 +79,13 @@ class WorkerInfo:
 @dataclass(kw_only=True)
 class LeaderConfig:
     nnodes: int = 1
-    heartbeat_timeout_s: float = 3.0
-    startup_timeout_s: float = 120.0
+    timeouts: Timeouts = field(default_factory=Timeouts)  # heartbeat and start-up deadlines
     min_world: int | None = None  # shrink down to this many ranks when no spare is left
     injects: list[str] = field(default_factory=list)  # fault specs that must fire
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
-        for name in ("heartbeat_timeout_s", "startup_timeout_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"LeaderConfig.{name} must be a finite number > 0, got {v}")
 
 
 @dataclass
@@ -168,8 +163,8 @@ class Leader:
         return True
 
     def _startup_deadline(self, why: str) -> None:
-        if time.monotonic() - self._started > self.cfg.startup_timeout_s:
-            self._abort(f"start-up did not complete within {self.cfg.startup_timeout_s:.0f}s: {why}")
+        if time.monotonic() - self._started > self.cfg.timeouts.startup_timeout_s:
+            self._abort(f"start-up did not complete within {self.cfg.timeouts.startup_timeout_s:.0f}s: {why}")
 
     # -- every tick -----------------------------------------------------------------
     def tick(self) -> None:
@@ -229,7 +224,7 @@ class Leader:
     def _read_hangs(self) -> list[Failure]:
         now, new = time.time(), []
         self.monitor.poll()
-        for wid in self.monitor.stale(self.cfg.heartbeat_timeout_s):
+        for wid in self.monitor.stale(self.cfg.timeouts.heartbeat_timeout_s):
             t_fail = self._fail_time(wid, self.monitor.last_beat_wall(wid))
             new.append(self._fence(self.workers[wid], "hang", "heartbeat silent (hung or lost)",
                                    t_fail, now))

@@ -114,8 +114,7 @@ class Agent:
     def _new_leader(self, store) -> Leader:
         cfg = self.cfg
         return Leader(store, self.events, self.run_dir,
-                      LeaderConfig(nnodes=cfg.nnodes, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                   startup_timeout_s=cfg.startup_timeout_s,
+                      LeaderConfig(nnodes=cfg.nnodes, timeouts=cfg.timeouts,
                                    min_world=cfg.min_nproc, injects=[str(s) for s in cfg.inject]))
 
     def _lead_or_follow(self, store) -> None:
@@ -145,15 +144,8 @@ class Agent:
             PHOENIXFT_NODE=str(cfg.node_rank), PHOENIXFT_RUN_DIR=str(self.run_dir.resolve()),
             PHOENIXFT_SHM_DIR=str(self.shm_dir), PHOENIXFT_INJECT=format_env(cfg.inject),
             PHOENIXFT_AGENT_PID=str(os.getpid()),
-            PHOENIXFT_CONFIG=json.dumps({
-                "heartbeat_interval_s": cfg.heartbeat_interval_s,
-                "collective_timeout_s": cfg.collective_timeout_s,
-                "join_timeout_s": cfg.join_timeout_s, "replicas": cfg.replicas,
-                "snapshots": cfg.snapshots, "snapshot_blocks": cfg.snapshot_blocks,
-                "policy": cfg.policy,
-                "local_addr": self.access.local_addr, "persist_url": cfg.persist,
-                "persist_every": cfg.persist_every, "persist_keep": cfg.persist_keep,
-                "persist_cpu_share": cfg.persist_cpu_share, "resume": cfg.resume}),
+            PHOENIXFT_CONFIG=json.dumps({"local_addr": self.access.local_addr,
+                                         **cfg.worker_settings()}),
             # torchrun's names; RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ... are set (again)
             # each time the worker joins a generation
             LOCAL_RANK=str(local), MASTER_ADDR=self.access.public.host,
@@ -182,7 +174,7 @@ class Agent:
         with log.open("wb") as out:
             if self.cfg.start_method == "forkserver":
                 if self.forks is None:
-                    self.forks = ForkServer(self.cfg.python, self.cfg.startup_timeout_s)
+                    self.forks = ForkServer(self.cfg.python, self.cfg.timeouts.startup_timeout_s)
                     self._helpers.add(self.forks.pid)
                 p = self.forks.spawn(args, self._env(wid, i), os.getcwd(), out.fileno())
             else:
@@ -266,9 +258,9 @@ class Agent:
 
     def _join_job(self, store) -> None:
         cfg = self.cfg
-        if not kv.wait_for(store, [Keys.JOB_ID], cfg.startup_timeout_s):
+        if not kv.wait_for(store, [Keys.JOB_ID], cfg.timeouts.startup_timeout_s):
             raise LaunchError(f"no job id in the store at {cfg.store} within "
-                              f"{cfg.startup_timeout_s:.0f}s: is node 0's agent running?")
+                              f"{cfg.timeouts.startup_timeout_s:.0f}s: is node 0's agent running?")
         if cfg.node_rank != 0:  # only once node 0 has set the last run aside
             self.events = EventLog(self.run_dir / "events.jsonl", node=cfg.node_rank)
         job = self.job_id = store.get(Keys.JOB_ID).decode()
@@ -280,7 +272,7 @@ class Agent:
         kv.set_json(store, Keys.node(cfg.node_rank),
                     {"nproc": cfg.nproc, "spares": cfg.spares, "pid": os.getpid()})
         if cfg.external_store:
-            self.lease = LeaderLease(store, cfg.node_rank, cfg.heartbeat_timeout_s)
+            self.lease = LeaderLease(store, cfg.node_rank, cfg.timeouts.heartbeat_timeout_s)
         if cfg.hosts_store or (self.lease is not None and cfg.node_rank == 0
                                and self.lease.claim_first()):
             self.leader = self._new_leader(store)
@@ -404,8 +396,8 @@ class Agent:
             who = ("the standalone store" if self.cfg.external_store else
                    "node 0's agent hosted it: without a standalone store (`phoenixft store`), "
                    "losing node 0 ends the job")
-            newest = newest_persisted(self.cfg.persist, self.persisted_step)
-            resume = (f"; the newest persisted step is {newest} in {self.cfg.persist}: "
+            newest = newest_persisted(self.cfg.persistence.url, self.persisted_step)
+            resume = (f"; the newest persisted step is {newest} in {self.cfg.persistence.url}: "
                       "rerun the job with --resume to continue from it" if newest >= 0 else "")
             self._say(f"phoenixft: node {self.cfg.node_rank} stops: {self._lost_store} at "
                       f"{self.cfg.store} ({who}); its workers were stopped{resume}", err=True)
@@ -468,7 +460,7 @@ class Agent:
         """Twice a second, and once more at the end (`final`): remember the newest durable
         step (for the message if the store goes away) and, on the leader, show storage
         errors on the console once each (a job shorter than the interval still shows them)."""
-        if not self.cfg.persist or (not final and time.monotonic() - self._persist_t < 0.5):
+        if not self.cfg.persistence.url or (not final and time.monotonic() - self._persist_t < 0.5):
             return
         self._persist_t = time.monotonic()
         self.persisted_step = kv.get_int(store, Keys.PERSISTED, -1)
@@ -479,7 +471,7 @@ class Agent:
                 err = kv.get_json(store, Keys.persist_error(r))
                 if err["errors"] > self._persist_errors.get(r, 0):
                     if r not in self._persist_errors or err["errors"] % 20 == 0:
-                        self._say(f"phoenixft: persisting to {self.cfg.persist} fails on rank {r} "
+                        self._say(f"phoenixft: persisting to {self.cfg.persistence.url} fails on rank {r} "
                                   f"({err['error']}); training goes on, newest durable step "
                                   f"{self.persisted_step}", err=True)
                     self._persist_errors[r] = err["errors"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from phoenixft.faults.chaos import ChaosConfig, schedule, spares_needed
 from phoenixft.faults.inject import InjectSpecError
-from phoenixft.launch.cli import add_run_arguments, agent_config_from_args
+from phoenixft.launch.options import add_run_arguments, agent_config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:

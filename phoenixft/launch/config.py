@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phoenixft.config import ConfigError, Persistence, Policy, Snapshots, Timeouts, seconds, to_dict
 from phoenixft.faults.inject import InjectSpec
 
 
@@ -80,11 +81,6 @@ def local_address_towards(ip: str) -> str:
         return s.getsockname()[0]
 
 
-def _finite_positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise LaunchError(f"{name} must be a finite number of seconds > 0, got {value}")
-
-
 WORKERS_PER_CORE = 32  # far past any sensible oversubscription, yet finite
 WORKER_MEMORY = 64 << 20  # bytes a forked worker needs at least (a tiny model's worker: 30-45 MB
                            # of its own pages after the fork, measured)
@@ -109,6 +105,10 @@ def local_worker_limit() -> tuple[int, str]:
 
 @dataclass(kw_only=True)
 class AgentConfig:
+    """One node's agent: where and how many workers, the store, and the branches of the
+    shared tree (phoenixft/config.py) it hands to every worker whole. Checked when built;
+    errors name settings as `{path}` (the run CLI renders its flags)."""
+
     script: str  # a path, or a module name with `module`
     script_args: list[str] = field(default_factory=list)
     module: bool = False  # `-m`: run `script` as a module (python -m), like torchrun -m
@@ -122,23 +122,13 @@ class AgentConfig:
     local_addr: str | None = None  # this host's address for the workers' groups
     run_dir: str = "runs/latest"
     inject: list[InjectSpec] = field(default_factory=list)
-    heartbeat_interval_s: float = 0.2
-    heartbeat_timeout_s: float = 3.0
-    collective_timeout_s: float = 60.0
-    join_timeout_s: float = 60.0
-    startup_timeout_s: float = 120.0
-    replicas: int | None = None  # None: one on another node; K: K peers, this node's last
-    snapshots: bool = True  # False only for the overhead benchmark's baseline
-    snapshot_blocks: int = 0  # benchmark only: snapshots on for K steps, off for K (K even)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    snapshots: Snapshots = field(default_factory=Snapshots)
+    persistence: Persistence = field(default_factory=Persistence)
+    policy: Policy = Policy.CONSTANT  # microbatches per step after a shrink
     min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
-    policy: str = "constant"  # microbatches per step after a shrink: constant | shrink-batch
     respawn: int = 0  # replacement workers this agent may start for dead ones (they grow
                       # the job back at a step boundary)
-    persist: str | None = None  # URL of the persistent tier (a directory or s3://...)
-    persist_every: int = 10  # a base record every K records (deltas between)
-    persist_keep: int = 2  # bases kept
-    persist_cpu_share: float = 0.05  # of one core, for each rank's persister on average
-    resume: bool = False  # continue the job persisted at `persist`
     metrics_port: int | None = None  # serve Prometheus metrics of the run here
     metrics_host: str = "127.0.0.1"
     tick_s: float = 0.02
@@ -151,66 +141,42 @@ class AgentConfig:
     log_every: str = "10"  # progress lines every N steps ("10") or every N seconds ("30s")
 
     def __post_init__(self) -> None:
+        self.policy = Policy(self.policy)
         if self.nproc < 1:
-            raise LaunchError(f"--nproc must be >= 1, got {self.nproc}")
+            raise ConfigError(f"{{nproc}} must be >= 1, got {self.nproc}")
         if self.spares < 0:
-            raise LaunchError(f"--spares must be >= 0, got {self.spares}")
+            raise ConfigError(f"{{spares}} must be >= 0, got {self.spares}")
         self._check_local_workers()
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise LaunchError(f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}")
+            raise ConfigError(f"{{node_rank}} must be in [0, {{nnodes}}={self.nnodes}), got "
+                              f"{self.node_rank}")
         if (self.nnodes > 1 or self.external_store) and not self.store:
-            raise LaunchError("--nnodes > 1 and --external-store need --store HOST:PORT")
-        if self.module:
-            import importlib.util
-            try:
-                found = importlib.util.find_spec(self.script) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                raise LaunchError(f"module {self.script!r} cannot be found (-m takes a module "
-                                  "name importable from here, e.g. mypkg.train)")
-        elif not Path(self.script).is_file():
-            raise LaunchError(f"script {self.script!r} does not exist")
-        if self.snapshot_blocks < 0 or self.snapshot_blocks % 2:
-            raise LaunchError(f"snapshot_blocks must be 0 or even, got {self.snapshot_blocks}")
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
-                     "join_timeout_s", "startup_timeout_s", "tick_s", "shutdown_grace_s"):
-            _finite_positive(f"--{name.removesuffix('_s').replace('_', '-')}", getattr(self, name))
-        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
-            raise LaunchError("--heartbeat-timeout must exceed twice the heartbeat interval "
-                              f"({self.heartbeat_interval_s} s)")
+            raise ConfigError("{nnodes} > 1 and {external_store} need {store} HOST:PORT")
+        self._check_script()
+        for name in ("tick_s", "shutdown_grace_s"):
+            seconds(name, getattr(self, name))
         if self.store:
-            parse_store(self.store, allow_port_zero=self.hosts_store and self.nnodes == 1)
+            try:
+                parse_store(self.store, allow_port_zero=self.hosts_store and self.nnodes == 1)
+            except LaunchError as exc:
+                raise ConfigError(str(exc).replace("--store", "{store}", 1)) from None
         if self.auth_token is not None and len(self.auth_token) < 16:
-            raise LaunchError("--auth-token must be at least 16 characters (a shared secret)")
-        world = self.nproc * self.nnodes
-        if self.min_nproc is not None and not 1 <= self.min_nproc <= world:
-            raise LaunchError(f"--min-nproc must be in [1, {world}], got {self.min_nproc}")
-        if self.policy not in ("constant", "shrink-batch"):
-            raise LaunchError(f"--policy must be 'constant' or 'shrink-batch', got {self.policy!r}")
+            raise ConfigError("{auth_token} must be at least 16 characters (a shared secret)")
+        self._check_world()
         if self.start_method not in ("forkserver", "spawn"):
-            raise LaunchError("--start-method must be 'forkserver' or 'spawn', got "
+            raise ConfigError("{start_method} must be 'forkserver' or 'spawn', got "
                               f"{self.start_method!r}")
         if self.respawn < 0:
-            raise LaunchError(f"--respawn must be >= 0, got {self.respawn}")
-        if self.replicas is not None and not 0 <= self.replicas < world:
-            raise LaunchError(f"--replicas must be in [0, {world - 1}]: a job of "
-                              f"{world} rank{'s' if world > 1 else ''} has {world - 1} "
-                              f"peer{'s' if world != 2 else ''} to hold copies, got {self.replicas}")
-        if self.persist_every < 1 or self.persist_keep < 1:
-            raise LaunchError("--persist-every and --persist-keep must be >= 1")
-        if not 0 < self.persist_cpu_share <= 1:  # NaN fails too
-            raise LaunchError(f"--persist-cpu-share must be in (0, 1], got {self.persist_cpu_share}")
+            raise ConfigError(f"{{respawn}} must be >= 0, got {self.respawn}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
-            raise LaunchError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
-        if self.resume and not self.persist:
-            raise LaunchError("--resume needs --persist URL (where the job's checkpoints are)")
-        for spec in self.inject:
-            if spec.rank >= world:
-                raise LaunchError(f"--inject {spec} can never fire: rank {spec.rank} does not "
-                                  f"exist in a job of {world} ranks")
+            raise ConfigError(f"{{metrics_port}} must be in 1..65535, got {self.metrics_port}")
         self.cadence  # noqa: B018 - checks log_every
         self._check_dirs()
+
+    def worker_settings(self) -> dict:
+        """What every worker's SessionConfig takes over whole (as JSON)."""
+        return {"timeouts": to_dict(self.timeouts), "snapshots": to_dict(self.snapshots),
+                "persistence": to_dict(self.persistence), "policy": self.policy.value}
 
     @property
     def cadence(self) -> tuple[int | None, float | None]:
@@ -225,8 +191,36 @@ class AgentConfig:
                 return int(text), None
         except ValueError:
             pass
-        raise LaunchError(f"--log-every must be a number of steps >= 1 (e.g. 10) or of seconds "
+        raise ConfigError("{log_every} must be a number of steps >= 1 (e.g. 10) or of seconds "
                           f"(e.g. 30s), got {self.log_every!r}")
+
+    def _check_script(self) -> None:
+        if self.module:
+            import importlib.util
+            try:
+                found = importlib.util.find_spec(self.script) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise ConfigError(f"module {self.script!r} cannot be found (-m takes a module "
+                                  "name importable from here, e.g. mypkg.train)")
+        elif not Path(self.script).is_file():
+            raise ConfigError(f"script {self.script!r} does not exist")
+
+    def _check_world(self) -> None:
+        """Settings whose bounds are the job's world size."""
+        world = self.nproc * self.nnodes
+        if self.min_nproc is not None and not 1 <= self.min_nproc <= world:
+            raise ConfigError(f"{{min_nproc}} must be in [1, {world}], got {self.min_nproc}")
+        k = self.snapshots.replicas
+        if k is not None and not 0 <= k < world:
+            raise ConfigError(f"{{snapshots.replicas}} must be in [0, {world - 1}]: a job of "
+                              f"{world} rank{'s' if world > 1 else ''} has {world - 1} "
+                              f"peer{'s' if world != 2 else ''} to hold copies, got {k}")
+        for spec in self.inject:
+            if spec.rank >= world:
+                raise ConfigError(f"{{inject}} {spec} can never fire: rank {spec.rank} does "
+                                  f"not exist in a job of {world} ranks")
 
     def _check_local_workers(self) -> None:
         """Refuse more workers than this node can hold before forking any of them (a typo
@@ -234,16 +228,18 @@ class AgentConfig:
         n = self.nproc + self.spares
         if self.max_local_workers is not None:
             if self.max_local_workers < 1:
-                raise LaunchError(f"--max-local-workers must be >= 1, got {self.max_local_workers}")
+                raise ConfigError("{max_local_workers} must be >= 1, got "
+                                  f"{self.max_local_workers}")
             if n > self.max_local_workers:
-                raise LaunchError(f"--nproc {self.nproc} + --spares {self.spares} = {n} workers "
-                                  f"on this node, above --max-local-workers {self.max_local_workers}")
+                raise ConfigError(f"{{nproc}} {self.nproc} + {{spares}} {self.spares} = {n} "
+                                  "workers on this node, above {max_local_workers} "
+                                  f"{self.max_local_workers}")
             return
         limit, why = local_worker_limit()
         if n > limit:
-            raise LaunchError(f"--nproc {self.nproc} + --spares {self.spares} = {n} workers on "
-                              f"this node is more than it can hold ({limit}: {why}); pass "
-                              "--max-local-workers N to allow more")
+            raise ConfigError(f"{{nproc}} {self.nproc} + {{spares}} {self.spares} = {n} "
+                              f"workers on this node is more than it can hold ({limit}: "
+                              f"{why}); pass {{max_local_workers}} N to allow more")
 
     @property
     def hosts_store(self) -> bool:
@@ -251,20 +247,21 @@ class AgentConfig:
         return self.node_rank == 0 and not self.external_store
 
     def _check_dirs(self) -> None:
-        _check_dir("--run-dir", self.run_dir)
-        if self.persist and "://" not in self.persist.removeprefix("file://"):
+        _check_dir("run_dir", self.run_dir)
+        url = self.persistence.url
+        if url and "://" not in url.removeprefix("file://"):
             # a local --persist path: a file there used to surface as the script's error
-            _check_dir("--persist", self.persist.removeprefix("file://"))
+            _check_dir("persistence.url", url.removeprefix("file://"))
 
 
-def _check_dir(flag: str, path: str) -> None:
+def _check_dir(name: str, path: str) -> None:
     """`path` is a directory, or can be made one: its nearest existing ancestor is a
     writable directory."""
     p = Path(path)
     for parent in [p, *p.parents]:
         if parent.exists():
             if not parent.is_dir():
-                raise LaunchError(f"{flag} {path!r}: {parent} is a file, not a directory")
+                raise ConfigError(f"{{{name}}} {path!r}: {parent} is a file, not a directory")
             if not os.access(parent, os.W_OK | os.X_OK):
-                raise LaunchError(f"{flag} {path!r}: {parent} is not writable")
+                raise ConfigError(f"{{{name}}} {path!r}: {parent} is not writable")
             return

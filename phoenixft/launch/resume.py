@@ -35,19 +35,19 @@ def persisted_job(cfg: AgentConfig) -> str | None:
     """The job id to run with (the persisted one with --resume, a new one otherwise),
     holding the URL's writer lease; None without --persist. LaunchError when the
     combination cannot be right or the storage cannot be used."""
-    if not cfg.persist:
+    if not cfg.persistence.url:
         return None
     from phoenixft.checkpoint.storage_errors import explain
 
     try:
         return _within(lambda: _claim(cfg), CHECK_S)
     except TimeoutError:
-        raise LaunchError(f"--persist {cfg.persist}: no answer from the storage within "
+        raise LaunchError(f"--persist {cfg.persistence.url}: no answer from the storage within "
                           f"{CHECK_S:.0f}s: is the endpoint up and reachable from here?") from None
     except LaunchError:
         raise
     except Exception as exc:  # noqa: BLE001 - s3fs/botocore errors: one line, not a traceback
-        raise LaunchError(f"--persist {explain(cfg.persist, exc)}") from None
+        raise LaunchError(f"--persist {explain(cfg.persistence.url, exc)}") from None
 
 
 def _claim(cfg: AgentConfig) -> str:
@@ -55,19 +55,19 @@ def _claim(cfg: AgentConfig) -> str:
     from phoenixft.checkpoint.tiers import FsspecTier
     from phoenixft.checkpoint.writer_lease import TOKEN_ENV, LeaseHeld, WriterLease, describe
 
-    tier = FsspecTier(cfg.persist)
+    tier = FsspecTier(cfg.persistence.url)
     found = scan(tier)
-    if not cfg.resume and (found.good or found.bad):
+    if not cfg.persistence.resume and (found.good or found.bad):
         holder = WriterLease(tier, "").holder()  # a job writing there now is the news
         if holder is not None:
-            raise LaunchError(f"--persist {cfg.persist} is being written by {describe(holder)}: "
+            raise LaunchError(f"--persist {cfg.persistence.url} is being written by {describe(holder)}: "
                               "give this job another URL, or stop that job first")
     for why in found.bad.values():
-        _warn(f"passed over {why} (kept; `phoenixft ckpt verify {cfg.persist}` checks the rest)")
+        _warn(f"passed over {why} (kept; `phoenixft ckpt verify {cfg.persistence.url}` checks the rest)")
     newest = found.newest()
-    if cfg.resume:
+    if cfg.persistence.resume:
         if newest is None:
-            raise LaunchError(f"--resume: {cfg.persist} holds no {'readable ' if found.bad else ''}"
+            raise LaunchError(f"--resume: {cfg.persistence.url} holds no {'readable ' if found.bad else ''}"
                               "committed checkpoint (no manifest"
                               f"{' that can be read' if found.bad else ''}): nothing to resume; "
                               "run without --resume to start")
@@ -75,7 +75,7 @@ def _claim(cfg: AgentConfig) -> str:
         jobs = found.jobs()
         if len(jobs) > 1:
             others = ", ".join(f"job {j} (steps {s[0]}-{s[-1]})" for j, s in jobs.items() if j != job)
-            _warn(f"{cfg.persist} also holds the checkpoints of {others}: resuming job {job} "
+            _warn(f"{cfg.persistence.url} also holds the checkpoints of {others}: resuming job {job} "
                   "(the newest); the others are kept and never restored")
         start = None
         for s in reversed(jobs[job]):
@@ -85,20 +85,20 @@ def _claim(cfg: AgentConfig) -> str:
                 break
             _warn(f"passed over step {s}: {why}")
         if start is None:
-            raise LaunchError(f"--resume: none of job {job}'s committed steps in {cfg.persist} "
+            raise LaunchError(f"--resume: none of job {job}'s committed steps in {cfg.persistence.url} "
                               "has all its records (see the lines above)")
     elif newest is not None:
-        raise LaunchError(f"--persist {cfg.persist} already holds job {newest['job_id']}'s "
+        raise LaunchError(f"--persist {cfg.persistence.url} already holds job {newest['job_id']}'s "
                           f"checkpoints (newest step {newest['step']}): pass --resume to "
                           "continue it, or give this job another URL")
     elif found.bad:
-        raise LaunchError(f"--persist {cfg.persist} holds {len(found.bad)} manifest(s), none "
+        raise LaunchError(f"--persist {cfg.persistence.url} holds {len(found.bad)} manifest(s), none "
                           "readable (named above): give this job another URL, or move them away")
     else:
         job = uuid.uuid4().hex[:12]
     lease = WriterLease(tier, job)
     try:
-        warning = lease.acquire(resume=cfg.resume)
+        warning = lease.acquire(resume=cfg.persistence.resume)
     except LeaseHeld as exc:
         raise LaunchError(str(exc)) from None
     if warning:
@@ -106,9 +106,9 @@ def _claim(cfg: AgentConfig) -> str:
     os.environ[TOKEN_ENV] = lease.token  # the workers' persisters check the lease with it
     lease.keep_renewed()
     atexit.register(lease.release)
-    if cfg.resume:
+    if cfg.persistence.resume:
         print(f"phoenixft: resuming job {job} from step {start['step']} ({start['world_size']} "
-              f"ranks) in {cfg.persist}: training continues at step {start['step'] + 1}",
+              f"ranks) in {cfg.persistence.url}: training continues at step {start['step'] + 1}",
               flush=True)
     return job
 

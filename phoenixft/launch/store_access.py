@@ -61,7 +61,7 @@ class StoreAccess:
         public = parse_store(cfg.store)
         ip = resolve(public)
         local = cfg.local_addr or local_address_towards(ip)
-        _await_listener(ip, public.port, cfg.startup_timeout_s)
+        _await_listener(ip, public.port, cfg.timeouts.startup_timeout_s)
         if public.is_loopback:  # a loopback store has no front (`serve`), token or not
             return cls(public, str(public), local)
         if token is None:

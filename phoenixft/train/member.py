@@ -83,7 +83,7 @@ class Member:
             settle=self._previous_step_committed,
             where=lambda: {"rank": self.rank, "gen": self.generation,
                            "world_size": self.world_size}))
-        self.tier = FsspecTier(cfg.persist_url) if cfg.persist_url else None
+        self.tier = FsspecTier(cfg.persistence.url) if cfg.persistence.url else None
         self.planner = RestorePlanner.for_node(
             cfg.shm_dir, self.tier, report=lambda tier, error: self.events.emit(
                 "restore_source_failed", tier=tier, rank=self.rank, gen=self.generation,
@@ -100,7 +100,7 @@ class Member:
         self._watchers: list[threading.Thread] = []
         self._device: torch.device | None = None  # where the training group lives
         self.builds = GroupBuilds(self.connect, self.interrupt, bind_host=cfg.local_addr,
-                                  timeout_s=cfg.collective_timeout_s)
+                                  timeout_s=cfg.timeouts.collective_timeout_s)
         self._hooked = False  # the optimizer pre-step hook is registered with the layout
         self.passes = 0  # microbatch passes not yet added to the store's counter
 
@@ -130,7 +130,7 @@ class Member:
     def start(self, state: RankState) -> Step | None:
         """Wait (as a spare, for as long as it takes) for a plan that includes this
         worker, and join it. Fixes M and the starting world size from generation 0."""
-        plan = self.await_plan(0, self.cfg.spare_wait_s)
+        plan = self.await_plan(0, self.cfg.timeouts.spare_wait_s)
         first = Plan.from_json(self.store.get(Keys.plan(0)))
         state.initial_world = first.world_size or 1
         state.m = state.m or state.initial_world
@@ -143,7 +143,7 @@ class Member:
             if plan.kind is not PlanKind.RUN:
                 self._leave(plan)
             if plan.rank_of(self.wid) is None:
-                plan = self.await_plan(plan.generation + 1, self.cfg.spare_wait_s)
+                plan = self.await_plan(plan.generation + 1, self.cfg.timeouts.spare_wait_s)
                 continue
             if in_flight is None and not state.joined:
                 ahead = self._speculate(plan, state)
@@ -157,7 +157,7 @@ class Member:
             except CommFailure as exc:
                 self.events.emit("join_failed", gen=plan.generation, error=str(exc))
                 self._bury_groups()
-                plan = self.await_plan(plan.generation + 1, self.cfg.join_timeout_s)
+                plan = self.await_plan(plan.generation + 1, self.cfg.timeouts.join_timeout_s)
 
     def _leave(self, plan: Plan) -> None:
         self.shutdown()
@@ -199,7 +199,7 @@ class Member:
         ctx = JoinContext(generation=self.generation, rank=self.rank,
                           world_size=self.world_size, ops=self.ops, store=self.store,
                           planner=self.planner, events=self.events, make_step=self.make_step,
-                          resume=self.cfg.resume)
+                          resume=self.cfg.persistence.resume)
         point = recovery.restore_point(ctx, state, new_member=first or ahead, ahead=ahead)
         source, pending = self._restore(ctx, state, point, in_flight, first)
         self.planner.forget()
@@ -224,7 +224,7 @@ class Member:
         recovery; otherwise they are dropped and recomputed as usual (`recovery.restore`).
         Returns None when there is nothing to compute ahead from."""
         g, r = plan.generation, plan.rank_of(self.wid)
-        if (not self.cfg.snapshots or g == 0 or plan.kind is not PlanKind.RUN
+        if (not self.cfg.snapshots.enabled or g == 0 or plan.kind is not PlanKind.RUN
                 or r not in plan.replaced
                 or not self.store.check([Keys.plan(g - 1)])):
             return None
@@ -275,9 +275,9 @@ class Member:
 
     def _build_groups(self, plan: Plan, t0: float) -> dict[str, float]:
         """This generation's groups, from the builds `_start_builds` began (early, or now)."""
-        builds, wait_s = self._start_builds(plan), self.cfg.join_timeout_s
+        builds, wait_s = self._start_builds(plan), self.cfg.timeouts.join_timeout_s
         self.ops = GroupOps(builds["train"].result(wait_s), self.interrupt,
-                            self.cfg.collective_timeout_s)
+                            self.cfg.timeouts.collective_timeout_s)
         phases = {"group": time.time() - t0}
         self._rep_pg = builds["replicate"].result(wait_s) if "replicate" in builds else None
         return phases
@@ -367,7 +367,7 @@ class Member:
         self._bury_groups()
         # ...and never let the old groups' late-finishing ops write into live buffers.
         state.layout.relocate()
-        return self.enter(self.await_plan(self.generation + 1, self.cfg.join_timeout_s),
+        return self.enter(self.await_plan(self.generation + 1, self.cfg.timeouts.join_timeout_s),
                           state, in_flight)
 
     def _bury_groups(self) -> None:
@@ -380,7 +380,7 @@ class Member:
     def hand_over_for_growth(self, state: RankState) -> Step | None:
         """The leader asked to admit new members: finish here, at a committed step
         boundary, and join the grown generation (nothing is recomputed)."""
-        if self.cfg.snapshots:
+        if self.cfg.snapshots.enabled:
             self.snap.wait_committed(state.step, self.store)
         if self.rank == 0:
             self.store.set(Keys.grow_ready(self.generation), str(state.step))
@@ -389,9 +389,9 @@ class Member:
     # -- per step ----------------------------------------------------------------------
     def snapshot(self, state: RankState) -> None:
         """Start snapshot `state.step` in the background (returns at once)."""
-        if not self.cfg.snapshots:
+        if not self.cfg.snapshots.enabled:
             return
-        k = self.cfg.snapshot_blocks
+        k = self.cfg.snapshots.blocks
         if k and (state.step // k) % 2 == 1:  # the overhead benchmark's off blocks
             return
         tensors, header = state.snapshot_payload(rank=self.rank, world_size=self.world_size)
@@ -407,12 +407,12 @@ class Member:
     def replica_receivers(self) -> set[int]:
         """The ranks of this generation that hold a replica (from another node, or a
         same-node peer's with `--replicas 1`)."""
-        if not self.cfg.snapshots:
+        if not self.cfg.snapshots.enabled:
             return set()
         return {h for hs in self._replica_holders(self.plan).values() for h in hs}
 
     def _replica_holders(self, plan: Plan) -> dict[int, list[int]]:
-        return protection.holders(plan, self.cfg.replicas)
+        return protection.holders(plan, self.cfg.snapshots.replicas)
 
     def report(self, kind: ReportKind, detail: str, wid: str | None = None) -> None:
         """A failure report for the leader about this worker, or about `wid` (best effort:

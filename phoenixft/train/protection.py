@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from phoenixft.checkpoint.persist import JobInfo, PersistConfig, Persister, write_fixed
+from phoenixft.checkpoint.persist import JobInfo, Persister, write_fixed
 from phoenixft.checkpoint.snapshot import Snapshotter
 from phoenixft.cluster.membership import Plan, replica_holders
 from phoenixft.comm.collectives import Interrupt
@@ -38,8 +38,7 @@ def start_persister(tier, cfg: SessionConfig, state: RankState, *, plan: Plan, r
     if rank == 0:
         model.update(write_fixed(tier, g, state.fixed_tensors()))
     return Persister(tier, rank=rank, shm_dir=cfg.shm_dir,
-                     cfg=PersistConfig(every=cfg.persist_every, keep=cfg.persist_keep,
-                                       cpu_share=cfg.persist_cpu_share),
+                     cfg=cfg.persistence,
                      job=JobInfo(job_id=job_id, generation=g, world_size=plan.world_size,
                                  model=model),
                      connect=connect,
@@ -53,7 +52,7 @@ def start_snapshotter(cfg: SessionConfig, *, plan: Plan, rank: int, rep_pg,
                       persister: Persister | None) -> Snapshotter:
     """This generation's snapshot thread for `rank`: its replica holders and sources,
     fault points, and the persister fed after each copy."""
-    g, hs = plan.generation, holders(plan, cfg.replicas)
+    g, hs = plan.generation, holders(plan, cfg.snapshots.replicas)
 
     def on_commit(step: int, t: float) -> None:
         if step % 10 == 0:
@@ -63,7 +62,7 @@ def start_snapshotter(cfg: SessionConfig, *, plan: Plan, rank: int, rep_pg,
         shm_dir=cfg.shm_dir, rank=rank, generation=g, connect=connect, rep_pg=rep_pg,
         holders=hs[rank], sources=[r for r, h in hs.items() if rank in h],
         world_size=plan.world_size, nodes=plan.nodes, interrupt=interrupt,
-        timeout_s=cfg.collective_timeout_s, on_commit=on_commit,
+        timeout_s=cfg.timeouts.collective_timeout_s, on_commit=on_commit,
         fault=lambda step, phase: injector.at_step(rank, step, phase),
         on_degraded=lambda detail: events.emit("snapshot_degraded", rank=rank, gen=g,
                                                detail=detail),

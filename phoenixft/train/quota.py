@@ -8,6 +8,8 @@ talking to the others.
 
 from __future__ import annotations
 
+from phoenixft.config import Policy
+
 
 def plan(m: int, world_size: int) -> list[list[int]]:
     """Contiguous, as even as possible: the first m % world_size ranks get one more."""
@@ -41,12 +43,10 @@ def reassign(remaining: list[int], old_plan: list[list[int]], world_size: int) -
     return out
 
 
-def effective_m(m: int, initial_world: int, world_size: int, policy: str) -> int:
+def effective_m(m: int, initial_world: int, world_size: int, policy: Policy | str) -> int:
     """Microbatches per step under a policy: `constant` keeps M (ReCoVer); `shrink-batch`
     keeps each rank's share, so the global batch shrinks with the world (the old way:
     the optimisation trajectory changes)."""
-    if policy == "constant":
+    if Policy(policy) is Policy.CONSTANT:
         return m
-    if policy == "shrink-batch":
-        return max(1, m * world_size // initial_world)
-    raise ValueError(f"unknown microbatch policy {policy!r}; use 'constant' or 'shrink-batch'")
+    return max(1, m * world_size // initial_world)

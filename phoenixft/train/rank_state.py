@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from phoenixft.config import Policy
 from phoenixft.train import quota
 from phoenixft.train.layout import StateLayout
 from phoenixft.train.tracked import Tracked
@@ -30,7 +31,7 @@ class RankState:
     model: nn.Module
     layout: StateLayout
     tracked: Tracked
-    policy: str = "constant"
+    policy: Policy = Policy.CONSTANT
     step: int = 0  # optimizer steps completed
     m: int = 0  # microbatches per step (M), fixed at the first generation
     initial_world: int = 0

@@ -81,7 +81,7 @@ class Session:
         self._grow_requested = False
         self.final_digest: str | None = None
         self._heartbeat = HeartbeatSender(self.member.connect, self.wid,
-                                          self.cfg.heartbeat_interval_s).start()
+                                          self.cfg.timeouts.heartbeat_interval_s).start()
         kv.set_json(self.store, Keys.worker(self.wid), {"pid": os.getpid(), "node": self.cfg.node})
         self.store.add(Keys.REGISTERED, 1)
         if self._own_store is not None:

@@ -179,9 +179,10 @@ def test_a_standalone_session_keeps_stderr_clean(tmp_path):
     import textwrap
     script = textwrap.dedent(f"""
         import threading, time, torch, phoenixft
+        from phoenixft.config import Persistence
         from phoenixft.train.config import SessionConfig
         sess = phoenixft.Session(SessionConfig(run_dir={str(tmp_path / 'run')!r},
-                                               persist_url={str(tmp_path / 'ckpt')!r}))
+                                               persistence=Persistence(url={str(tmp_path / 'ckpt')!r})))
         model = torch.nn.Linear(8, 4)
         sess.setup(model, lambda p: torch.optim.SGD(p, lr=0.1))
         watchers = [t.name for t in threading.enumerate() if t.name.startswith("phoenixft-watch")]

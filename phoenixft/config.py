@@ -1,0 +1,185 @@
+"""The settings every part of a job shares, as one tree of small dataclasses.
+
+`phoenixft run` builds an `AgentConfig` (launch/config.py) whose branches are the
+dataclasses below; the agent hands the branches a worker needs (`Timeouts`, `Snapshots`,
+`Persistence`, `Policy`) to every worker whole, as JSON, and the worker's `SessionConfig`
+(train/config.py) is built from that JSON with the same classes, so each setting is
+declared, defaulted and checked in exactly one place. The run CLI is built from one
+declaration per option (launch/options.py) that names the setting's path in this tree.
+
+Every dataclass checks its own fields when it is built and raises `ConfigError`. An
+error names settings by their path in braces (`{persistence.every} must be >= 1`): `str`
+spells them as paths, the CLI as its flags (`--persist-every must be >= 1`), so the
+same check speaks each caller's language.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_NAME = re.compile(r"\{([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)\}")
+
+
+class ConfigError(ValueError):
+    """A bad setting. `template` names settings as `{path}`; `render(name)` spells each
+    path with `name(path)` (a CLI passes its flag for the path)."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.render(lambda path: path))
+
+    def render(self, name: Callable[[str], str]) -> str:
+        return _NAME.sub(lambda m: name(m.group(1)), self.template)
+
+    def within(self, prefix: str) -> ConfigError:
+        """The same error for a branch built at `prefix` (its paths get the prefix)."""
+        return type(self)(_NAME.sub(lambda m: "{" + f"{prefix}.{m.group(1)}" + "}",
+                                    self.template))
+
+
+class Policy(str, enum.Enum):
+    """Microbatches per step after the world shrinks (no spare left)."""
+
+    CONSTANT = "constant"  # the same M as a failure-free run: the same gradients (ReCoVer)
+    SHRINK_BATCH = "shrink-batch"  # fewer microbatches: the global batch shrinks
+
+    __format__ = str.__format__  # f"{p}" is the value on every Python, not Policy.CONSTANT
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def seconds(name: str, value: Any) -> None:
+    """`value` is a finite number of seconds > 0 (NaN and infinity are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{{{name}}} must be a finite number of seconds > 0, got {value}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Timeouts:
+    """Deadlines of the generation protocol. Hangs are caught by heartbeats long before
+    `collective_timeout_s`, which is a backstop for one collective."""
+
+    heartbeat_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 3.0  # silence after which a worker counts as hung
+    collective_timeout_s: float = 60.0
+    join_timeout_s: float = 60.0  # waiting for a plan, building a generation's groups
+    startup_timeout_s: float = 120.0  # from launch to the first generation
+    spare_wait_s: float = 24 * 3600.0  # how long a spare waits to be activated
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            seconds(f.name, getattr(self, f.name))
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ConfigError("{heartbeat_timeout_s} must exceed twice the heartbeat interval "
+                              f"({self.heartbeat_interval_s} s)")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Snapshots:
+    """Per-step snapshots into the node's shared memory, and their replicas."""
+
+    enabled: bool = True  # off only to measure what snapshots cost (no recovery then)
+    # peers holding a copy of each rank's snapshot. None: one on another node (none in a
+    # one-node job, whose snapshots outlive their workers in shared memory); K: K peers,
+    # on other nodes first, then on this node
+    replicas: int | None = None
+    # benchmark only: snapshots on for K steps, off for K, ... (K even: a snapshot must not
+    # land in the slot of the newest committed one, see checkpoint/snapshot.py)
+    blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas is not None and self.replicas < 0:
+            raise ConfigError(f"{{replicas}} must be >= 0, got {self.replicas}")
+        if self.blocks < 0 or self.blocks % 2:
+            raise ConfigError(f"{{blocks}} must be 0 or even, got {self.blocks} (an odd gap "
+                              "between snapshots would overwrite the newest committed one)")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Persistence:
+    """The persistent tier: bases every `every` records, deltas between, written in the
+    background within `cpu_share` of one core (checkpoint/persist.py)."""
+
+    url: str | None = None  # a directory or s3://bucket/prefix; None: no persistent tier
+    every: int = 10
+    keep: int = 2  # bases kept, with their deltas and manifests
+    cpu_share: float = 0.05
+    resume: bool = False  # the job must start from a persisted step, never afresh
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.strip():
+            raise ConfigError("{url} is empty: name a directory or s3://bucket/prefix")
+        for name in ("every", "keep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{{{name}}} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.cpu_share <= 1:  # NaN fails too
+            raise ConfigError(f"{{cpu_share}} must be in (0, 1], got {self.cpu_share}")
+        if self.resume and not self.url:
+            raise ConfigError("{resume} needs {url} (where the job's checkpoints are)")
+
+
+def build(cls: type, data: dict[str, Any]) -> Any:
+    """`cls` from a nested dict (JSON, or what a CLI collected): branches that are
+    dataclasses are built from their own dicts, enums from their values, and a
+    `ConfigError` names the path of the setting at fault. Unknown keys are errors."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown setting{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(unknown)} for {cls.__name__}")
+    kwargs = {}
+    for key, value in data.items():
+        kind = hints[key]
+        try:
+            if dataclasses.is_dataclass(kind) and isinstance(value, dict):
+                value = build(kind, value)
+            elif isinstance(kind, type) and issubclass(kind, enum.Enum) and \
+                    not isinstance(value, kind):
+                try:
+                    value = kind(value)
+                except ValueError:
+                    choices = ", ".join(repr(m.value) for m in kind)
+                    raise ConfigError(f"{{{key}}} must be one of {choices}, got {value!r}") \
+                        from None
+        except ConfigError as exc:
+            raise exc.within(key) if dataclasses.is_dataclass(kind) else exc from None
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A config tree as plain JSON-able data (`build` takes it back)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            v = to_dict(v)
+        elif isinstance(v, enum.Enum):
+            v = v.value
+        out[f.name] = v
+    return out
+
+
+def default_of(cls: type, path: str) -> Any:
+    """The default of the setting at `path` (dotted) in the tree rooted at `cls`."""
+    head, _, rest = path.partition(".")
+    f = next((f for f in dataclasses.fields(cls) if f.name == head), None)
+    if f is None:
+        raise KeyError(f"{cls.__name__} has no setting {head!r}")
+    if rest:
+        return default_of(typing.get_type_hints(cls)[head], rest)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
