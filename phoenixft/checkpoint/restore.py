@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
-from phoenixft.checkpoint.slots import SlotFile, slot_path
+from phoenixft.checkpoint.slots import SlotFile, SlotKind, slot_path
 from phoenixft.checkpoint.tiers import ShmTier
 from phoenixft.comm.collectives import GroupOps
 
@@ -52,7 +52,7 @@ class ShmSource:
     restore source: "snap" (a rank's own snapshot) or "rep" (a replica this node holds
     for a peer)."""
 
-    def __init__(self, shm_dir: str | Path, kind: str, name: str,
+    def __init__(self, shm_dir: str | Path, kind: SlotKind, name: str,
                  report: Callable[[str, str], None] | None = None) -> None:
         self.tier, self.name = ShmTier(shm_dir, kind), name
         self.report = report or (lambda tier, error: None)  # a damaged copy, named
@@ -84,7 +84,7 @@ class PersistentSource:
                  job_id: str | None = None) -> None:
         self.tier, self.job_id = tier, job_id
         self.report = report or (lambda tier, error: None)
-        self._scratch = ShmTier(scratch_dir, "disk")
+        self._scratch = ShmTier(scratch_dir, SlotKind.DISK)
         self._manifests: dict[int, dict] = {}
         self._opened: dict[tuple[int, int], SlotFile] = {}
         self._named: set[int] = set()
@@ -127,7 +127,7 @@ class PersistentSource:
         """The verified snapshot of (rank, step); IntegrityError names what is damaged."""
         if (rank, step) not in self._opened:
             self._scratch.put(step, rank, self.tier.get(step, rank, self.manifest(step)))
-            self._opened[rank, step] = SlotFile(slot_path(self._scratch.shm_dir, "disk", rank, step))
+            self._opened[rank, step] = SlotFile(slot_path(self._scratch.shm_dir, SlotKind.DISK, rank, step))
         return self._opened[rank, step]
 
 
@@ -164,8 +164,8 @@ class RestorePlanner:
         committed."""
         persistent = (PersistentSource(persistent_tier, shm_dir, report, job_id)
                       if persistent_tier else None)
-        return cls([ShmSource(shm_dir, "snap", "local_snapshot", report),
-                    ShmSource(shm_dir, "rep", "local_replica", report)], shm_dir, persistent)
+        return cls([ShmSource(shm_dir, SlotKind.SNAP, "local_snapshot", report),
+                    ShmSource(shm_dir, SlotKind.REP, "local_replica", report)], shm_dir, persistent)
 
     def local_copy(self, rank: int, step: int,
                    generation: int | None = None) -> tuple[SlotFile, str] | None:
@@ -234,7 +234,7 @@ class RestorePlanner:
 
     def _receive(self, ops: GroupOps, src: int, rank: int, step: int) -> SlotFile:
         n = ops.recv(torch.zeros(1, dtype=torch.int64), src, 2, "restore size recv")
-        slot = SlotFile(slot_path(self.scratch_dir, "snap", rank, step))
+        slot = SlotFile(slot_path(self.scratch_dir, SlotKind.SNAP, rank, step))
         slot.ensure(int(n))
         slot.begin_write(step)
         ops.recv(slot.tensor[:int(n)], src, 3, "restore recv")
@@ -274,7 +274,7 @@ class RestorePlanner:
         ops.broadcast(n, src, "reshard size")
         slot = mine
         if slot is None:
-            slot = SlotFile(slot_path(self.scratch_dir, "xfer", old_rank, step))
+            slot = SlotFile(slot_path(self.scratch_dir, SlotKind.XFER, old_rank, step))
             slot.ensure(int(n))
         ops.broadcast(slot.tensor[:int(n)], src, "reshard data")
         return slot

@@ -23,6 +23,7 @@ memory twice, and a snapshot is far larger than the cache.
 
 from __future__ import annotations
 
+import enum
 import json
 import mmap
 import os
@@ -288,6 +289,20 @@ def blob_tensors(blob, step: int, where: str = "snapshot blob") -> tuple[dict, d
     return hdr, out
 
 
-def slot_path(shm_dir: str | os.PathLike, kind: str, rank: int, step: int) -> Path:
-    """kind "snap": a rank's own snapshot; "rep": a replica held for that rank."""
-    return Path(shm_dir) / f"{kind}.r{rank}.s{step % 2}"
+class SlotKind(str, enum.Enum):
+    """Whose copy a slot file holds (the first word of its name)."""
+
+    SNAP = "snap"  # a rank's own snapshot
+    REP = "rep"  # a replica held for that rank
+    DISK = "disk"  # a persisted record staged for a restore
+    XFER = "xfer"  # an old rank's snapshot received for a reshard
+
+    __format__ = str.__format__  # f"{kind}" is the value on every Python
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def slot_path(shm_dir: str | os.PathLike, kind: SlotKind | str, rank: int, step: int) -> Path:
+    """The slot file of (kind, rank) that step `step` uses (two per rank: step % 2)."""
+    return Path(shm_dir) / f"{SlotKind(kind)}.r{rank}.s{step % 2}"

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from phoenixft.checkpoint.device_copy import DeviceCopier, ready_event
 from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.replicate import exchange_slots
-from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, slot_path
+from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, SlotKind, slot_path
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.store import StoreGone, wait_for
 from phoenixft.comm.collectives import CommFailure, Interrupt
@@ -182,7 +182,7 @@ class Snapshotter:
             raise err
 
     # -- background thread ----------------------------------------------------------
-    def _slot(self, kind: str, rank: int, step: int) -> SlotFile:
+    def _slot(self, kind: SlotKind, rank: int, step: int) -> SlotFile:
         key = (kind, rank, step % 2)
         if key not in self._slots:
             self._slots[key] = SlotFile(slot_path(self.shm_dir, kind, rank, step))
@@ -278,7 +278,7 @@ class Snapshotter:
         so (`then` first: the training thread's end-of-job flush waits for the copy, then
         for the persister to have been offered the last step)."""
         layout = Layout.of(tensors)
-        slot = self._slot("snap", self.rank, step)
+        slot = self._slot(SlotKind.SNAP, self.rank, step)
         slot.ensure(HEADER_BYTES + layout.data_nbytes)
         slot.begin_write(step)
         digest = self._copy(slot, layout, tensors, ready, halfway=lambda: self._fault(step, "snapshot"))
@@ -305,7 +305,7 @@ class Snapshotter:
         garble = bool((remote and self._remote_sources) or self._local_sources) and \
             self._garble(step)
         if remote:
-            recv = {src: self._slot("rep", src, step) for src in self._remote_sources}
+            recv = {src: self._slot(SlotKind.REP, src, step) for src in self._remote_sources}
             exchange_slots(self._rep_pg, send=slot,
                            send_nbytes=HEADER_BYTES + layout.data_nbytes,
                            dsts=self._remote_holders, recv=recv, interrupt=self._interrupt,
@@ -403,7 +403,7 @@ class Snapshotter:
             if garble:
                 image = image.copy()
                 image[HEADER_BYTES + 7] ^= 0xFF
-            self._slot("rep", src, step).put_image(image, step)
+            self._slot(SlotKind.REP, src, step).put_image(image, step)
             self._rejected.pop(src, None)
             return True
         except IntegrityError as exc:
@@ -426,7 +426,7 @@ class Snapshotter:
         key = ("peer", src, step % 2)
         f = self._slots.get(key)
         if f is None or not f.is_current():
-            f = self._slots[key] = SlotFile(slot_path(self.shm_dir, "snap", src, step))
+            f = self._slots[key] = SlotFile(slot_path(self.shm_dir, SlotKind.SNAP, src, step))
         return f
 
     def _ack(self, store: dist.Store, step: int, count: int) -> bool:

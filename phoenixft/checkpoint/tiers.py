@@ -33,7 +33,7 @@ import zstandard
 
 from phoenixft.checkpoint.delta import CHUNK, apply_delta, encode_delta
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
-from phoenixft.checkpoint.slots import HEADER_BYTES, SlotFile, slot_path
+from phoenixft.checkpoint.slots import HEADER_BYTES, SlotFile, SlotKind, slot_path
 
 SAMPLE_BYTES = 1 << 20  # a base's codec is chosen from this many bytes of its tensors
 MIN_SAVING = 0.15  # compress a base only if the sample shrinks by at least this much
@@ -68,9 +68,9 @@ class ShmTier:
     """Slot files in one node's shared memory ("snap": own snapshots, local memory;
     "rep": replicas held for peers, peer memory). Two slots per rank (step % 2)."""
 
-    def __init__(self, shm_dir: str | Path, kind: str = "snap") -> None:
-        self.shm_dir, self.kind = Path(shm_dir), kind
-        self.name = "local_memory" if kind == "snap" else "peer_memory"
+    def __init__(self, shm_dir: str | Path, kind: SlotKind | str = SlotKind.SNAP) -> None:
+        self.shm_dir, self.kind = Path(shm_dir), SlotKind(kind)
+        self.name = "local_memory" if self.kind is SlotKind.SNAP else "peer_memory"
 
     def put(self, step: int, rank: int, blob, *, base=None) -> RecordInfo:
         data = memoryview(blob)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from phoenixft.checkpoint.restore import RestorePlanner
-from phoenixft.checkpoint.slots import SlotFile, slot_path
+from phoenixft.checkpoint.slots import SlotFile, SlotKind, slot_path
 
 # A spare waits at most this long for survivors' in-flight snapshot copies before it
 # computes ahead (`local_step_of_every_rank`); the survivors meanwhile finish their
@@ -41,7 +41,7 @@ def _scan_local_steps(planner: RestorePlanner, shm_dir: str, r: int, world: int,
     """(the newest step of rank r's own copies here, the newest step found whole
     as `local_step_of_every_rank` returns it, or None)."""
     steps = set()
-    for kind in ("snap", "rep"):
+    for kind in (SlotKind.SNAP, SlotKind.REP):
         for parity in (0, 1):
             complete, step = SlotFile(slot_path(shm_dir, kind, r, parity)).peek()
             if complete and step >= 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from phoenixft.checkpoint.slots import HEADER_BYTES, slot_path
+from phoenixft.checkpoint.slots import HEADER_BYTES, SlotKind, slot_path
 from phoenixft.cluster.keys import Keys
 from phoenixft.faults.inject import WorkerHooks
 from phoenixft.observe.events import EventLog
@@ -40,7 +40,7 @@ def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: Ev
             shutil.rmtree(shm_dir, ignore_errors=True)
             return
         for step in (0, 1):  # both slots
-            p = slot_path(shm_dir, "snap", where()["rank"], step)
+            p = slot_path(shm_dir, SlotKind.SNAP, where()["rank"], step)
             if p.exists() and p.stat().st_size > HEADER_BYTES:
                 with p.open("r+b") as f:
                     f.seek(HEADER_BYTES + 7)
