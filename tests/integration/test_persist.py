@@ -180,6 +180,25 @@ def test_damaged_persisted_records_are_named_and_passed_over(tmp_path, tmp_path_
     assert verify.returncode == 0, verify.stdout + verify.stderr  # what the resumed job wrote
 
 
+def committed_and_persisted(run_dir: Path, step: int) -> bool:
+    """Snapshot `step` is committed (every copy and replica acknowledged, each replica
+    checked on arrival; the event is logged for multiples of 10) and persisted (its
+    manifest written)."""
+    events = list(read_events(run_dir / "events.jsonl"))
+    return (any(e["event"] == "snapshot_committed" and e["step"] == step for e in events)
+            and step in [e["step"] for e in events if e["event"] == "persisted"])
+
+
+def wait_held(run_dir: Path, agents: list[subprocess.Popen], step: int) -> None:
+    """The gated job holds at step `step` + 1 (until `go`): wait until snapshot `step` is
+    committed and persisted, with every agent still running."""
+    wait_until(lambda: committed_and_persisted(run_dir, step)
+               or any(a.poll() is not None for a in agents),
+               120, f"snapshot {step} committed and persisted while the job holds")
+    for a in agents:
+        assert a.poll() is None, a.communicate()[0][-4000:]  # the job holds, still running
+
+
 @pytest.mark.timeout(300)
 def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory):
     """Two nodes. While the job is frozen, rank 1's replica on node 0 gets a flipped byte,
@@ -245,24 +264,34 @@ def test_a_replica_damaged_in_transit_is_rejected_and_storage_serves_instead(
         tmp_path, tmp_path_factory):
     """Two nodes. Rank 1's replica of snapshot 20 arrives damaged on node 0 (an injected
     bad link): the job goes on, step 20 commits without that copy, and the damage is
-    named. Then node 1's shared memory is deleted and rank 1 killed, once step 20 is
-    committed: the rejected replica was rank 1's only copy of step 20 in memory, and the
-    spare restores from storage instead of loading it."""
-    ref = failure_free(tmp_path_factory, 2, STEPS)
-    url = str(tmp_path / "ckpt")
-    job, _ = run_two_nodes(tmp_path / "run", (), ("--spares", "1"), "--nproc", "1",
+    named. The job holds at step 21 until step 20 is persisted too; then node 1's shared
+    memory is deleted and rank 1 killed after its first microbatch of step 21: the
+    rejected replica was rank 1's only copy of step 20 in memory, and the spare restores
+    from storage instead of loading it.
+
+    (Without the hold, step 20 was sometimes not persisted yet when rank 1 died; the job
+    then restored the newest persisted step before it, whose replica on node 0 is intact,
+    from memory (seen once: 19), and whether storage served step 20 went unchecked.)"""
+    ref = failure_free(tmp_path_factory, 2, STEPS, script=GATED)
+    run_dir, url = tmp_path / "run", str(tmp_path / "ckpt")
+
+    def go_once_20_is_persisted(agents: list[subprocess.Popen]) -> None:
+        wait_held(run_dir, agents, 20)
+        (run_dir / "go").touch()
+
+    job, _ = run_two_nodes(run_dir, (), ("--spares", "1"), "--nproc", "1",
                            "--persist", url, *PER_STEP, "--inject", "garble:rank=0:step=20",
-                           "--inject", "shm:rank=1:step=21:microbatch=0", steps=STEPS)
+                           "--inject", "shm:rank=1:step=21:microbatch=0", steps=STEPS,
+                           script=GATED, script_args=("--hold-at", "21",
+                                                      "--hold-until-file", "go"),
+                           while_running=go_once_20_is_persisted)
     same_result(job, ref)
     [garbled] = [e for e in job.of("snapshot_degraded") if "arrived damaged" in e["detail"]]
     assert garbled["rank"] == 0 and "rank 1's snapshot 20" in garbled["detail"], garbled
     [rec] = job.summary["recoveries"]
     [restored] = job.of("recovered")
-    # step 20 from storage; or, when step 20 was not persisted yet, the newest persisted
-    # step before it, whose replica on node 0 is intact (seen once: 19, sent from memory)
-    assert rec["rank"] == 1 and restored["restore_step"] <= 20, (rec, restored)
-    if restored["restore_step"] == 20:
-        assert rec["source"] == "persistent", rec
+    assert rec["rank"] == 1 and restored["restore_step"] == 20, (rec, restored)
+    assert rec["source"] == "persistent", rec
     failed = job.of("restore_source_failed")
     assert any(e["tier"] == "local_replica" and "marked rejected" in e["error"] for e in failed), \
         failed
