@@ -6,11 +6,9 @@ over, storage that fills up or turns read-only, and export to Hugging Face."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 
 from phoenixft.checkpoint.slots import SlotFile
@@ -201,62 +199,47 @@ def wait_held(run_dir: Path, agents: list[subprocess.Popen], step: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory):
-    """Two nodes. While the job is frozen, rank 1's replica on node 0 gets a flipped byte,
-    node 1's shared memory is deleted and rank 1 is SIGKILLed: its spare passes over the
-    damaged replica (named in the event log) and restores from storage.
+    """Two nodes. The job holds at step 11 until snapshot 10 is committed and persisted;
+    then rank 1's replicas on node 0 get a flipped byte, and once the job goes on rank 1
+    deletes node 1's shared memory and dies after its first microbatch of step 11 (a
+    microbatch fault: it lands once snapshot 10 is committed). The restore step is 10:
+    its only copy in memory is the damaged replica, so the spare passes over it (named
+    in the event log) and restores from storage.
 
-    Where the freeze caught rank 0 past rank 1's newest replica (rank 0 had finished step
-    s, rank 1's replica of s not yet received, rank 1's s already persisted), the job
-    restores s from storage and never needs the replica: then no damage can be named (seen
-    once in a full run under load). Where rank 1 had sent its replica of s whole before the
-    freeze, rank 0 completes it after SIGCONT and may restore from it (seen in CI). The final
-    state must be right either way."""
-    ref = failure_free(tmp_path_factory, 2, 40)
-    from phoenixft.cluster.store import free_port
+    (The job used to be frozen with SIGSTOP after three persisted steps, wherever it
+    stood: rank 0 could be past rank 1's newest replica, and then the damaged replica was
+    never needed and never named (seen once under load), or receive an undamaged newer
+    one after SIGCONT and restore from it (seen in CI), and the property went unchecked.)"""
+    ref = failure_free(tmp_path_factory, 2, STEPS, script=GATED)
+    run_dir, url, at = tmp_path / "run", str(tmp_path / "ckpt"), 11
+    held: set[int] = set()  # the steps node 0 holds a complete replica of rank 1 for
 
-    run_dir, url = tmp_path / "run", str(tmp_path / "ckpt")
-    both = ("--nnodes", "2", "--store", f"127.0.0.1:{free_port()}", "--nproc", "1",
-            "--persist", url, "--persist-every", "4", *PER_STEP)
-    a0 = start(run_dir, *both, "--node-rank", "0", steps=40)
-    a1 = start(run_dir, *both, "--node-rank", "1", "--spares", "1", steps=40)
-    try:
-        wait_until(lambda: len(persisted_steps(run_dir)) >= 3, 120, "three persisted steps")
-        joined = {e["wid"]: e for e in read_events(run_dir / "events.jsonl") if e["event"] == "joined"}
-        workers = [psutil.Process(e["pid"]) for e in joined.values() if e["rank"] is not None]
+    def damage_replicas(agents: list[subprocess.Popen]) -> None:
+        wait_held(run_dir, agents, at - 1)
         shm = {e["node"]: Path(e["shm_dir"]) for e in read_events(run_dir / "events.jsonl")
                if e["event"] == "agent_start"}
-        for w in workers:
-            w.send_signal(signal.SIGSTOP)
-        held = set()  # the steps node 0 holds a complete replica of rank 1 for
         for slot in shm[0].glob("rep.r1.s*"):  # a slot file can be longer than what it holds
             complete, step = SlotFile(slot).peek()
-            if complete:  # (one still being received is left alone: rank 0 goes on
-                held.add(step)  # receiving it after SIGCONT, and a damaged transfer stops
-                damage(str(slot), "flip", used=SlotFile(slot).used_nbytes())  # the job)
-        for slot in shm[1].glob("*"):
-            slot.unlink()
-        psutil.Process(joined["n1w0"]["pid"]).kill()
-        for w in workers:
-            if w.pid != joined["n1w0"]["pid"]:
-                w.send_signal(signal.SIGCONT)
-        out0, _ = a0.communicate(timeout=200)
-        a1.communicate(timeout=30)
-    finally:
-        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
-    job = load(run_dir, a0.returncode, out0)
+            if complete:  # (snapshot 10 is committed and step 11 cannot end: no replica is
+                held.add(step)  # being received now)
+                damage(str(slot), "flip", used=SlotFile(slot).used_nbytes())
+        (run_dir / "go").touch()
+
+    job, _ = run_two_nodes(run_dir, (), ("--spares", "1"), "--nproc", "1", "--persist", url,
+                           "--persist-every", "4", *PER_STEP,
+                           "--inject", f"shm:rank=1:step={at}:microbatch=0", steps=STEPS,
+                           script=GATED, script_args=("--hold-at", str(at),
+                                                      "--hold-until-file", "go"),
+                           while_running=damage_replicas)
     same_result(job, ref)
     [rec] = job.summary["recoveries"]
     [restored] = job.of("recovered")
     assert held, "no complete replica of rank 1 on node 0 to damage"
-    if restored["restore_step"] in held:
-        assert rec["source"] == "persistent"
-        failed = job.of("restore_source_failed")
-        assert any(e["tier"] == "local_replica" and "rep.r1" in e["error"] for e in failed), failed
-    elif rec["source"] != "persistent":
-        # rank 1 had sent its next replica whole before the freeze; rank 0 read it from its
-        # socket after SIGCONT (seen in CI): that replica is undamaged and newer than all
-        # the damaged ones, and only it may have been used
-        assert restored["restore_step"] > max(held), (restored, held)
+    assert restored["restore_step"] == at - 1 and restored["restore_step"] in held, \
+        (restored, held)
+    assert rec["source"] == "persistent", rec
+    failed = job.of("restore_source_failed")
+    assert any(e["tier"] == "local_replica" and "rep.r1" in e["error"] for e in failed), failed
 
 
 @pytest.mark.timeout(300)
