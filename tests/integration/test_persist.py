@@ -6,11 +6,9 @@ over, storage that fills up or turns read-only, and export to Hugging Face."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 
 from phoenixft.checkpoint.slots import SlotFile
@@ -180,64 +178,68 @@ def test_damaged_persisted_records_are_named_and_passed_over(tmp_path, tmp_path_
     assert verify.returncode == 0, verify.stdout + verify.stderr  # what the resumed job wrote
 
 
+def committed_and_persisted(run_dir: Path, step: int) -> bool:
+    """Snapshot `step` is committed (every copy and replica acknowledged, each replica
+    checked on arrival; the event is logged for multiples of 10) and persisted (its
+    manifest written)."""
+    events = list(read_events(run_dir / "events.jsonl"))
+    return (any(e["event"] == "snapshot_committed" and e["step"] == step for e in events)
+            and step in [e["step"] for e in events if e["event"] == "persisted"])
+
+
+def wait_held(run_dir: Path, agents: list[subprocess.Popen], step: int) -> None:
+    """The gated job holds at step `step` + 1 (until `go`): wait until snapshot `step` is
+    committed and persisted, with every agent still running."""
+    wait_until(lambda: committed_and_persisted(run_dir, step)
+               or any(a.poll() is not None for a in agents),
+               120, f"snapshot {step} committed and persisted while the job holds")
+    for a in agents:
+        assert a.poll() is None, a.communicate()[0][-4000:]  # the job holds, still running
+
+
 @pytest.mark.timeout(300)
 def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory):
-    """Two nodes. While the job is frozen, rank 1's replica on node 0 gets a flipped byte,
-    node 1's shared memory is deleted and rank 1 is SIGKILLed: its spare passes over the
-    damaged replica (named in the event log) and restores from storage.
+    """Two nodes. The job holds at step 11 until snapshot 10 is committed and persisted;
+    then rank 1's replicas on node 0 get a flipped byte, and once the job goes on rank 1
+    deletes node 1's shared memory and dies after its first microbatch of step 11 (a
+    microbatch fault: it lands once snapshot 10 is committed). The restore step is 10:
+    its only copy in memory is the damaged replica, so the spare passes over it (named
+    in the event log) and restores from storage.
 
-    Where the freeze caught rank 0 past rank 1's newest replica (rank 0 had finished step
-    s, rank 1's replica of s not yet received, rank 1's s already persisted), the job
-    restores s from storage and never needs the replica: then no damage can be named (seen
-    once in a full run under load). Where rank 1 had sent its replica of s whole before the
-    freeze, rank 0 completes it after SIGCONT and may restore from it (seen in CI). The final
-    state must be right either way."""
-    ref = failure_free(tmp_path_factory, 2, 40)
-    from phoenixft.cluster.store import free_port
+    (The job used to be frozen with SIGSTOP after three persisted steps, wherever it
+    stood: rank 0 could be past rank 1's newest replica, and then the damaged replica was
+    never needed and never named (seen once under load), or receive an undamaged newer
+    one after SIGCONT and restore from it (seen in CI), and the property went unchecked.)"""
+    ref = failure_free(tmp_path_factory, 2, STEPS, script=GATED)
+    run_dir, url, at = tmp_path / "run", str(tmp_path / "ckpt"), 11
+    held: set[int] = set()  # the steps node 0 holds a complete replica of rank 1 for
 
-    run_dir, url = tmp_path / "run", str(tmp_path / "ckpt")
-    both = ("--nnodes", "2", "--store", f"127.0.0.1:{free_port()}", "--nproc", "1",
-            "--persist", url, "--persist-every", "4", *PER_STEP)
-    a0 = start(run_dir, *both, "--node-rank", "0", steps=40)
-    a1 = start(run_dir, *both, "--node-rank", "1", "--spares", "1", steps=40)
-    try:
-        wait_until(lambda: len(persisted_steps(run_dir)) >= 3, 120, "three persisted steps")
-        joined = {e["wid"]: e for e in read_events(run_dir / "events.jsonl") if e["event"] == "joined"}
-        workers = [psutil.Process(e["pid"]) for e in joined.values() if e["rank"] is not None]
+    def damage_replicas(agents: list[subprocess.Popen]) -> None:
+        wait_held(run_dir, agents, at - 1)
         shm = {e["node"]: Path(e["shm_dir"]) for e in read_events(run_dir / "events.jsonl")
                if e["event"] == "agent_start"}
-        for w in workers:
-            w.send_signal(signal.SIGSTOP)
-        held = set()  # the steps node 0 holds a complete replica of rank 1 for
         for slot in shm[0].glob("rep.r1.s*"):  # a slot file can be longer than what it holds
             complete, step = SlotFile(slot).peek()
-            if complete:  # (one still being received is left alone: rank 0 goes on
-                held.add(step)  # receiving it after SIGCONT, and a damaged transfer stops
-                damage(str(slot), "flip", used=SlotFile(slot).used_nbytes())  # the job)
-        for slot in shm[1].glob("*"):
-            slot.unlink()
-        psutil.Process(joined["n1w0"]["pid"]).kill()
-        for w in workers:
-            if w.pid != joined["n1w0"]["pid"]:
-                w.send_signal(signal.SIGCONT)
-        out0, _ = a0.communicate(timeout=200)
-        a1.communicate(timeout=30)
-    finally:
-        kill_tree(a0.pid), kill_tree(a1.pid), kill_members(run_dir)
-    job = load(run_dir, a0.returncode, out0)
+            if complete:  # (snapshot 10 is committed and step 11 cannot end: no replica is
+                held.add(step)  # being received now)
+                damage(str(slot), "flip", used=SlotFile(slot).used_nbytes())
+        (run_dir / "go").touch()
+
+    job, _ = run_two_nodes(run_dir, (), ("--spares", "1"), "--nproc", "1", "--persist", url,
+                           "--persist-every", "4", *PER_STEP,
+                           "--inject", f"shm:rank=1:step={at}:microbatch=0", steps=STEPS,
+                           script=GATED, script_args=("--hold-at", str(at),
+                                                      "--hold-until-file", "go"),
+                           while_running=damage_replicas)
     same_result(job, ref)
     [rec] = job.summary["recoveries"]
     [restored] = job.of("recovered")
     assert held, "no complete replica of rank 1 on node 0 to damage"
-    if restored["restore_step"] in held:
-        assert rec["source"] == "persistent"
-        failed = job.of("restore_source_failed")
-        assert any(e["tier"] == "local_replica" and "rep.r1" in e["error"] for e in failed), failed
-    elif rec["source"] != "persistent":
-        # rank 1 had sent its next replica whole before the freeze; rank 0 read it from its
-        # socket after SIGCONT (seen in CI): that replica is undamaged and newer than all
-        # the damaged ones, and only it may have been used
-        assert restored["restore_step"] > max(held), (restored, held)
+    assert restored["restore_step"] == at - 1 and restored["restore_step"] in held, \
+        (restored, held)
+    assert rec["source"] == "persistent", rec
+    failed = job.of("restore_source_failed")
+    assert any(e["tier"] == "local_replica" and "rep.r1" in e["error"] for e in failed), failed
 
 
 @pytest.mark.timeout(300)
@@ -245,24 +247,34 @@ def test_a_replica_damaged_in_transit_is_rejected_and_storage_serves_instead(
         tmp_path, tmp_path_factory):
     """Two nodes. Rank 1's replica of snapshot 20 arrives damaged on node 0 (an injected
     bad link): the job goes on, step 20 commits without that copy, and the damage is
-    named. Then node 1's shared memory is deleted and rank 1 killed, once step 20 is
-    committed: the rejected replica was rank 1's only copy of step 20 in memory, and the
-    spare restores from storage instead of loading it."""
-    ref = failure_free(tmp_path_factory, 2, STEPS)
-    url = str(tmp_path / "ckpt")
-    job, _ = run_two_nodes(tmp_path / "run", (), ("--spares", "1"), "--nproc", "1",
+    named. The job holds at step 21 until step 20 is persisted too; then node 1's shared
+    memory is deleted and rank 1 killed after its first microbatch of step 21: the
+    rejected replica was rank 1's only copy of step 20 in memory, and the spare restores
+    from storage instead of loading it.
+
+    (Without the hold, step 20 was sometimes not persisted yet when rank 1 died; the job
+    then restored the newest persisted step before it, whose replica on node 0 is intact,
+    from memory (seen once: 19), and whether storage served step 20 went unchecked.)"""
+    ref = failure_free(tmp_path_factory, 2, STEPS, script=GATED)
+    run_dir, url = tmp_path / "run", str(tmp_path / "ckpt")
+
+    def go_once_20_is_persisted(agents: list[subprocess.Popen]) -> None:
+        wait_held(run_dir, agents, 20)
+        (run_dir / "go").touch()
+
+    job, _ = run_two_nodes(run_dir, (), ("--spares", "1"), "--nproc", "1",
                            "--persist", url, *PER_STEP, "--inject", "garble:rank=0:step=20",
-                           "--inject", "shm:rank=1:step=21:microbatch=0", steps=STEPS)
+                           "--inject", "shm:rank=1:step=21:microbatch=0", steps=STEPS,
+                           script=GATED, script_args=("--hold-at", "21",
+                                                      "--hold-until-file", "go"),
+                           while_running=go_once_20_is_persisted)
     same_result(job, ref)
     [garbled] = [e for e in job.of("snapshot_degraded") if "arrived damaged" in e["detail"]]
     assert garbled["rank"] == 0 and "rank 1's snapshot 20" in garbled["detail"], garbled
     [rec] = job.summary["recoveries"]
     [restored] = job.of("recovered")
-    # step 20 from storage; or, when step 20 was not persisted yet, the newest persisted
-    # step before it, whose replica on node 0 is intact (seen once: 19, sent from memory)
-    assert rec["rank"] == 1 and restored["restore_step"] <= 20, (rec, restored)
-    if restored["restore_step"] == 20:
-        assert rec["source"] == "persistent", rec
+    assert rec["rank"] == 1 and restored["restore_step"] == 20, (rec, restored)
+    assert rec["source"] == "persistent", rec
     failed = job.of("restore_source_failed")
     assert any(e["tier"] == "local_replica" and "marked rejected" in e["error"] for e in failed), \
         failed

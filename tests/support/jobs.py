@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,12 +93,14 @@ def alive(pid: int) -> bool:
 _REFERENCES: dict[tuple, dict] = {}
 
 
-def failure_free(tmp_path_factory, nproc: int, steps: int, *script_args: str) -> dict:
-    """The summary of the same job without failures (run once per shape in a session)."""
-    key = (nproc, steps, script_args)
+def failure_free(tmp_path_factory, nproc: int, steps: int, *script_args: str,
+                 script: Path = EXAMPLE) -> dict:
+    """The summary of the same job without failures (run once per shape in a session);
+    `script` the same training script as the job's (GATED for a job that holds)."""
+    key = (nproc, steps, script_args, script)
     if key not in _REFERENCES:
         job = run(tmp_path_factory.mktemp(f"ref{nproc}"), "--nproc", str(nproc), steps=steps,
-                  script_args=script_args)
+                  script_args=script_args, script=script)
         assert job.rc == 0, job.out
         assert job.summary["final_step"] == steps
         assert len(job.summary["losses"]) == steps
@@ -106,15 +109,22 @@ def failure_free(tmp_path_factory, nproc: int, steps: int, *script_args: str) ->
 
 
 def run_two_nodes(run_dir: Path, node0: tuple, node1: tuple, *common: str, steps: int,
-                  timeout: float = 240) -> tuple[Job, int]:
+                  timeout: float = 240, script: Path = EXAMPLE, script_args: tuple = (),
+                  while_running: Callable[[list[subprocess.Popen]], None] | None = None
+                  ) -> tuple[Job, int]:
     """Two agents on loopback (node 0 hosts the store); returns node 0's job (it leads and
-    writes the summary) and node 1's exit status."""
+    writes the summary) and node 1's exit status. `while_running(agents)` is called once
+    both agents started, before their end is awaited (a test that acts on a held job)."""
     from phoenixft.cluster.store import free_port
 
     both = ("--nnodes", "2", "--store", f"127.0.0.1:{free_port()}", *common)
-    a0 = start(run_dir, *both, "--node-rank", "0", *node0, steps=steps)
-    a1 = start(run_dir, *both, "--node-rank", "1", *node1, steps=steps)
+    a0 = start(run_dir, *both, "--node-rank", "0", *node0, steps=steps, script=script,
+               script_args=script_args)
+    a1 = start(run_dir, *both, "--node-rank", "1", *node1, steps=steps, script=script,
+               script_args=script_args)
     try:
+        if while_running is not None:
+            while_running([a0, a1])
         out0, _ = a0.communicate(timeout=timeout)
         a1.communicate(timeout=30)
     finally:
