@@ -30,7 +30,9 @@ WHEN:
                             snapshot T-1 is committed: every rank finished step T-1 and
                             holds its copy (so the fault tests step T, not a race with the
                             end of T-1 or with that copy; phase=snapshot tests the copy)
-    step=T:phase=P          at phase P of step T: reduce (before the gradient all-reduce),
+    step=T:phase=P          at phase P of step T: backward (a sharded model: as it
+                            starts the step's first gradient reduce-scatter, inside the
+                            backward pass), reduce (before the gradient all-reduce),
                             update (after it, before the optimizer step), snapshot (in the
                             middle of copying snapshot T), replicate (snapshot T copied,
                             its replicas not sent), commit (all its copies acknowledged)
@@ -55,7 +57,7 @@ KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot")
 # kinds that land inside the snapshot thread, at a point of their own (the caller does the
 # damage: `garbles`, `rots`), instead of at a step's start or phase
 LANDS_AT = {"garble": "received", "rot": "written"}
-PHASES = ("start", "reduce", "update", "snapshot", "replicate", "commit")
+PHASES = ("start", "backward", "reduce", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch")
 
 

@@ -96,6 +96,7 @@ def refuse_own_process_groups() -> None:
             "pass the plain model to sess.setup() (phoenixft reduces the gradients); see "
             "docs/migrating.md")
 
+    init_process_group.__wrapped__ = dist.init_process_group  # phoenixft's own groups use it
     dist.init_process_group = init_process_group
     dist.distributed_c10d.init_process_group = init_process_group
     DistributedDataParallel.__init__ = ddp_init

@@ -30,6 +30,13 @@ Guarantees every implementation gives, and the rules for calling it:
   training state at any world size, which is what the final digest and export compare.
 - Methods that take `ops` run collectives with its deadlines; a failure raises
   `CommFailure` and leaves the layout usable for the next generation after `relocate()`.
+- `bind(ops, generation, m)` is called once the generation's training group is built,
+  before any collective of that generation. A layout whose own collectives run inside
+  the user's forward and backward (FSDP2) latches their failures instead of raising them
+  there; `failure()` returns it, and the session raises it before the step's all-reduce.
+- `local_gradients`: a rank's accumulated gradients are its own until the step's
+  all-reduce (true for the flat layout). Only then can a recovery keep the microbatches a
+  survivor finished, or a spare compute the dead rank's ahead of joining.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from collections.abc import Callable
 
 import torch
 
-from phoenixft.comm.collectives import GroupOps
+from phoenixft.comm.collectives import CommFailure, GroupOps
 
 
 class StateLayout(ABC):
@@ -48,6 +55,7 @@ class StateLayout(ABC):
 
     device: torch.device
     master_dtype: torch.dtype  # dtype of the gradient region and the optimizer's state
+    local_gradients: bool = True  # see the module docstring
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -64,6 +72,15 @@ class StateLayout(ABC):
     @abstractmethod
     def join(self, rank: int, world_size: int) -> bool:
         """Lay out for (rank, world_size); True when the optimizer was (re)built."""
+
+    def bind(self, ops: GroupOps, generation: int, microbatches: int) -> None:
+        """The generation's training group is built (`microbatches`: M of its steps).
+        A layout that talks only through `ops` has nothing to do here."""
+        return None
+
+    def failure(self) -> CommFailure | None:
+        """A failure of this generation latched inside the user's passes, if any."""
+        return None
 
     @abstractmethod
     def on_optimizer_step(self, hook: Callable[[], None]) -> None:

@@ -195,6 +195,7 @@ class Member:
         if self.generation > 0:  # every member is inside this join now (the group formed)
             self.injector.at_recovery(self.rank, self.generation)
         self._prepare(state, first)
+        state.layout.bind(self.ops, self.generation, state.m_for(self.world_size))
         phases["rep_group"] = time.time() - t0
         ctx = JoinContext(generation=self.generation, rank=self.rank,
                           world_size=self.world_size, ops=self.ops, store=self.store,
@@ -205,6 +206,9 @@ class Member:
         self.planner.forget()
         phases["restore"] = time.time() - t0
         self._start_snapshots(plan, state, fresh=point.step < 0)
+        if self.generation > 0:  # before the barrier: rank 0's record, which the console
+            # tells with the replaced rank's source, is written after it
+            self.store.set(Keys.source(self.generation, self.rank), source)
         self.ops.barrier("generation barrier")
         self._record(plan, state, point, source, pending, t0)
         phases["barrier"] = time.time() - t0
@@ -224,7 +228,8 @@ class Member:
         recovery; otherwise they are dropped and recomputed as usual (`recovery.restore`).
         Returns None when there is nothing to compute ahead from."""
         g, r = plan.generation, plan.rank_of(self.wid)
-        if (not self.cfg.snapshots.enabled or g == 0 or plan.kind is not PlanKind.RUN
+        if (not self.cfg.snapshots.enabled or not state.layout.local_gradients
+                or g == 0 or plan.kind is not PlanKind.RUN
                 or r not in plan.replaced
                 or not self.store.check([Keys.plan(g - 1)])):
             return None
@@ -341,7 +346,6 @@ class Member:
                                  world_size=self.world_size, from_world_size=point.world_size)
             return
         now = time.time()
-        self.store.set(Keys.source(g, self.rank), source)
         if self.rank != 0:
             return
         rec = dict(gen=g, step=state.step, restore_step=point.step, replaced=plan.replaced,

@@ -181,7 +181,7 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
             in_flight.loss_sum = 0.0
             new_member, in_flight = True, None  # and join as a new member
     keep = (not new_member and in_flight is not None and in_flight.index == t + 1
-            and in_flight.phase != StepPhase.UPDATE)
+            and in_flight.phase != StepPhase.UPDATE and state.layout.local_gradients)
     flags = ctx.ops.allreduce(torch.tensor([float(keep)]), "agreeing on in-step recovery")
     in_step = flags[0] > 0  # some member keeps finished microbatches of step t+1
     # Every member keeps (survivors that had not updated, a spare that loaded every rank's

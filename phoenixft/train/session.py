@@ -38,6 +38,7 @@ from phoenixft.train import model_io, quota
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.flat_layout import FlatZero1
+from phoenixft.train.fsdp_layout import Fsdp2Layout, Parallelize
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
 from phoenixft.train.rank_state import RankState
@@ -78,6 +79,7 @@ class Session:
         stop_at_exit(self.close)
         self.state: RankState | None = None
         self._pending: Step | None = None
+        self._current: Step | None = None  # the step the user's loop body is in
         self._grow_requested = False
         self.final_digest: str | None = None
         self._heartbeat = HeartbeatSender(self.member.connect, self.wid,
@@ -128,19 +130,27 @@ class Session:
     def setup(self, model: nn.Module,
               optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
               *, scheduler: SchedulerFactory | None = None,
-              track: dict[str, object] | None = None, microbatches: int | None = None) -> None:
+              track: dict[str, object] | None = None, microbatches: int | None = None,
+              parallelize: Parallelize | None = None) -> None:
         """Register the model, the optimizer factory, an optional LR scheduler factory
         (`lambda opt: CosineAnnealingLR(opt, T_max=...)`, stepped after every optimizer
         step; its state is snapshotted and restored with the optimizer's) and any extra
         per-rank state (data loaders, samplers, generators). `microbatches` is M, the
         microbatches of every step (default: the starting world size, one per rank).
+        `parallelize(model, mesh)`: shard the model with FSDP2 (`fully_shard` per block,
+        then the root) over the DeviceMesh phoenixft gives (dimension "dp_shard"); the
+        optimizer is then built on its DTensor parameters (`fsdp_layout.py`). Without it
+        the session runs ZeRO-1 over a flat copy of the parameters (`flat_layout.py`).
         Spares block here until activated."""
         if microbatches is not None and microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         tracked = Tracked()
         for name, obj in (track or {}).items():
             tracked.add(name, obj)
-        self.state = RankState(model=model, layout=FlatZero1(model, optimizer, scheduler),
+        layout = (FlatZero1(model, optimizer, scheduler) if parallelize is None
+                  else Fsdp2Layout(model, optimizer, parallelize, scheduler,
+                                   before_reduce_scatter=self._in_backward))
+        self.state = RankState(model=model, layout=layout,
                                tracked=tracked, policy=self.cfg.policy, m=microbatches or 0)
         self._warm_up(optimizer)
         self._pending = self.member.start(self.state)
@@ -179,7 +189,9 @@ class Session:
                 m = state.m_for(self.world_size)
                 st = self._new_step(state.step + 1, quota.plan(m, self.world_size)[self.rank], m)
                 member.injector.at_step(self.rank, st.index)
+            self._current = st
             yield st
+            self._current = None
             try:
                 if st.speculative is not None:  # a spare computed it ahead: join now
                     self._pending = member.enter(member.plan, state, st)
@@ -237,6 +249,12 @@ class Session:
     def _new_step(self, index: int, ids: list[int], m: int) -> Step:
         return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip)
 
+    def _in_backward(self) -> None:
+        """A sharded model's gradient reduce-scatter is about to be issued (phase=backward
+        faults land here, inside the user's backward pass)."""
+        if self._current is not None:
+            self.member.injector.at_step(self.rank, self._current.index, "backward")
+
     def _on_backward(self, st: Step) -> None:
         self.member.count_pass()
         self.member.injector.at_microbatch(self.rank, st.index, len(st.done) - 1)
@@ -247,6 +265,9 @@ class Session:
         if st.reduced:
             return
         state, ops = self.state, self.member.ops
+        failed = state.layout.failure()  # latched inside the user's passes (FSDP2)
+        if failed is not None:
+            raise failed
         lay = ReduceLayout(state.layout.grad_numel(), st.m)
         g = state.grad[:lay.total]
         state.layout.write_grads(g[lay.grads])

@@ -1,0 +1,127 @@
+"""Train a small Llama-style model sharded with FSDP2, under phoenixft or plain torchrun.
+
+    phoenixft run --nproc 4 --spares 1 examples/train_fsdp.py --steps 50
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --steps 50      # no phoenixft
+
+The model is sharded the way torchtitan does it: `parallelize(model, mesh)` calls
+`fully_shard` on every decoder block, then on the root. Under phoenixft the session gives
+the mesh (its dimension "dp_shard" spans the job's ranks) and owns the loop's failures:
+a dead rank's spare takes its shards from a snapshot, the survivors keep their model and
+optimizer objects, and training goes on. Under plain torchrun the same functions run
+with torch's own process group and a mesh of its own, as the independent reference:
+both print the same per-step losses, bit for bit (one microbatch per rank and step).
+
+A microbatch's data is a pure function of its id (step, j), so a replacement computes
+exactly the data the dead rank would have.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from phoenixft.models.llama import EOS_ID, LlamaForCausalLM, preset
+from phoenixft.train.data import MicrobatchWindows, stdlib_corpus
+
+BATCH = {"tiny": 4, "small": 8, "ref": 8}
+
+
+def parallelize(model: LlamaForCausalLM, mesh, bf16: bool = False) -> None:
+    """FSDP2 over `mesh` ("dp_shard"): each decoder block is a unit, the root the last."""
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if bf16 else MixedPrecisionPolicy())
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def build(args):
+    torch.manual_seed(args.seed)  # every rank builds the same initial parameters
+    cfg = preset(args.preset)
+    model = LlamaForCausalLM(cfg)
+    corpus = stdlib_corpus(EOS_ID, max_bytes=2_000_000 if args.preset == "tiny" else None)
+    windows = MicrobatchWindows(corpus, context=cfg.max_position_embeddings,
+                                batch=BATCH[args.preset], seed=args.seed)
+    return model, windows
+
+
+def optimizer(args):
+    return lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+
+
+def loss_of(model, windows, step: int, j: int) -> torch.Tensor:
+    x, y = windows.get(step, j)
+    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def under_phoenixft(args) -> None:
+    import phoenixft
+    sess = phoenixft.Session()
+    model, windows = build(args)
+    sess.setup(model, optimizer(args),
+               parallelize=lambda m, mesh: parallelize(m, mesh, args.bf16))
+    for step in sess.steps(args.steps):
+        for j in step.microbatches():
+            step.backward(loss_of(model, windows, step.index, j))
+
+
+def under_torchrun(args) -> None:
+    """The plain FSDP2 loop phoenixft is compared with: one microbatch per rank and step
+    (microbatch j = the rank), FSDP2's own gradient average, AdamW on the DTensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    model, windows = build(args)
+    parallelize(model, mesh, args.bf16)
+    opt = optimizer(args)([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for index in range(1, args.steps + 1):
+        loss = loss_of(model, windows, index, rank)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # the step's mean loss as phoenixft reports it: each rank's loss summed over the
+        # ranks in the float32 buffer of the step's all-reduce
+        total = loss.detach().double().float().reshape(1)
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    state = {}
+    for name, p in model.named_parameters():  # the final state, as phoenixft digests it
+        state[f"model.{name}"] = p.full_tensor().detach()
+        for k, v in opt.state[p].items():
+            state[f"optim.{k}.{name}"] = v.full_tensor() if v.dim() else v
+    if rank == 0 and args.out:
+        from phoenixft.train.digest import state_digest
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "final_state_digest": state_digest(state)}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "small", "ref"])
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 parameters in compute, fp32 reduction (MixedPrecisionPolicy)")
+    ap.add_argument("--out", default=None,
+                    help="under plain torchrun: rank 0 writes the per-step losses and the final "
+                         "state's digest here (JSON)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if "PHOENIXFT_STORE" in os.environ:
+        under_phoenixft(args)
+    else:
+        under_torchrun(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""A process group whose identity outlives generations: what a DeviceMesh, FSDP2 and
+DTensor hold, while the communicator underneath is rebuilt for each generation.
+
+FSDP2 keeps the process-group objects of its mesh (`FSDPMeshInfo`), DeviceMesh resolves
+its groups by name through c10d's registry, and DTensor's functional collectives do the
+same from C++. Rebuilding a user's sharded model and optimizer after every failure would
+cost seconds at scale and throw away the survivors' state, so instead the objects they
+hold never change: `SwapGroup` is a `torch.distributed.ProcessGroup` that forwards every
+collective to `inner`, a c10d front end over the generation's training group (built by
+`GroupBuilds`), and `swap` puts the next generation's group there.
+
+Failure rule. FSDP2 issues its collectives inside the user's forward and backward and
+waits on them with no timeout. A failed or late collective must neither hang there nor
+raise through the user's loop (the exception would leave the training script). So every
+work this group returns waits with the generation's deadline and interrupt
+(`wait_work`), and a failure is latched instead of raised: the group turns *dead*, the
+wait returns, every later collective of the generation completes at once without
+touching its buffers, and the session raises the latched `CommFailure` when the step
+reaches phoenixft again (before its own all-reduce). The step's values after the failure
+are garbage and are never used: the generation is recovered from snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from phoenixft.comm.collectives import CommFailure, GroupOps, wait_work
+
+BACKEND = "phoenixft"  # the name `init_process_group` knows our world group by
+
+# c10d's ProcessGroup collectives (torch 2.13 names) that FSDP2, DeviceMesh, DTensor and
+# torch.distributed's object collectives call
+_FORWARDED = (
+    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
+    "all_gather_single", "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "broadcast",
+    "reduce", "gather", "scatter", "alltoall", "alltoall_base", "all_to_all_single",
+    "barrier", "send", "recv", "recv_anysource", "monitored_barrier",
+)
+
+
+class _Done(dist.Work):
+    """A collective of a dead generation: complete at once, its buffers untouched."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Latched(dist.Work):
+    """A collective of a live generation: `wait` waits with the generation's deadline and
+    interrupt, and latches a failure in the group instead of raising it."""
+
+    def __init__(self, inner: dist.Work, group: SwapGroup, generation: int, what: str) -> None:
+        super().__init__()
+        self.inner, self.group, self.generation, self.what = inner, group, generation, what
+        self._waited = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._waited or not self.group.live(self.generation):
+            return True
+        ops = self.group.ops
+        try:
+            wait_work(self.inner, ops.interrupt, ops.timeout_s, self.what)
+        except CommFailure as exc:
+            self.group.latch(exc)
+        self._waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited or not self.group.live(self.generation) or self.inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class SwapGroup(dist.ProcessGroup):
+    """One process group of a sharded model's mesh, for the whole life of this worker
+    (see the module docstring). `swap(ops)` makes generation `ops`' training group the
+    communicator; `failure` is the latched failure of the current one, if any."""
+
+    def __init__(self, rank: int, size: int, name: str = "world") -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._name = name
+        self._desc = name
+        self.inner: dist.ProcessGroup | None = None
+        self.ops: GroupOps | None = None
+        self.generation = -1
+        self.failure: CommFailure | None = None
+        # called before each gradient reduce-scatter is issued (fault injection's
+        # phase=backward); None: nothing
+        self.before_reduce_scatter: Callable[[], None] | None = None
+
+    # -- identity (what c10d, DeviceMesh and FSDP2 ask) ---------------------------------
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    # -- generations ---------------------------------------------------------------------
+    def swap(self, ops: GroupOps, generation: int) -> None:
+        """Use generation `generation`'s training group (`ops.pg`, a gloo or NCCL backend)
+        from now on; the latched failure of the previous one is cleared."""
+        if ops.pg.size() != self._size or ops.pg.rank() != self._rank:
+            raise RuntimeError(f"generation {generation}'s group is rank {ops.pg.rank()} of "
+                               f"{ops.pg.size()}; this mesh's group is rank {self._rank} of "
+                               f"{self._size} (a sharded model keeps its world size)")
+        front = dist.ProcessGroup(dist.HashStore(), self._rank, self._size)
+        kind = (dist.ProcessGroup.BackendType.NCCL if ops.pg.name() == "nccl"
+                else dist.ProcessGroup.BackendType.GLOO)
+        front._set_default_backend(kind)
+        device = torch.device("cuda") if kind == dist.ProcessGroup.BackendType.NCCL \
+            else torch.device("cpu")
+        front._register_backend(device, kind, ops.pg)
+        self.inner, self.ops, self.generation, self.failure = front, ops, generation, None
+
+    def abandon(self, reason: CommFailure) -> None:
+        """The generation is over (a failure elsewhere, or a new plan): no collective of
+        it waits any more."""
+        self.latch(reason)
+
+    def latch(self, exc: CommFailure) -> None:
+        if self.failure is None:
+            self.failure = exc
+
+    def live(self, generation: int) -> bool:
+        return self.failure is None and generation == self.generation
+
+
+def _forwarder(method: str):
+    scatter = "reduce_scatter" in method
+
+    def forward(self: SwapGroup, *args, **kwargs):
+        if self.inner is None:
+            raise CommFailure(f"{self._name}.{method}: no generation joined yet")
+        if self.failure is not None:
+            return _Done()
+        if scatter and self.before_reduce_scatter is not None:
+            self.before_reduce_scatter()
+        work = getattr(self.inner, method)(*args, **kwargs)
+        return _Latched(work, self, self.generation,
+                        f"{method} of generation {self.generation}'s {self._name} group")
+    forward.__name__ = method
+    return forward
+
+
+for _method in _FORWARDED:
+    setattr(SwapGroup, _method, _forwarder(_method))
+
+
+def init_world(rank: int, size: int) -> SwapGroup:
+    """Make a `SwapGroup` torch.distributed's default (world) group, through a backend
+    registered under `BACKEND`: DeviceMesh, FSDP2, DTensor and the user's own
+    `dist.*` calls then all go through it. Its rendezvous store is a local HashStore:
+    nothing meets there (the generation's groups are built over the job's store)."""
+    made: dict[str, SwapGroup] = {}
+
+    def create(store, r, n, timeout):  # c10d's creator signature
+        made["pg"] = SwapGroup(r, n)
+        return made["pg"]
+
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed's default group is already initialized: "
+                           "under `phoenixft run` a sharded model's groups are phoenixft's "
+                           "(do not call init_process_group; use the mesh Session gives)")
+    # (the worker stops a script's own init_process_group; the real one is __wrapped__)
+    init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+    init(BACKEND, store=dist.HashStore(), rank=rank, world_size=size)
+    return made["pg"]

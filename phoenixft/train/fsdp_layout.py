@@ -1,0 +1,264 @@
+"""`Fsdp2Layout`: a model the user shards with FSDP2 (`fully_shard`), the parallelism
+seam's second implementation (`layout.py`).
+
+The user gives the unsharded model and a torchtitan-style `parallelize(model, mesh)`
+(`fully_shard` per block, then on the root); phoenixft gives the mesh. Its process group
+is a `SwapGroup` (comm/swap_group.py) made torch.distributed's default group, so the
+mesh, FSDP2's parameter groups and the optimizer built on the DTensor parameters are made
+once per worker and kept for its whole life: after a failure the survivors keep every
+object, only the communicator underneath is swapped for the next generation's, and a
+spare builds them once, when it takes its rank (`fully_shard` fixes a rank's shard when
+it runs, so a spare cannot build them before it knows its rank).
+
+What is unique to a rank: with FSDP2 over one mesh dimension every parameter, and so
+every optimizer state, is cut over the ranks: its local shards of both (each FSDP2 unit's
+`_local_tensor`) are all its unique state. Nothing is replicated, so nothing is left out.
+
+The step: FSDP2 reduces the gradients itself, inside the user's backward (a
+reduce-scatter per unit, averaged over the mesh by default); the session's all-reduce
+carries only the audit and the loss (`grad_numel() == 0`). With M microbatches per step
+over W ranks, FSDP2 is told to divide by M instead of W when they differ, so the
+gradient is the mean over the step's microbatches as with the flat layout; when M == W
+FSDP2's own reduction is left as it is, bit for bit that of a plain FSDP2 script. Its
+collectives run inside the user's loop body, so a failure there is latched by the group
+and raised by the session at the step's end (`failure`); the step is then redone from
+the restored snapshot: a rank's gradients are never its own (`local_gradients` is
+False), so no finished microbatch can be kept (no in-step recovery, no computing ahead).
+
+Not yet: a change of world size (shrink, grow, resume onto another mesh), tensor
+parallelism, clipping by the global norm, `ckpt export` of its records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from phoenixft.comm.collectives import CommFailure, GroupOps
+from phoenixft.comm.swap_group import SwapGroup, init_world
+from phoenixft.train.digest import state_digest
+from phoenixft.train.layout import StateLayout
+from phoenixft.train.zero import SchedulerFactory
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+Parallelize = Callable[[nn.Module, object], object]  # (model, DeviceMesh) -> anything
+MESH_DIMS = ("dp_shard",)
+
+
+class Fsdp2Layout(StateLayout):
+    local_gradients = False
+
+    def __init__(self, model: nn.Module, factory: OptimizerFactory, parallelize: Parallelize,
+                 scheduler: SchedulerFactory | None = None, *,
+                 before_reduce_scatter: Callable[[], None] | None = None) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"trainable parameters of one dtype expected, got {sorted(map(str, dtypes))}")
+        self.model, self.factory, self.parallelize = model, factory, parallelize
+        self.scheduler_factory = scheduler
+        self.device, self.master_dtype = params[0].device, params[0].dtype
+        self._numel = sum(p.numel() for p in params)
+        # every rank must start from the same parameters (seed before building the model):
+        # checked at a fresh start without gathering any of them
+        self._init_digest = state_digest({n: p.detach() for n, p in model.named_parameters()})
+        self.group: SwapGroup | None = None
+        self.mesh = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.sched = None
+        self._hooks: list[Callable[[], None]] = []
+        self._fsdp_params: list = []
+        self._before_reduce_scatter = before_reduce_scatter
+
+    # -- identity ----------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self._numel
+
+    @property
+    def world_size(self) -> int:
+        return self.group.size() if self.group is not None else 0
+
+    # -- a generation ------------------------------------------------------------------
+    def join(self, rank: int, world_size: int) -> bool:
+        if self.group is not None:
+            if (rank, world_size) != (self.group.rank(), self.group.size()):
+                raise RuntimeError(
+                    f"a sharded model keeps its place in the mesh: this worker is rank "
+                    f"{self.group.rank()} of {self.group.size()}, the new generation makes it "
+                    f"rank {rank} of {world_size}. Changing the world size of an FSDP2 job "
+                    "(--min-nproc, --respawn) is not supported yet: give it spares instead")
+            return False
+        from torch.distributed.device_mesh import DeviceMesh
+        self.group = init_world(rank, world_size)
+        self.group.before_reduce_scatter = self._before_reduce_scatter
+        self.mesh = DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=MESH_DIMS)
+        self.parallelize(self.model, self.mesh)
+        self._fsdp_params = _fsdp_params(self.model)
+        if not self._fsdp_params:
+            raise RuntimeError("parallelize(model, mesh) sharded nothing: call fully_shard on "
+                               "the model's blocks and its root with the mesh it is given")
+        self.opt = self.factory([p for p in self.model.parameters() if p.requires_grad])
+        for hook in self._hooks:
+            self.opt.register_step_pre_hook(lambda *_, h=hook: h())
+        self.sched = self.scheduler_factory(self.opt) if self.scheduler_factory else None
+        return True
+
+    def bind(self, ops: GroupOps, generation: int, microbatches: int) -> None:
+        self.group.swap(ops, generation)
+        if microbatches != self.group.size():  # else FSDP2's own average, bit for bit
+            self.model.set_gradient_divide_factor(float(microbatches))
+
+    def failure(self) -> CommFailure | None:
+        return self.group.failure if self.group is not None else None
+
+    def on_optimizer_step(self, hook: Callable[[], None]) -> None:
+        self._hooks.append(hook)
+        if self.opt is not None:
+            self.opt.register_step_pre_hook(lambda *_: hook())
+
+    def relocate(self) -> None:
+        """The generation is over: abandon its collectives still in flight, and drop what
+        FSDP2 holds of the abandoned step (its own `reset_iter_state`, then the gradients
+        autograd left on unsharded parameters of units whose post-backward never ran,
+        which it misses in torch 2.13 and which a redone step would add to)."""
+        if self.group is None:
+            return
+        self.group.abandon(CommFailure("the generation was left"))
+        self.model.reset_iter_state()
+        for fp in self._fsdp_params:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            fp.unsharded_accumulated_grad = None
+        self.opt.zero_grad(set_to_none=True)
+
+    # -- the step ----------------------------------------------------------------------
+    def grad_numel(self) -> int:
+        return 0
+
+    def write_grads(self, out: torch.Tensor) -> None:
+        pass
+
+    def grad_views(self, grads: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError("step.clip_grad_norm_ with an FSDP2 model is not supported "
+                                  "yet (its gradients are sharded DTensors)")
+
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str) -> None:
+        self.opt.step()  # pre-hooks wait for the previous snapshot's copy; no collective
+        if self.sched is not None:
+            self.sched.step()
+
+    def start_from_rank0(self, ops: GroupOps) -> None:
+        h = int(self._init_digest[:15], 16)
+        vec = ops.allreduce(torch.tensor([h, -h], dtype=torch.int64),
+                            "comparing the initial parameters", op=torch.distributed.ReduceOp.MAX)
+        if int(vec[0]) != -int(vec[1]):
+            raise RuntimeError("the ranks built different initial parameters: seed every "
+                               "rank alike (torch.manual_seed) before building the model")
+
+    def params_changed(self) -> None:
+        if self.opt is not None:
+            raise NotImplementedError("load_state after setup() with an FSDP2 model: load the "
+                                      "weights before setup()")
+
+    # -- snapshots, restores, resharding -----------------------------------------------
+    def unique_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.model.named_parameters():
+            out[f"p.{name}"] = _local(p)
+            for k, v in self.opt.state.get(p, {}).items():
+                if torch.is_tensor(v):
+                    out[f"o.{name}.{k}"] = _local(v)
+        return out
+
+    def unique_meta(self) -> dict:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        scalars = {name: {k: v for k, v in self.opt.state.get(p, {}).items()
+                          if not torch.is_tensor(v)}
+                   for name, p in self.model.named_parameters()}
+        meta = {"param_groups": groups, "opt_scalars": scalars, "layout": "fsdp2"}
+        if self.sched is not None:
+            meta["scheduler"] = self.sched.state_dict()
+        return meta
+
+    def load_unique(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        scalars = meta.get("opt_scalars", {})
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                _local(p).copy_(tensors[f"p.{name}"])
+                saved = {k[len(name) + 3:]: v for k, v in tensors.items()
+                         if k.startswith(f"o.{name}.")}
+                if not saved and not scalars.get(name):
+                    self.opt.state.pop(p, None)
+                    continue
+                st = self.opt.state[p]
+                for k, v in saved.items():
+                    if k not in st:  # a fresh optimizer (a spare): make the state's DTensor
+                        st[k] = v.clone() if v.dim() == 0 else torch.zeros_like(p)
+                    _local(st[k]).copy_(v)
+                st.update(scalars.get(name, {}))
+        for g, saved_group in zip(self.opt.param_groups, meta.get("param_groups", [])):
+            g.update({k: v for k, v in saved_group.items() if k in g})
+        if self.sched is not None and "scheduler" in meta:
+            self.sched.load_state_dict(meta["scheduler"])
+
+    def load_params(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        raise RuntimeError("an FSDP2 rank cannot compute ahead (local_gradients is False)")
+
+    def gather_params(self, ops: GroupOps, what: str) -> None:
+        pass  # FSDP2 all-gathers in the next forward
+
+    def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
+        raise RuntimeError(f"the snapshot was written by {len(old)} ranks, this FSDP2 job has "
+                           f"{self.world_size}: a sharded model cannot change its world size "
+                           "yet (give the job spares instead of --min-nproc)")
+
+    def full_state(self, ops: GroupOps) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.model.named_parameters():
+            out[f"model.{name}"] = p.full_tensor().detach().cpu()
+            for k, v in self.opt.state.get(p, {}).items():
+                if torch.is_tensor(v):
+                    out[f"optim.{k}.{name}"] = (v.full_tensor() if v.dim() else v).detach().cpu()
+        if self.group.failure is not None:  # a gather that failed returned garbage
+            raise self.group.failure
+        return out
+
+    def export_meta(self) -> dict:
+        return {"layout": "fsdp2", "mesh": {d: self.world_size for d in MESH_DIMS},
+                "numel": self._numel, "dtype": str(self.master_dtype).removeprefix("torch.")}
+
+    def trained_names(self) -> set[str]:
+        return {name for name, p in self.model.named_parameters() if p.requires_grad}
+
+    # -- the user's optimizer ----------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.opt
+
+    @property
+    def scheduler(self):
+        return self.sched
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself for a plain one), by reference."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _fsdp_params(model: nn.Module) -> list:
+    """Every FSDPParam of the model's FSDP2 units (torch 2.13 internals, for `relocate`)."""
+    out = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        group = state()._fsdp_param_group
+        if group is not None:
+            out.extend(group.fsdp_params)
+    return out
