@@ -61,7 +61,7 @@ def under_phoenixft(args) -> None:
     import phoenixft
     sess = phoenixft.Session()
     model, windows = build(args)
-    sess.setup(model, optimizer(args),
+    sess.setup(model, optimizer(args), microbatches=args.microbatches,
                parallelize=lambda m, mesh: parallelize(m, mesh, args.bf16))
     for step in sess.steps(args.steps):
         for j in step.microbatches():
@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="under phoenixft: microbatches per step over all ranks (default one "
+                         "per rank); keep it when resuming onto another number of ranks")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 parameters in compute, fp32 reduction (MixedPrecisionPolicy)")
     ap.add_argument("--out", default=None,

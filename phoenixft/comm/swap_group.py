@@ -188,7 +188,7 @@ def _forwarder(method: str):
             self.before_reduce_scatter()
         work = getattr(self.inner, method)(*args, **kwargs)
         return _Latched(work, self, self.generation,
-                        f"{method} of generation {self.generation}'s {self._name} group")
+                        f"{method} of generation {self.generation}'s mesh group")
     forward.__name__ = method
     return forward
 

@@ -17,16 +17,18 @@ every optimizer state, is cut over the ranks: its local shards of both (each FSD
 The step: FSDP2 reduces the gradients itself, inside the user's backward (a
 reduce-scatter per unit, averaged over the mesh by default); the session's all-reduce
 carries only the audit and the loss (`grad_numel() == 0`). With M microbatches per step
-over W ranks, FSDP2 is told to divide by M instead of W when they differ, so the
-gradient is the mean over the step's microbatches as with the flat layout; when M == W
-FSDP2's own reduction is left as it is, bit for bit that of a plain FSDP2 script. Its
+over W ranks, the reduced gradient is scaled by W/M before the optimizer step when they
+differ, so it is the mean over the step's microbatches as with the flat layout; when
+M == W FSDP2's own reduction is left as it is, bit for bit that of a plain FSDP2 script. Its
 collectives run inside the user's loop body, so a failure there is latched by the group
 and raised by the session at the step's end (`failure`); the step is then redone from
 the restored snapshot: a rank's gradients are never its own (`local_gradients` is
 False), so no finished microbatch can be kept (no in-step recovery, no computing ahead).
 
-Not yet: a change of world size (shrink, grow, resume onto another mesh), tensor
-parallelism, clipping by the global norm, `ckpt export` of its records.
+A job resumed onto another world size reshards (`reshard`); a running job cannot change
+its world size (survivors' shards were cut by `fully_shard` for the old one): it needs
+spares. Not yet: tensor parallelism, clipping by the global norm, `ckpt export` of its
+records, bases in torch.distributed.checkpoint's format.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Fsdp2Layout(StateLayout):
         self._hooks: list[Callable[[], None]] = []
         self._fsdp_params: list = []
         self._before_reduce_scatter = before_reduce_scatter
+        self._grad_scale: float | None = None  # W/M when M != W (see `bind`)
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -110,8 +113,12 @@ class Fsdp2Layout(StateLayout):
 
     def bind(self, ops: GroupOps, generation: int, microbatches: int) -> None:
         self.group.swap(ops, generation)
-        if microbatches != self.group.size():  # else FSDP2's own average, bit for bit
-            self.model.set_gradient_divide_factor(float(microbatches))
+        # FSDP2 averages each reduce-scatter over the W ranks and sums the M/W microbatches
+        # each rank runs: (1/W) of the sum; the mean over M is W/M of it (FSDP2's own
+        # divide factor would need PREMUL_SUM, which gloo lacks). M == W: FSDP2's own
+        # average, bit for bit that of a plain FSDP2 script.
+        w = self.group.size()
+        self._grad_scale = None if microbatches == w else w / microbatches
 
     def failure(self) -> CommFailure | None:
         return self.group.failure if self.group is not None else None
@@ -149,6 +156,11 @@ class Fsdp2Layout(StateLayout):
                                   "yet (its gradients are sharded DTensors)")
 
     def update(self, grads: torch.Tensor, ops: GroupOps, what: str) -> None:
+        if self._grad_scale is not None:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        _local(p.grad).mul_(self._grad_scale)
         self.opt.step()  # pre-hooks wait for the previous snapshot's copy; no collective
         if self.sched is not None:
             self.sched.step()
@@ -190,6 +202,10 @@ class Fsdp2Layout(StateLayout):
         scalars = meta.get("opt_scalars", {})
         with torch.no_grad():
             for name, p in self.model.named_parameters():
+                if _local(p).shape != tensors[f"p.{name}"].shape:
+                    raise RuntimeError(f"snapshot shard of {name} is {tuple(tensors[f'p.{name}'].shape)}, "
+                                       f"this rank's is {tuple(_local(p).shape)}: another model "
+                                       "or another sharding")
                 _local(p).copy_(tensors[f"p.{name}"])
                 saved = {k[len(name) + 3:]: v for k, v in tensors.items()
                          if k.startswith(f"o.{name}.")}
@@ -214,9 +230,27 @@ class Fsdp2Layout(StateLayout):
         pass  # FSDP2 all-gathers in the next forward
 
     def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
-        raise RuntimeError(f"the snapshot was written by {len(old)} ranks, this FSDP2 job has "
-                           f"{self.world_size}: a sharded model cannot change its world size "
-                           "yet (give the job spares instead of --min-nproc)")
+        """A fresh FSDP2 model of another world size (a job resumed onto another mesh)
+        from every old rank's shards: FSDP2 cuts dim 0 of each tensor into `world`
+        `torch.chunk` pieces (empty ones at the end when there are too few rows), so the
+        old pieces concatenated are the whole tensor, and this rank's new piece is cut
+        the same way."""
+        mine = {}
+        for name, t0 in old[0][0].items():
+            if not name.startswith(("p.", "o.")):
+                continue  # rank-local state (RNG, tracked objects) does not reshard
+            if t0.dim() == 0:
+                mine[name] = t0
+                continue
+            full = torch.cat([tensors[name] for tensors, _ in old])
+            pieces = torch.chunk(full, self.world_size, dim=0)
+            mine[name] = (pieces[self.rank] if self.rank < len(pieces)
+                          else full.new_empty((0, *full.shape[1:])))
+        self.load_unique(mine, old[0][1])
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
 
     def full_state(self, ops: GroupOps) -> dict[str, torch.Tensor]:
         out = {}

@@ -1,18 +1,22 @@
-"""A model sharded with FSDP2 under `phoenixft run`: the same losses as the same script
-under plain torchrun (the independent reference), and a rank SIGKILLed inside FSDP2's
-own collectives is hot-swapped: the spare takes its shards, the survivors keep their
-processes (and their model and optimizer objects), the final state is bit for bit that
-of the failure-free run."""
+"""A model sharded with FSDP2 under `phoenixft run`: the same losses and final state as
+the same script under plain torchrun (the independent reference); a rank SIGKILLed or
+SIGSTOPped inside FSDP2's own collectives (or before its optimizer step) is hot-swapped:
+the spare takes its shards, the survivors keep their processes (and their model and
+optimizer objects), the final state is bit for bit that of the failure-free run, also
+with bf16 parameters; the whole job killed and resumed from storage, on the same and on
+another number of ranks."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from phoenixft.checkpoint.tiers import FsspecTier
 from tests.integration.test_hotswap import survivors_kept_pids
 from tests.support.jobs import ROOT, kill_tree, run_script
 
@@ -21,18 +25,37 @@ STEPS = 8
 _REFS: dict[int, dict] = {}
 
 
-def _fsdp(tmp_path, *launch: str, steps: int = STEPS, timeout: float = 240):
+def _fsdp(tmp_path, *launch: str, script_args: tuple = (), timeout: float = 240):
     return run_script(tmp_path / "run", FSDP, *launch, timeout=timeout,
-                      script_args=("--steps", str(steps)))
+                      script_args=("--steps", str(STEPS), *script_args))
 
 
-def _failure_free(tmp_path_factory, nproc: int) -> dict:
-    if nproc not in _REFS:
-        job = _fsdp(tmp_path_factory.mktemp(f"fsdp-ref{nproc}"), "--nproc", str(nproc))
+def _failure_free(tmp_path_factory, nproc: int, *script_args: str) -> dict:
+    key = (nproc, script_args)
+    if key not in _REFS:
+        job = _fsdp(tmp_path_factory.mktemp(f"fsdp-ref{nproc}"), "--nproc", str(nproc),
+                    script_args=script_args)
         assert job.rc == 0, job.out[-3000:]
         assert job.summary["final_step"] == STEPS
-        _REFS[nproc] = job.summary
-    return _REFS[nproc]
+        _REFS[key] = job.summary
+    return _REFS[key]
+
+
+def _same_as(job, ref, *, rank: int, kind: str) -> None:
+    """The job recovered once, rank `rank`'s failure of `kind`, onto a spare that mapped
+    the dead rank's shards, and ended with the failure-free run's state and losses."""
+    assert job.rc == 0, job.out[-3000:]
+    s = job.summary
+    assert s["final_state_digest"] == ref["final_state_digest"]
+    assert s["losses"] == ref["losses"]
+    [rec] = s["recoveries"]
+    assert (rec["rank"], rec["kind"]) == (rank, kind), rec
+    assert rec["source"] == "local_snapshot"  # the spare mapped the dead rank's shards
+    survivors_kept_pids(job)
+    spare = next(e["wid"] for e in job.of("joined") if e["gen"] == 1 and e["rank"] == rank)
+    assert spare not in {e["wid"] for e in job.of("joined") if e["gen"] == 0}
+    # no in-step recovery with FSDP2: a rank's gradients are reduced inside backward
+    assert not job.of("in_step_recovery") and not job.of("computing_ahead")
 
 
 @pytest.mark.timeout(300)
@@ -66,16 +89,57 @@ def test_fsdp2_rank_killed_inside_its_collectives_is_hot_swapped(tmp_path, tmp_p
     ref = _failure_free(tmp_path_factory, 4)
     job = _fsdp(tmp_path, "--nproc", "4", "--spares", "1", "--inject",
                 f"kill:rank=1:step=5:phase={where}")
-    assert job.rc == 0, job.out[-3000:]
-    s = job.summary
-    assert s["final_state_digest"] == ref["final_state_digest"]
-    assert s["losses"] == ref["losses"]
-    [failure] = s["failures"]
-    assert failure["rank"] == 1
-    [rec] = s["recoveries"]
-    assert rec["source"] == "local_snapshot"  # the spare mapped the dead rank's shards
-    survivors_kept_pids(job)
-    spare = next(e["wid"] for e in job.of("joined") if e["gen"] == 1 and e["rank"] == 1)
-    assert spare not in {e["wid"] for e in job.of("joined") if e["gen"] == 0}
-    # no in-step recovery with FSDP2: a rank's gradients are reduced inside backward
-    assert not job.of("in_step_recovery") and not job.of("computing_ahead")
+    _same_as(job, ref, rank=1, kind="exit")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_rank_hung_inside_a_reduce_scatter_is_caught_by_its_deadline(
+        tmp_path, tmp_path_factory):
+    """SIGSTOPped as it issues a reduce-scatter: the others wait inside theirs, where FSDP2
+    waits without a timeout; the heartbeat deadline finds the hang, the leader fences the
+    rank, and the survivors leave the collective (not gloo's 30-minute timeout)."""
+    ref = _failure_free(tmp_path_factory, 4)
+    job = _fsdp(tmp_path, "--nproc", "4", "--spares", "1", "--heartbeat-timeout", "2",
+                "--inject", "stop:rank=2:step=5:phase=backward")
+    _same_as(job, ref, rank=2, kind="hang")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_bf16_params_with_fp32_reduction_through_a_sigkill(tmp_path, tmp_path_factory):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), rank 0 killed."""
+    ref = _failure_free(tmp_path_factory, 2, "--bf16")
+    job = _fsdp(tmp_path, "--nproc", "2", "--spares", "1", "--inject",
+                "kill:rank=0:step=5:phase=backward", script_args=("--bf16",))
+    _same_as(job, ref, rank=0, kind="exit")
+
+
+@pytest.mark.timeout(400)
+def test_fsdp2_whole_job_killed_then_resumed_on_the_same_and_another_world_size(
+        tmp_path, tmp_path_factory):
+    """The agent SIGKILLed at step 6 (the whole job dies with it); --resume with 4 ranks
+    ends bit for bit as the failure-free run, and with 2 ranks (the same 4 microbatches a
+    step, each rank running 2) resharded from the 4 ranks' records, within 1e-4."""
+    ref = _failure_free(tmp_path_factory, 4)
+    ckpt = tmp_path / "ckpt"
+    persist = ("--persist", str(ckpt), "--persist-every", "3", "--persist-cpu-share", "1")
+    killed = _fsdp(tmp_path / "killed", "--nproc", "4", *persist,
+                   "--inject", "node:rank=0:step=6")
+    assert killed.rc == -9, killed.out[-2000:]
+    newest = FsspecTier(str(ckpt)).manifests()[-1]
+    assert 0 <= newest < 6
+    shutil.copytree(ckpt, tmp_path / "ckpt2")
+
+    same = _fsdp(tmp_path / "same", "--nproc", "4", *persist, "--resume")
+    assert same.rc == 0, same.out[-3000:]
+    assert same.summary["resumed_from"] == newest
+    assert same.summary["final_state_digest"] == ref["final_state_digest"]
+    assert same.summary["losses"] == ref["losses"][newest:]
+
+    other = _fsdp(tmp_path / "other", "--nproc", "2", "--persist", str(tmp_path / "ckpt2"),
+                  "--resume", script_args=("--microbatches", "4"))
+    assert other.rc == 0, other.out[-3000:]
+    assert other.summary["resumed_from"] == newest
+    assert other.of("resumed")[0]["from_world_size"] == 4
+    assert len(other.summary["losses"]) == STEPS - newest
+    for x, y in zip(other.summary["losses"], ref["losses"][newest:]):
+        assert abs(x - y) <= 1e-4 * abs(y), (x, y)
