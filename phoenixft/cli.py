@@ -30,6 +30,7 @@ _BENCHES = [
     "phoenixft.bench.checkpoint",
     "phoenixft.bench.serve_ft",
     "phoenixft.bench.torchft_side",
+    "phoenixft.bench.sharded",
     "phoenixft.bench.all",
 ]
 

@@ -81,9 +81,16 @@ def in_run(args: argparse.Namespace, root: Path, replicas: int | None = None) ->
     s = run_job(root / name, nproc=args.nproc,
                 snapshots={"enabled": True, "blocks": k, "replicas": replicas},
                 script_args=_script_args(args, steps))
-    out = {"block": k, "steps": steps, "replicas": replicas, **paired_blocks(s["events"], k)}
-    stats = [e for e in s["events"] if e["event"] == "snapshot_stats"]
-    size = next((e for e in s["events"] if e["event"] == "snapshot_size"), {})
+    return {"steps": steps, "replicas": replicas, **block_figures(s["events"], k)}
+
+
+def block_figures(events: list[dict], k: int) -> dict:
+    """A run whose snapshots alternate on/off every `k` steps: the paired on/off estimate,
+    the copies per snapshot, and the snapshot thread's CPU and the training's stall per
+    snapshot (also as a share of an off step)."""
+    out = {"block": k, **paired_blocks(events, k)}
+    stats = [e for e in events if e["event"] == "snapshot_stats"]
+    size = next((e for e in events if e["event"] == "snapshot_size"), {})
     n = sum(e["snapshots"] for e in stats)
     out["copies"] = size.get("copies")
     out["thread_cpu_s_per_snapshot"] = (sum(e["thread_cpu_s"] for e in stats) / n) if n else None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from phoenixft.bench import checkpoint, goodput, overhead, recovery, serve, serve_ft, torchft_side
+from phoenixft.bench import checkpoint, goodput, overhead, recovery, serve, serve_ft, sharded, torchft_side
 from phoenixft.observe.goals import Goal
 from phoenixft.simulate import report as simulate_report
 
@@ -77,6 +77,8 @@ SUITE: list[Entry] = [
     _bench("torchft", torchft_side, "2 members x 1 torch thread each (+1 spare / +1 "
            "lighthouse); plain DDP beside",
            ["--steps", "34", "--kill-step", "20", "--no-free-runs"]),
+    _bench("sharded", sharded, "4 FSDP2 workers x 1 torch thread (+1 spare for the kill)",
+           ["--preset", "tiny", "--blocks", "20", "--kill-steps", "15"]),
     Entry(name="simulate", command=("simulate",), processes="1 process",
           goals=simulate_report.goals, headline=simulate_report.headline,
           markdown=simulate_report.markdown,

@@ -1,0 +1,131 @@
+"""`phoenixft bench sharded`: what protecting an FSDP2 model costs, and a SIGKILL's cost.
+
+All with examples/train_fsdp.py (a Llama-style model, `fully_shard` per block), N workers
+x 1 torch thread, side by side in one invocation:
+
+- step time with snapshots + one same-node replica on against off, in one run: on for K
+  steps, off for the next K, again and again (the paired estimate of `bench overhead`);
+- host memory for snapshots per rank against the bytes of the rank's shard (its
+  parameters' and optimizer state's local shards): two slots (the newest committed
+  snapshot survives while the next is written) for its own copy and for each replica;
+- a rank SIGKILLed inside the step's reduce-scatter with a warm spare: detection, the
+  recovery, and the gap from the kill to the next completed step.
+
+Not measured yet: torchrun with `dcp.async_save` every K steps restarting after the same
+SIGKILL (the goodput comparison the sharded-model work asks for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from phoenixft.bench.harness import run_job
+from phoenixft.bench.options import BenchOptions
+from phoenixft.bench.overhead import block_figures
+from phoenixft.bench.recovery import measure_events
+from phoenixft.bench.runner import command
+from phoenixft.observe.goals import Goal
+
+FSDP = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
+GOAL_RATIO = 1.01
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sharded", help="FSDP2: snapshot overhead, host memory, SIGKILL -> next step")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--preset", default="small", choices=["tiny", "small", "ref"])
+    p.add_argument("--block", type=int, default=2, help="K (even): steps per on / off block")
+    p.add_argument("--blocks", type=int, default=40, help="on/off block pairs")
+    p.add_argument("--kill-steps", type=int, default=24,
+                   help="steps of the SIGKILL run (the kill lands at two thirds)")
+    p.add_argument("--out", default="runs/bench/sharded.json")
+    p.set_defaults(func=command(measure, show))
+
+
+def _job(root: Path, name: str, args: argparse.Namespace, steps: int, **cfg) -> dict:
+    return run_job(root / name, script=str(FSDP), nproc=args.nproc,
+                   script_args=["--steps", str(steps), "--preset", args.preset], **cfg)
+
+
+def measure(opts: BenchOptions) -> dict:
+    args = opts.own
+    if args.block < 2 or args.block % 2 or args.nproc < 2 or args.kill_steps < 12:
+        raise SystemExit("phoenixft bench sharded: --block must be even and >= 2, --nproc >= 2, "
+                         "--kill-steps >= 12 (steps before the kill time a step)")
+    root = opts.runs_dir("sharded")
+    t0 = time.time()
+    k, steps = args.block, 2 * args.block * args.blocks + args.block
+    s = _job(root, "blocks", args, steps, snapshots={"enabled": True, "blocks": k, "replicas": 1})
+    blocks = block_figures(s["events"], k)
+    size = next(e for e in s["events"] if e["event"] == "snapshot_size")
+    kill_step = 2 * args.kill_steps // 3
+    killed = _job(root, "kill", args, args.kill_steps, spares=1,
+                  inject=[f"kill:rank=1:step={kill_step}:phase=backward"])
+    return {"benchmark": "sharded", "nproc": args.nproc, "threads_per_worker": 1,
+            "preset": args.preset, "layout": "fsdp2", "blocks": blocks, "goal_ratio": GOAL_RATIO,
+            "shard_bytes": size["bytes_per_slot"], "copies": size["copies"],
+            "host_bytes_per_rank": size["host_bytes_per_rank"],
+            "host_per_shard": size["host_bytes_per_rank"] / size["bytes_per_slot"],
+            "kill": {"step": kill_step, **measure_events(killed["events"])},
+            "torchrun_dcp_async": None, "wall_s": round(time.time() - t0, 1)}
+
+
+def goals(result: dict) -> list[Goal]:
+    b, copies = result["blocks"], result["copies"]
+    per = result["host_per_shard"]
+    return [Goal("FSDP2 step time with snapshots + a replica, on/off blocks in one run",
+                 f"<= {GOAL_RATIO}x without", f"{b['ratio']:.4f} ± {b['se']:.4f}",
+                 b["ratio"] <= GOAL_RATIO),
+            Goal("FSDP2 snapshot host memory per rank", f"<= 2 slots x {copies} copies of "
+                 "the shard", f"{per:.2f}x the shard", per <= 2 * copies + 0.05)]
+
+
+def headline(result: dict) -> str:
+    b, kill = result["blocks"], result["kill"]
+    return (f"FSDP2, {result['nproc']} workers: step with snapshots + a replica "
+            f"{b['ratio']:.3f}x ± {b['se']:.3f} without; snapshot memory "
+            f"{result['host_per_shard']:.1f}x the shard per rank; SIGKILL in a reduce-scatter "
+            f"-> next step {kill['kill_to_next_step_s']:.2f} s (steps {kill['step_s']:.2f} s)")
+
+
+def show(result: dict, opts: BenchOptions) -> None:
+    b, kill = result["blocks"], result["kill"]
+    table = Table(title=f"FSDP2 ({result['preset']} preset): {result['nproc']} workers x 1 "
+                        "thread")
+    for col in ("", "measured", "how"):
+        table.add_column(col)
+    table.add_row(f"step time, snapshots + replica on/off (goal <= {GOAL_RATIO})",
+                  f"{b['ratio']:.4f} ± {b['se']:.4f}",
+                  f"{b['pairs']} pairs of {b['block']}-step blocks in one run; median step "
+                  f"{b['median_step_off_s'] * 1000:.0f} ms off, {b['median_step_on_s'] * 1000:.0f} "
+                  "ms on")
+    table.add_row("snapshot thread CPU per snapshot",
+                  f"{b['thread_cpu_s_per_snapshot'] * 1000:.2f} ms",
+                  f"{b['thread_cpu_share_of_step'] * 100:.2f}% of a step")
+    table.add_row("host memory per rank / shard bytes", f"{result['host_per_shard']:.2f}x",
+                  f"{result['host_bytes_per_rank'] / 2**20:.2f} MiB for a "
+                  f"{result['shard_bytes'] / 2**20:.2f} MiB shard: 2 slots x "
+                  f"{result['copies']} copies")
+    table.add_row("SIGKILL in a reduce-scatter -> next step", f"{kill['kill_to_next_step_s']:.2f} s",
+                  f"detect {kill['detect_s']:.3f} s, recover {kill['recover_s']:.3f} s, "
+                  f"{kill['lost_steps']} steps lost, steps {kill['step_s']:.2f} s")
+    table.add_row("torchrun + dcp.async_save, restart", "not measured", "")
+    Console(width=max(Console().width, 130)).print(table)
+
+
+def markdown(result: dict) -> list[str]:
+    b, kill = result["blocks"], result["kill"]
+    return ["| figure | measured |", "|---|---|",
+            f"| step time, snapshots + replica on/off blocks | {b['ratio']:.4f} ± {b['se']:.4f} |",
+            f"| snapshot thread CPU per snapshot | {b['thread_cpu_s_per_snapshot'] * 1000:.2f} ms "
+            f"({b['thread_cpu_share_of_step'] * 100:.2f}% of a step) |",
+            f"| host memory per rank / shard | {result['host_per_shard']:.2f}x "
+            f"({result['copies']} copies x 2 slots) |",
+            f"| SIGKILL in a reduce-scatter -> next step | {kill['kill_to_next_step_s']:.2f} s "
+            f"(detect {kill['detect_s']:.3f} s, recover {kill['recover_s']:.3f} s) |",
+            "| torchrun + dcp.async_save, restart | not measured yet |"]
