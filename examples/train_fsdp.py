@@ -38,10 +38,19 @@ def parallelize(model: LlamaForCausalLM, mesh, bf16: bool = False) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
+def device_of(args) -> torch.device:
+    """cuda: this worker's GPU (LOCAL_RANK modulo the GPUs visible)."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def build(args):
     torch.manual_seed(args.seed)  # every rank builds the same initial parameters
     cfg = preset(args.preset)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(device_of(args))
     corpus = stdlib_corpus(EOS_ID, max_bytes=2_000_000 if args.preset == "tiny" else None)
     windows = MicrobatchWindows(corpus, context=cfg.max_position_embeddings,
                                 batch=BATCH[args.preset], seed=args.seed)
@@ -53,7 +62,8 @@ def optimizer(args):
 
 
 def loss_of(model, windows, step: int, j: int) -> torch.Tensor:
-    x, y = windows.get(step, j)
+    dev = next(model.parameters()).device
+    x, y = (t.to(dev) for t in windows.get(step, j))
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
@@ -73,10 +83,10 @@ def under_torchrun(args) -> None:
     (microbatch j = the rank), FSDP2's own gradient average, AdamW on the DTensors."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     model, windows = build(args)
+    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp_shard",))
     parallelize(model, mesh, args.bf16)
     opt = optimizer(args)([p for p in model.parameters() if p.requires_grad])
     losses = []
@@ -87,7 +97,7 @@ def under_torchrun(args) -> None:
         opt.zero_grad(set_to_none=True)
         # the step's mean loss as phoenixft reports it: each rank's loss summed over the
         # ranks in the float32 buffer of the step's all-reduce
-        total = loss.detach().double().float().reshape(1)
+        total = loss.detach().double().float().reshape(1)  # (on the loss's device)
         dist.all_reduce(total)
         losses.append(float(total) / world)
     state = {}
@@ -113,6 +123,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=None,
                     help="under phoenixft: microbatches per step over all ranks (default one "
                          "per rank); keep it when resuming onto another number of ranks")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: this worker's GPU (the mesh's groups then use NCCL)")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 parameters in compute, fp32 reduction (MixedPrecisionPolicy)")
     ap.add_argument("--out", default=None,

@@ -4,10 +4,12 @@
    the spare takes its rank from the snapshot and the job ends with the losses of a
    failure-free run of the same job (the final digest is reported: CUDA kernels with
    atomics need not be bitwise reproducible).
-2. snapshot overhead with CUDA streams: `phoenixft bench overhead --device cuda`, one run
+2. the same with an FSDP2 model (examples/train_fsdp.py on a one-rank mesh, killed before
+   its optimizer step).
+3. snapshot overhead with CUDA streams: `phoenixft bench overhead --device cuda`, one run
    whose snapshots alternate on/off in blocks (device-to-host copies on a side stream into
    page-locked shared memory).
-3. the serving engine on CUDA against transformers on the same random Llama: logits of
+4. the serving engine on CUDA against transformers on the same random Llama: logits of
    every generated token within tolerance, greedy tokens equal.
 
 `--device cpu` runs the same checks on the CPU (gloo), to try the script itself on a
@@ -47,12 +49,24 @@ def tail(path: Path, n: int = 15) -> str:
 
 
 def hotswap(args, out: Path) -> dict:
-    job = ["examples/train_gpt.py", "--device", args.device, "--preset", "small",
-           "--steps", str(args.steps)]
+    return _swap_pair(args, out, ["examples/train_gpt.py", "--preset", "small"],
+                      f"kill:rank=0:step={args.steps // 2}")
+
+
+def fsdp(args, out: Path) -> dict:
+    """The FSDP2 model of examples/train_fsdp.py (fully_shard over a one-rank mesh: NCCL
+    refuses two ranks of one communicator on one GPU), killed before its optimizer step;
+    its mesh's SwapGroup puts the new generation's NCCL communicator under FSDP2. (FSDP2
+    on one rank issues no reduce-scatter, so phase=backward would never fire.)"""
+    return _swap_pair(args, out, ["examples/train_fsdp.py", "--preset", "small"],
+                      f"kill:rank=0:step={args.steps // 2}:phase=update")
+
+
+def _swap_pair(args, out: Path, script: list[str], kill: str) -> dict:
+    """A failure-free run of `script` and one whose worker `kill` hits, 1 worker + 1 spare."""
+    job = [*script, "--device", args.device, "--steps", str(args.steps)]
     runs = {}
-    for name, extra in (("failure-free", []),
-                        ("hot-swap", ["--spares", "1", "--inject",
-                                      f"kill:rank=0:step={args.steps // 2}"])):
+    for name, extra in (("failure-free", []), ("hot-swap", ["--spares", "1", "--inject", kill])):
         d = out / name
         rc, wall = sh([*PHOENIXFT, "run", "--run-dir", str(d), "--nproc", "1", "--quiet", *extra,
                        *job], 240, out / f"{name}.log")
@@ -148,7 +162,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--only", action="append", choices=["hotswap", "overhead", "engine"])
+    ap.add_argument("--only", action="append",
+                    choices=["hotswap", "fsdp", "overhead", "engine"])
     args = ap.parse_args()
     if args.device == "cuda":
         import torch
@@ -161,7 +176,8 @@ def main() -> int:
     out = Path(os.environ.get("OUT") or ROOT / "runs" / "gpu-check")
     out.mkdir(parents=True, exist_ok=True)
     report, t0 = {"device": args.device}, time.time()
-    for name, check in (("hotswap", hotswap), ("overhead", overhead), ("engine", engine)):
+    for name, check in (("hotswap", hotswap), ("fsdp", fsdp), ("overhead", overhead),
+                        ("engine", engine)):
         if args.only and name not in args.only:
             continue
         (out / name).mkdir(exist_ok=True)
