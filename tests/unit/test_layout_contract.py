@@ -1,15 +1,17 @@
 """The parallelism seam's one shared test body (train/layout.py): every `StateLayout`
 implementation trains, saves its unique state, changes, restores it, and reshards it onto
 other world sizes, and must come back to the same world-size-free state bit for bit.
-Threads as ranks over real gloo groups and a real TCPStore.
+Real gloo groups over a real TCPStore; ranks are threads where the layout allows it, and
+processes where it makes torch.distributed's default group its own (FSDP2).
 
-A new layout (FSDP2 / tensor parallel) is added to LAYOUTS and passes the same body."""
+A new layout (tensor parallel, ...) is added to LAYOUTS and passes the same body."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,30 +21,50 @@ from phoenixft.cluster import store as kv
 from phoenixft.comm.collectives import GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
 from phoenixft.train.flat_layout import FlatZero1
+from phoenixft.train.fsdp_layout import Fsdp2Layout
+from tests.support.procs import ranks_in_processes
 from tests.support.threads import ranks
 
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _fully_shard(m: nn.Module, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m[2], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+
+
+@dataclass(frozen=True)
+class Kind:
+    make: Callable[[nn.Module], object]
+    processes: bool  # one process per rank (the layout owns the default group)
+    # ranks start from different parameters and `start_from_rank0` takes rank 0's (flat), or
+    # every rank must build the same ones and a difference is refused (FSDP2: no rank
+    # holds another's shard of the initial parameters)
+    same_init: bool
+    even_shards: bool  # every rank's share is the same size (flat: padded to the world)
+
+
 LAYOUTS = {
-    "flat-zero1": lambda model: FlatZero1(model, lambda p: torch.optim.AdamW(p, lr=1e-2)),
+    "flat-zero1": Kind(lambda m: FlatZero1(m, _adamw), processes=False, same_init=False,
+                       even_shards=True),
+    # FSDP2 cuts each tensor's rows: 7 rows over 2 ranks are 4 and 3
+    "fsdp2": Kind(lambda m: Fsdp2Layout(m, _adamw, _fully_shard), processes=True,
+                  same_init=True, even_shards=False),
 }
-_prefixes = itertools.count()
 
 
-@pytest.fixture()
-def group():
-    server, port = kv.host_store("127.0.0.1")
-    addr = f"127.0.0.1:{port}"
-
-    def make(rank: int, size: int, prefix: str) -> GroupOps:
-        interrupt = Interrupt()
-        interrupt.enter(0)
-        pg = new_group(kv.connect(addr), f"{prefix}/", rank, size, device=torch.device("cpu"))
-        return GroupOps(pg, interrupt, 30)
-
-    yield make
-    del server
+def _group(addr: str, rank: int, size: int, prefix: str) -> GroupOps:
+    interrupt = Interrupt()
+    interrupt.enter(0)
+    pg = new_group(kv.connect(addr), f"{prefix}/", rank, size, device=torch.device("cpu"))
+    return GroupOps(pg, interrupt, 30)
 
 
-def model(seed: int) -> nn.Module:
+def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)  # (threads share torch's generator: seed and build under a lock)
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
 
@@ -50,15 +72,20 @@ def model(seed: int) -> nn.Module:
 _build = threading.Lock()
 
 
-def build(kind: str, seed: int):
+def _joined(kind: str, seed: int, addr: str, rank: int, world: int, prefix: str):
+    """A rank's model and layout, joined to generation 0 over a fresh group."""
+    ops = _group(addr, rank, world, prefix)
     with _build:
-        m = model(seed)
-        return m, LAYOUTS[kind](m)
+        m = _model(seed)
+        lay = LAYOUTS[kind].make(m)
+    lay.join(rank, world)
+    lay.bind(ops, 0, world)
+    return m, lay, ops
 
 
-def train_step(m: nn.Module, lay, ops: GroupOps, step: int, rank: int, world: int) -> None:
+def _train_step(m: nn.Module, lay, ops: GroupOps, step: int, rank: int, world: int) -> None:
     """One data-parallel step: this rank's batch, the gradient region all-reduced and
-    averaged, the layout's update."""
+    averaged (empty where the layout reduces in backward), the layout's update."""
     g = torch.Generator().manual_seed(step * 100 + rank)
     x = torch.randn(4, 5, generator=g)
     m.zero_grad(set_to_none=True)
@@ -70,76 +97,106 @@ def train_step(m: nn.Module, lay, ops: GroupOps, step: int, rank: int, world: in
     lay.update(grads, ops, f"update {step}")
 
 
-def snapshot(lay) -> tuple[dict, dict]:
+def _snapshot(lay) -> tuple[dict, dict]:
     """What a snapshot keeps: copies of the unique tensors, the meta through JSON."""
     return ({k: v.detach().clone() for k, v in lay.unique_tensors().items()},
             json.loads(json.dumps(lay.unique_meta())))
 
 
-def same(a: dict, b: dict) -> None:
+def _full(lay, ops) -> dict:
+    return {k: v.detach().clone() for k, v in lay.full_state(ops).items()}
+
+
+def _same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.timeout(120)
+def _first_run(rank: int, kind: str, addr: str, world: int) -> tuple[tuple, dict]:
+    seed = 0 if LAYOUTS[kind].same_init else rank  # apart: rank 0's parameters are taken
+    m, lay, ops = _joined(kind, seed, addr, rank, world, "a")
+    lay.start_from_rank0(ops)
+    for step in (1, 2):
+        _train_step(m, lay, ops, step, rank, world)
+    saved = _snapshot(lay)
+    full2 = _full(lay, ops)
+    _train_step(m, lay, ops, 3, rank, world)  # change
+    full3 = _full(lay, ops)
+    assert any(not torch.equal(full2[k], full3[k]) for k in full2)
+    lay.load_unique(*saved)  # restore
+    lay.gather_params(ops, "restore")
+    _same(_full(lay, ops), full2)
+    _train_step(m, lay, ops, 3, rank, world)  # the same step again: the same result
+    _same(_full(lay, ops), full3)
+    return saved, full2
+
+
+def _resharded(rank: int, kind: str, addr: str, world: int, prefix: str, old: list) -> tuple:
+    """A fresh model of another world size takes every old rank's snapshot."""
+    m, lay, ops = _joined(kind, 100 + rank, addr, rank, world, prefix)
+    lay.reshard(old)
+    full = _full(lay, ops)
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in m.named_parameters()}
+    return full, params
+
+
+def _unique_share(rank: int, kind: str, addr: str, world: int) -> tuple[int, int]:
+    m, lay, ops = _joined(kind, 0, addr, rank, world, "u")
+    lay.start_from_rank0(ops)
+    _train_step(m, lay, ops, 1, rank, world)
+    return sum(t.numel() for t in lay.unique_tensors().values() if t.dim()), lay.numel
+
+
+def _on_ranks(kind: str, fn, world: int, *args) -> list:
+    if LAYOUTS[kind].processes:
+        return ranks_in_processes(fn, world, kind, *args)
+    return ranks(lambda r: fn(r, kind, *args), world)
+
+
+@pytest.fixture()
+def addr():
+    server, port = kv.host_store("127.0.0.1")
+    yield f"127.0.0.1:{port}"
+    del server
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_save_change_restore_reshard_compare(kind, group):
+def test_save_change_restore_reshard_compare(kind, addr):
     world = 2
-
-    def first_run(r):
-        ops = group(r, world, "a")
-        m, lay = build(kind, seed=r)  # ranks start apart: rank 0's parameters are taken
-        lay.join(r, world)
-        lay.start_from_rank0(ops)
-        for step in (1, 2):
-            train_step(m, lay, ops, step, r, world)
-        saved = snapshot(lay)
-        full2 = {k: v.clone() for k, v in lay.full_state(ops).items()}
-        train_step(m, lay, ops, 3, r, world)  # change
-        full3 = {k: v.clone() for k, v in lay.full_state(ops).items()}
-        assert any(not torch.equal(full2[k], full3[k]) for k in full2)
-        lay.load_unique(*saved)  # restore
-        lay.gather_params(ops, "restore")
-        same(lay.full_state(ops), full2)
-        train_step(m, lay, ops, 3, r, world)  # the same step again: the same result
-        same(lay.full_state(ops), full3)
-        return saved, full2
-
-    results = ranks(first_run, world)
+    results = _on_ranks(kind, _first_run, world, addr, world)
     old = [saved for saved, _ in results]
     full2 = results[0][1]
-    same(results[1][1], full2)  # world-size free: every rank sees one state
+    _same(results[1][1], full2)  # world-size free: every rank sees one state
 
     for new_world in (1, 3):  # reshard onto another world size, on fresh models
-        prefix = f"re{next(_prefixes)}"
-
-        def resharded(r, new_world=new_world, prefix=prefix):
-            ops = group(r, new_world, prefix)
-            m, lay = build(kind, seed=100 + r)
-            lay.join(r, new_world)
-            lay.reshard(old)
-            full = lay.full_state(ops)
-            params = {n: p.detach().clone() for n, p in m.named_parameters()}
-            return full, params
-
-        for full, params in ranks(resharded, new_world):
-            same(full, full2)
-            same({f"model.{n}": p for n, p in params.items()},
-                 {k: v for k, v in full2.items() if k.startswith("model.")})
+        for full, params in _on_ranks(kind, _resharded, new_world, addr, new_world,
+                                      f"re{new_world}", old):
+            _same(full, full2)
+            _same({f"model.{n}": p for n, p in params.items()},
+                  {k: v for k, v in full2.items() if k.startswith("model.")})
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_unique_state_is_this_ranks_share_only(kind, group):
+def test_unique_state_is_this_ranks_share_only(kind, addr):
     """Each of 2 ranks holds half of the optimizer state, not a copy of all of it."""
-    def rank(r):
-        ops = group(r, 2, "u")
-        m, lay = build(kind, seed=0)
-        lay.join(r, 2)
-        lay.start_from_rank0(ops)
-        train_step(m, lay, ops, 1, r, 2)
-        return sum(t.numel() for k, t in lay.unique_tensors().items() if t.dim()), lay.numel
+    (a, n), (b, _) = _on_ranks(kind, _unique_share, 2, addr, 2)
+    state_per_param = 3  # master weights (or the parameters' shards), exp_avg, exp_avg_sq
+    assert a + b <= state_per_param * (n + 2)  # (padding to the world size)
+    assert a == b if LAYOUTS[kind].even_shards else 0 < min(a, b) <= max(a, b) < state_per_param * n
 
-    (a, n), (b, _) = ranks(rank, 2)
-    state_per_param = 3  # master weights, exp_avg, exp_avg_sq (AdamW)
-    assert a + b <= state_per_param * (n + 2) and a == b  # (padding to the world size)
+
+@pytest.mark.timeout(120)
+def test_fsdp2_refuses_ranks_that_built_different_initial_parameters(addr):
+    """FSDP2 cannot take rank 0's initial parameters (no rank holds another's shard of
+    them): ranks built apart are refused with the fix, not trained apart."""
+    with pytest.raises(RuntimeError, match="built different initial parameters"):
+        ranks_in_processes(_apart, 2, addr)
+
+
+def _apart(rank: int, addr: str) -> None:
+    _, lay, ops = _joined("fsdp2", rank, addr, rank, 2, "apart")
+    lay.start_from_rank0(ops)
