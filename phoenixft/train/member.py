@@ -102,6 +102,7 @@ class Member:
         self.builds = GroupBuilds(self.connect, self.interrupt, bind_host=cfg.local_addr,
                                   timeout_s=cfg.timeouts.collective_timeout_s)
         self._hooked = False  # the optimizer pre-step hook is registered with the layout
+        self._rebuilt = False  # the last join built the optimizer anew (`_prepare`)
         self.passes = 0  # microbatch passes not yet added to the store's counter
 
     def _job_id(self) -> str | None:
@@ -215,6 +216,7 @@ class Member:
         self.events.emit("joined", gen=self.generation, rank=self.rank,
                          world_size=self.world_size, step=state.step, source=source,
                          pid=os.getpid(), backend=self.ops.pg.name(), groups_early=early,
+                         rebuilt=self._rebuilt,
                          phases={k: round(v, 4) for k, v in phases.items()})
         return pending
 
@@ -298,7 +300,9 @@ class Member:
         if first and not self._hooked:  # the snapshot's copy before every optimizer step
             lay.on_optimizer_step(lambda: self.snap.wait_copied(committed=True))
             self._hooked = True
-        lay.join(self.rank, self.world_size)
+        # whether the optimizer (and, for a sharded model, its sharding) was built anew:
+        # a survivor of a same-size generation keeps its objects
+        self._rebuilt = lay.join(self.rank, self.world_size)
         # A fresh gradient buffer per generation: an abandoned all-reduce of the old
         # generation may still complete into the old one.
         max_m = max(state.m, state.m_for(self.world_size))

@@ -55,6 +55,9 @@ def _same_as(job, ref, *, rank: int, kind: str) -> None:
     survivors_kept_pids(job)
     spare = next(e["wid"] for e in job.of("joined") if e["gen"] == 1 and e["rank"] == rank)
     assert spare not in {e["wid"] for e in job.of("joined") if e["gen"] == 0}
+    # the survivors kept their sharded model and optimizer; only the spare built its own
+    assert {e["wid"]: e["rebuilt"] for e in job.of("joined") if e["gen"] == 1} == \
+        {e["wid"]: e["wid"] == spare for e in job.of("joined") if e["gen"] == 1}
     # no in-step recovery with FSDP2: a rank's gradients are reduced inside backward
     assert not job.of("in_step_recovery") and not job.of("computing_ahead")
 
