@@ -67,7 +67,7 @@ class Fsdp2Layout(StateLayout):
         self._numel = sum(p.numel() for p in params)
         # every rank must start from the same parameters (seed before building the model):
         # checked at a fresh start without gathering any of them
-        self._init_digest = state_digest({n: p.detach() for n, p in model.named_parameters()})
+        self._init_digest = _init_sample(model)
         self.group: SwapGroup | None = None
         self.mesh = None
         self.opt: torch.optim.Optimizer | None = None
@@ -166,6 +166,8 @@ class Fsdp2Layout(StateLayout):
             self.sched.step()
 
     def start_from_rank0(self, ops: GroupOps) -> None:
+        if self._init_digest is None:  # built on the meta device: initialised by the user
+            return
         h = int(self._init_digest[:15], 16)
         vec = ops.allreduce(torch.tensor([h, -h], dtype=torch.int64),
                             "comparing the initial parameters", op=torch.distributed.ReduceOp.MAX)
@@ -278,6 +280,17 @@ class Fsdp2Layout(StateLayout):
     @property
     def scheduler(self):
         return self.sched
+
+
+def _init_sample(model: nn.Module, n: int = 4096) -> str | None:
+    """A digest of the first `n` elements of every parameter: enough to tell ranks that
+    built different initial parameters apart, without hashing a large model whole at
+    set-up. None for a model on the meta device (torchtitan's way: its parameters are
+    initialised after sharding, by the user's parallelize)."""
+    params = dict(model.named_parameters())
+    if any(p.is_meta for p in params.values()):
+        return None
+    return state_digest({k: p.detach().reshape(-1)[:n] for k, p in params.items()})
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
