@@ -44,6 +44,12 @@ _FORWARDED = (
 )
 
 
+def _completed() -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(None)
+    return fut
+
+
 class _Done(dist.Work):
     """A collective of a dead generation: complete at once, its buffers untouched."""
 
@@ -57,9 +63,7 @@ class _Done(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(None)
-        return fut
+        return _completed()
 
     def synchronize(self) -> None:
         pass
@@ -93,9 +97,7 @@ class _Latched(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         self.wait()
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(None)
-        return fut
+        return _completed()
 
     def synchronize(self) -> None:
         self.wait()
