@@ -132,7 +132,11 @@ def _inspect(args) -> int:
     m = tier.read_manifest(s)
     print(json.dumps({k: v for k, v in m.items() if k != "model"}, indent=1))
     meta = m["model"]["meta"]
-    print(f"model: {len(meta['params'])} trainable tensors, {meta['numel']} parameters "
+    if m.get("dcp"):
+        print(f"in torch.distributed.checkpoint's format: {tier.url}/{m['dcp']} "
+              "(load it with dcp.load and HuggingFaceStorageReader)")
+    trained = len(meta["params"]) if "params" in meta else f"{meta.get('layout')} sharded"
+    print(f"model: {trained} trainable tensors, {meta['numel']} parameters "
           f"({meta['dtype']}), config: {'yes' if meta.get('config') else 'none'}, "
           f"untrained tensors: {m['model'].get('fixed')}")
     hdr, tensors = blob_tensors(tier.get(s, 0, m), s)

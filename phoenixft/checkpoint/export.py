@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from phoenixft.checkpoint.hf_dir import write_hf_dir
+from phoenixft.checkpoint.dcp_base import dcp_map
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
 from phoenixft.checkpoint.slots import blob_tensors
 from phoenixft.checkpoint.tiers import FsspecTier
@@ -20,6 +21,12 @@ def model_state(tier: FsspecTier, step: int) -> tuple[dict[str, torch.Tensor], d
     """The full model state dict of a committed step, and its manifest."""
     manifest = tier.read_manifest(step)
     meta = manifest["model"]["meta"]
+    if meta.get("layout") == "fsdp2":
+        state = sharded_params(tier, step, manifest)
+        state.update(read_fixed(tier, manifest))
+        for alias in meta.get("aliases", {}):
+            state.pop(alias, None)
+        return state, manifest
     shards = []
     for r in range(manifest["world_size"]):
         _, tensors = blob_tensors(tier.get(step, r, manifest), step, f"{tier.url} rank {r} step {step}")
@@ -36,6 +43,36 @@ def model_state(tier: FsspecTier, step: int) -> tuple[dict[str, torch.Tensor], d
     for alias in meta.get("aliases", {}):
         state.pop(alias, None)  # tied weights are saved once, as transformers does
     return state, manifest
+
+
+def sharded_params(tier: FsspecTier, step: int, manifest: dict) -> dict[str, torch.Tensor]:
+    """A sharded model's whole parameters from every rank's local shards, each put where
+    its snapshot says it lies (`dcp_base.dcp_map`: global size and offsets). Every
+    element must be covered exactly once, else the records do not make a whole model."""
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    written: set[tuple] = set()
+    names: set[str] = set()
+    for r in range(manifest["world_size"]):
+        hdr, tensors = blob_tensors(tier.get(step, r, manifest), step,
+                                    f"{tier.url} rank {r} step {step}")
+        placement = dcp_map(hdr) or {}
+        names.update(placement)
+        for name, (size, offsets) in placement.items():
+            local = tensors.get(f"p.{name}")  # (None: a replica another rank holds)
+            if local is None or local.numel() == 0 or (name, *offsets) in written:
+                continue
+            written.add((name, *offsets))
+            if name not in full:
+                full[name], covered[name] = local.new_zeros(size), 0
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))
+            full[name][index] = local
+            covered[name] += local.numel()
+    short = sorted(n for n in names if n not in full or covered[n] != full[n].numel())
+    if short:
+        raise IntegrityError(f"step {step} of {tier.url}: the ranks' shards do not cover "
+                             f"{len(short)} parameter(s) exactly once (first: {short[0]})")
+    return full
 
 
 def read_fixed(tier: FsspecTier, manifest: dict) -> dict[str, torch.Tensor]:

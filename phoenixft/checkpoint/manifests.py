@@ -95,13 +95,13 @@ def records_missing(tier: FsspecTier, manifest: dict) -> str | None:
     is read): the launcher names the step the workers will restore, and they verify every
     checksum on top (a flipped byte is only found there, and named in the event log)."""
     for r in manifest["records"]:
-        path = tier.record_path(r["step"], r["rank"], r["kind"])
+        path = tier.locate(r["step"], r["rank"], r["kind"])
         try:
             size = tier.fs.info(path)["size"]
         except FileNotFoundError:
             return f"{tier._url_of(path)}: missing"
         if r.get("nbytes") and size != r["nbytes"]:
             return f"{tier._url_of(path)}: {size} bytes, committed with {r['nbytes']} (truncated?)"
-        if r["kind"] == "delta" and not tier.fs.exists(tier.record_path(r["base_step"], r["rank"], "base")):
+        if r["kind"] == "delta" and not tier.fs.exists(tier.locate(r["base_step"], r["rank"], "base")):
             return f"{tier._url_of(path)}: its base (step {r['base_step']}) is missing"
     return None

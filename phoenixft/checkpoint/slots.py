@@ -278,6 +278,11 @@ def verify_blob(blob, step: int, where: str = "snapshot blob") -> dict:
     return _verify(np.frombuffer(blob, dtype=np.uint8), step, where)
 
 
+def blob_header(blob, where: str = "snapshot blob") -> dict:
+    """The header of a slot's bytes, unverified (its data are not hashed)."""
+    return _header(np.frombuffer(blob, dtype=np.uint8), where)
+
+
 def blob_tensors(blob, step: int, where: str = "snapshot blob") -> tuple[dict, dict[str, torch.Tensor]]:
     """The verified header and the tensors (copies) of a slot's bytes held elsewhere."""
     hdr = verify_blob(blob, step, where)

@@ -8,7 +8,9 @@ A snapshot travels as a *blob*: its slot bytes (header JSON + aligned tensor byt
 - `FsspecTier(url)`, persistent storage through fsspec: a local directory or
   ``s3://bucket/prefix`` (s3fs). It stores *base* records (the whole blob,
   zstd-compressed when a sample of it shrinks by 15% or more, raw otherwise) and *delta*
-  records against a base (`delta.py`), and the manifests that commit a step.
+  records against a base (`delta.py`), and the manifests that commit a step. A sharded
+  model's bases are written in torch.distributed.checkpoint's format instead
+  (`dcp_base.py`: one safetensors file per rank in the step's directory).
 
 Guarantees of every tier: `get` returns only bytes whose checksum matches what `put`
 stored, else raises `IntegrityError` naming the file or key (a torn write, a flipped
@@ -31,9 +33,10 @@ from typing import Protocol
 import numpy as np
 import zstandard
 
+from phoenixft.checkpoint import dcp_base
 from phoenixft.checkpoint.delta import CHUNK, apply_delta, encode_delta
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
-from phoenixft.checkpoint.slots import HEADER_BYTES, SlotFile, SlotKind, slot_path
+from phoenixft.checkpoint.slots import HEADER_BYTES, SlotFile, SlotKind, blob_header, slot_path
 
 SAMPLE_BYTES = 1 << 20  # a base's codec is chosen from this many bytes of its tensors
 MIN_SAVING = 0.15  # compress a base only if the sample shrinks by at least this much
@@ -47,6 +50,7 @@ class RecordInfo:
     checksum: str  # of the whole blob the record restores
     nbytes: int  # bytes stored
     base_step: int | None = None  # a delta's base
+    codec: str | None = None  # a base's: "zstd", "raw", or "dcp" (dcp_base.py)
 
 
 class Tier(Protocol):
@@ -114,6 +118,7 @@ class ShmTier:
 _RECORD = b"PHXREC1\0"
 _LEN = struct.Struct("<Q")
 _NAME = re.compile(r"s(\d+)\.(base|delta)$")
+_DCP_NAME = re.compile(r"s(\d+)/r(\d+)\.safetensors$")
 
 
 class FsspecTier:
@@ -121,6 +126,7 @@ class FsspecTier:
 
     Layout: ``r{rank}/s{step:010d}.{base|delta}`` (a JSON header, then the blob, raw or
     zstd-compressed as its header's ``codec`` says, or the delta),
+    ``dcp/s{step:010d}/r{rank:05d}.safetensors`` (a base in DCP's format, `dcp_base.py`),
     ``manifests/{step:010d}.json``."""
 
     name = "persistent"
@@ -184,6 +190,21 @@ class FsspecTier:
     def record_path(self, step: int, rank: int, kind: str) -> str:
         return self._path(f"r{rank}", f"s{step:010d}.{kind}")
 
+    def dcp_dir(self, step: int) -> str:
+        return self._path("dcp", f"s{step:010d}")
+
+    def dcp_path(self, step: int, rank: int) -> str:
+        return f"{self.dcp_dir(step)}/r{rank:05d}.safetensors"
+
+    def locate(self, step: int, rank: int, kind: str) -> str:
+        """Where (step, rank)'s record of `kind` is: a base in DCP's format when there is
+        one, else the record file (which may not exist)."""
+        if kind == "base":
+            dcp = self.dcp_path(step, rank)
+            if self.fs.exists(dcp):
+                return dcp
+        return self.record_path(step, rank, kind)
+
     def put(self, step: int, rank: int, blob, *, base: tuple[int, bytes] | None = None,
             chunk: int = CHUNK, base_hashes=None, base_checksum: str | None = None
             ) -> RecordInfo:
@@ -200,6 +221,11 @@ class FsspecTier:
                     "base_checksum": base_checksum or checksum(base[1])}
         else:
             kind = "base"
+            hdr = blob_header(blob)
+            if dcp_base.dcp_map(hdr) is not None:  # a sharded model: DCP's format
+                data = dcp_base.encode(blob, hdr, step, rank, full)
+                self.write_atomic(self.dcp_path(step, rank), data)
+                return RecordInfo(step, rank, kind, full, len(data), codec="dcp")
             codec = self._base_codec(blob)
             meta = {"codec": codec}
             payload = (zstandard.ZstdCompressor(level=self.level).compress(blob)
@@ -208,7 +234,8 @@ class FsspecTier:
                              "checksum": full, "payload_checksum": checksum(payload), **meta}).encode()
         data = _RECORD + _LEN.pack(len(header)) + header + payload
         self.write_atomic(self.record_path(step, rank, kind), data)
-        return RecordInfo(step, rank, kind, full, len(data), meta.get("base_step"))
+        return RecordInfo(step, rank, kind, full, len(data), meta.get("base_step"),
+                          meta.get("codec"))
 
     def _base_codec(self, blob: memoryview) -> str:
         """zstd, or raw when a sample of the tensor bytes shrinks by less than
@@ -263,13 +290,15 @@ class FsspecTier:
         """The first of `kinds` stored for (step, rank), restored and verified: (blob, its
         path, the blob's checksum as its header records it)."""
         for kind in kinds:
-            path = self.record_path(step, rank, kind)
+            path = self.locate(step, rank, kind)
             if self.fs.exists(path):
                 break
         else:
             names = " or ".join(f"s{step:010d}.{k}" for k in kinds)
             raise MissingRecord(f"{self._url_of(self._path(f'r{rank}'))}/{names}: missing "
                                 f"(no record of step {step}, rank {rank})")
+        if path.endswith(".safetensors"):
+            return self._read_dcp(path, step, rank)
         header, payload = self._read_record(path)
         if header["kind"] == "base":  # (records from before the codec field: zstd)
             codec = header.get("codec", "zstd")
@@ -291,8 +320,22 @@ class FsspecTier:
             raise IntegrityError(f"{self._url_of(path)}: restored blob fails its checksum")
         return blob, path, header["checksum"]
 
+    def _read_dcp(self, path: str, step: int, rank: int) -> tuple[bytes, str, str]:
+        where = self._url_of(path)
+        info, blob = dcp_base.decode(self.read(path), where)
+        if (info["step"], info["rank"]) != (step, rank):
+            raise IntegrityError(f"{where}: holds step {info['step']} of rank {info['rank']} "
+                                 f"(renamed?)")
+        if len(blob) != info["blob_nbytes"] or checksum(blob) != info["checksum"]:
+            raise IntegrityError(f"{where}: restored blob fails its checksum (a damaged shard)")
+        return blob, path, info["checksum"]
+
     def list(self) -> list[RecordInfo]:
         out = []
+        for path in self.fs.glob(self._path("dcp", "s*", "r*.safetensors")):
+            m = _DCP_NAME.search(path)
+            if m:
+                out.append(RecordInfo(int(m.group(1)), int(m.group(2)), "base", "", 0))
         for rank_dir in self.fs.glob(self._path("r*")):
             rank = int(rank_dir.rstrip("/").rsplit("/r", 1)[1])
             for path in self.fs.ls(rank_dir, detail=False):
@@ -306,6 +349,20 @@ class FsspecTier:
             path = self.record_path(step, rank, kind)
             if self.fs.exists(path):
                 self.fs.rm(path)
+        path = self.dcp_path(step, rank)
+        if self.fs.exists(path):
+            self.fs.rm(path)
+            left = self.fs.glob(f"{self.dcp_dir(step)}/*.safetensors")
+            if not left and self.fs.exists(self.dcp_dir(step)):
+                self.fs.rm(self.dcp_dir(step), recursive=True)  # (its COMMITTED mark too)
+
+    def mark_dcp_committed(self, step: int, manifest: dict) -> str:
+        """Say in a step's DCP directory that it is a whole checkpoint (every rank's base
+        is there, and the step is committed); returns the directory's URL."""
+        self.write_atomic(f"{self.dcp_dir(step)}/{dcp_base.COMMITTED}",
+                          json.dumps({"step": step, "job_id": manifest["job_id"],
+                                      "world_size": manifest["world_size"]}).encode())
+        return self._url_of(self.dcp_dir(step))
 
     # -- manifests ----------------------------------------------------------------------
     def manifest_path(self, step: int) -> str:

@@ -76,6 +76,7 @@ class Fsdp2Layout(StateLayout):
         self._fsdp_params: list = []
         self._before_reduce_scatter = before_reduce_scatter
         self._grad_scale: float | None = None  # W/M when M != W (see `bind`)
+        self._placement: dict[str, list] = {}  # see `_placement`
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -102,6 +103,7 @@ class Fsdp2Layout(StateLayout):
         self.mesh = DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=MESH_DIMS)
         self.parallelize(self.model, self.mesh)
         self._fsdp_params = _fsdp_params(self.model)
+        self._placement = _placement(self.model)
         if not self._fsdp_params:
             raise RuntimeError("parallelize(model, mesh) sharded nothing: call fully_shard on "
                                "the model's blocks and its root with the mesh it is given")
@@ -195,7 +197,8 @@ class Fsdp2Layout(StateLayout):
         scalars = {name: {k: v for k, v in self.opt.state.get(p, {}).items()
                           if not torch.is_tensor(v)}
                    for name, p in self.model.named_parameters()}
-        meta = {"param_groups": groups, "opt_scalars": scalars, "layout": "fsdp2"}
+        meta = {"param_groups": groups, "opt_scalars": scalars, "layout": "fsdp2",
+                "dcp": self._placement}
         if self.sched is not None:
             meta["scheduler"] = self.sched.state_dict()
         return meta
@@ -232,22 +235,27 @@ class Fsdp2Layout(StateLayout):
         pass  # FSDP2 all-gathers in the next forward
 
     def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
-        """A fresh FSDP2 model of another world size (a job resumed onto another mesh)
-        from every old rank's shards: FSDP2 cuts dim 0 of each tensor into `world`
-        `torch.chunk` pieces (empty ones at the end when there are too few rows), so the
-        old pieces concatenated are the whole tensor, and this rank's new piece is cut
-        the same way."""
+        """This rank's shards on a new mesh (a job resumed onto another shape) from every
+        old rank's: each old shard is put where its snapshot says it lay in the whole
+        (`_placement`, the same map a base in DCP's format carries), and this rank takes
+        the piece its own placement names. One whole tensor at a time is built."""
+        names = {k for tensors, _ in old for k in tensors if k.startswith(("p.", "o."))}
+        params = dict(self.model.named_parameters())
         mine = {}
-        for name, t0 in old[0][0].items():
-            if not name.startswith(("p.", "o.")):
-                continue  # rank-local state (RNG, tracked objects) does not reshard
-            if t0.dim() == 0:
-                mine[name] = t0
+        for key in sorted(names):
+            name = key[2:] if key.startswith("p.") else key[2:].rpartition(".")[0]
+            held = [(tensors[key], meta["dcp"][name]) for tensors, meta in old if key in tensors]
+            first = held[0][0]
+            if first.dim() == 0:
+                mine[key] = first  # a scalar every rank holds alike (Adam's step)
                 continue
-            full = torch.cat([tensors[name] for tensors, _ in old])
-            pieces = torch.chunk(full, self.world_size, dim=0)
-            mine[name] = (pieces[self.rank] if self.rank < len(pieces)
-                          else full.new_empty((0, *full.shape[1:])))
+            size, _ = held[0][1]
+            whole = first.new_zeros(size)
+            for t, (_, offsets) in held:
+                whole[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+            _, offsets = self._placement[name]
+            shape = _local(params[name]).shape
+            mine[key] = whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].clone()
         self.load_unique(mine, old[0][1])
 
     @property
@@ -291,6 +299,22 @@ def _init_sample(model: nn.Module, n: int = 4096) -> str | None:
     if any(p.is_meta for p in params.values()):
         return None
     return state_digest({k: p.detach().reshape(-1)[:n] for k, p in params.items()})
+
+
+def _placement(model: nn.Module) -> dict[str, list]:
+    """Where each parameter's local shard lies in the whole: name -> [global size, offsets]
+    (what a base in DCP's format says of it, `checkpoint/dcp_base.py`)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            out[name] = [list(p.shape), list(offsets)]
+        else:
+            out[name] = [list(p.shape), [0] * p.dim()]
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,11 @@ class RankState:
         seen: dict[int, str] = {}
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
+            t = getattr(t, "_local_tensor", t)  # (a DTensor's own data_ptr is 0: its shard's)
             ptr = t.data_ptr()
-            if ptr in seen and t.numel():
+            if not t.numel():
+                continue  # (an empty shard has no storage to share)
+            if ptr in seen:
                 out[name] = seen[ptr]
             seen.setdefault(ptr, name)
         return out

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from phoenixft.checkpoint.tiers import FsspecTier
 from tests.integration.test_hotswap import survivors_kept_pids
@@ -133,10 +134,11 @@ def test_fsdp2_whole_job_killed_then_resumed_on_the_same_and_another_world_size(
     *_, before, newest = tier.manifests()
     assert 0 <= before < newest < 6
     shutil.copytree(ckpt, tmp_path / "ckpt2")
+    _plain_dcp_loads_the_base(tmp_path, tier)
     # rank 2's shard of the newest persisted step damaged: named, passed over, the step
     # before serves (the reference digest still holds: training is deterministic)
     rec = next(r for r in tier.read_manifest(newest)["records"] if r["rank"] == 2)
-    path = Path(tier.record_path(newest, 2, rec["kind"]))
+    path = Path(tier.locate(newest, 2, rec["kind"]))
     data = bytearray(path.read_bytes())
     data[-9] ^= 0x40
     path.write_bytes(bytes(data))
@@ -156,6 +158,37 @@ def test_fsdp2_whole_job_killed_then_resumed_on_the_same_and_another_world_size(
     assert len(other.summary["losses"]) == STEPS - newest
     for x, y in zip(other.summary["losses"], ref["losses"][newest:]):
         assert abs(x - y) <= 1e-4 * abs(y), (x, y)
+
+
+def _plain_dcp_loads_the_base(tmp_path: Path, tier: FsspecTier) -> None:
+    """The newest base (4 ranks' shards, in DCP's format) loaded by plain
+    torch.distributed.checkpoint under plain torchrun on 2 ranks, into transformers' Llama
+    sharded with FSDP2 (tests/integration/scripts/dcp_load.py imports nothing of
+    phoenixft), equals `phoenixft ckpt export` of the same step (phoenixft's own reader)."""
+    from safetensors.torch import load_file
+
+    step = max(s for s in tier.manifests() if tier.read_manifest(s).get("dcp"))
+    where = Path(tier.url) / tier.read_manifest(step)["dcp"]
+    assert (where / "COMMITTED").exists() and len(list(where.glob("*.safetensors"))) == 4
+    exported = tmp_path / "export"
+    subprocess.run([sys.executable, "-m", "phoenixft.cli", "ckpt", "export", tier.url,
+                    "--step", str(step), "--to", str(exported)], check=True, timeout=120)
+    out = tmp_path / "loaded.safetensors"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHOENIXFT_")}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(ROOT / "tests/integration/scripts/dcp_load.py"),
+                          str(exported / "config.json"), str(where), str(out)],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        log, _ = p.communicate(timeout=180)
+    finally:
+        kill_tree(p.pid)
+    assert p.returncode == 0, log[-3000:]
+    loaded, ours = load_file(out), load_file(exported / "model.safetensors")
+    assert sorted(loaded) == sorted(ours)
+    for k in ours:
+        assert torch.equal(loaded[k], ours[k]), k
 
 
 @pytest.mark.timeout(300)

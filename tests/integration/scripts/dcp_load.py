@@ -1,0 +1,46 @@
+"""Load a phoenixft base with plain torch.distributed.checkpoint, under plain torchrun,
+into the same model built without phoenixft (transformers' Llama from the job's config),
+sharded with FSDP2 over this run's ranks; rank 0 writes the loaded parameters, whole, to
+a safetensors file. Nothing of phoenixft is imported here.
+
+    torchrun --nproc-per-node N dcp_load.py CONFIG_JSON DCP_DIR OUT_SAFETENSORS
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def main() -> None:
+    config_path, ckpt, out = sys.argv[1:4]
+    assert "phoenixft" not in sys.modules
+    dist.init_process_group("gloo")
+    with open(config_path) as f:
+        model = LlamaForCausalLM(LlamaConfig(**json.load(f)))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = model.state_dict()
+    with torch.no_grad():  # every value must come from the checkpoint
+        for t in state.values():
+            getattr(t, "_local_tensor", t).fill_(float("nan"))
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(ckpt))
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().contiguous()
+            for k, v in state.items()}
+    if dist.get_rank() == 0:
+        save_file(full, out)
+    assert "phoenixft" not in sys.modules
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
