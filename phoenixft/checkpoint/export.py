@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from phoenixft.checkpoint.hf_dir import write_hf_dir
 from phoenixft.checkpoint.dcp_base import dcp_map
+from phoenixft.checkpoint.hf_dir import write_hf_dir
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
 from phoenixft.checkpoint.slots import blob_tensors
 from phoenixft.checkpoint.tiers import FsspecTier
