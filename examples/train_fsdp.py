@@ -1,15 +1,19 @@
 """Train a small Llama-style model sharded with FSDP2, under phoenixft or plain torchrun.
 
     phoenixft run --nproc 4 --spares 1 examples/train_fsdp.py --steps 50
+    phoenixft run --nproc 4 --spares 1 examples/train_fsdp.py --tp 2   # (2, 2) mesh
     torchrun --nproc-per-node 4 examples/train_fsdp.py --steps 50      # no phoenixft
 
-The model is sharded the way torchtitan does it: `parallelize(model, mesh)` calls
-`fully_shard` on every decoder block, then on the root. Under phoenixft the session gives
-the mesh (its dimension "dp_shard" spans the job's ranks) and owns the loop's failures:
+The model is sharded the way torchtitan does it: `parallelize(model, mesh)` applies
+tensor parallelism to each block's MLP over mesh["tp"] when --tp > 1 (gate and up
+projections column-wise, the down projection row-wise), then calls `fully_shard` on every
+decoder block over mesh["dp_shard"], then on the root. Under phoenixft the session gives
+the mesh (("dp_shard",) over the job's ranks, or ("dp_shard", "tp") with groups of --tp
+consecutive ranks) and owns the loop's failures:
 a dead rank's spare takes its shards from a snapshot, the survivors keep their model and
 optimizer objects, and training goes on. Under plain torchrun the same functions run
 with torch's own process group and a mesh of its own, as the independent reference:
-both print the same per-step losses, bit for bit (one microbatch per rank and step).
+both print the same per-step losses, bit for bit (one microbatch per data-parallel rank and step).
 
 A microbatch's data is a pure function of its id (step, j), so a replacement computes
 exactly the data the dead rank would have.
@@ -22,6 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
 
 from phoenixft.models.llama import EOS_ID, LlamaForCausalLM, preset
 from phoenixft.train.data import MicrobatchWindows, stdlib_corpus
@@ -30,12 +36,22 @@ BATCH = {"tiny": 4, "small": 8, "ref": 8}
 
 
 def parallelize(model: LlamaForCausalLM, mesh, bf16: bool = False) -> None:
-    """FSDP2 over `mesh` ("dp_shard"): each decoder block is a unit, the root the last."""
+    """Tensor parallelism over mesh["tp"] when the mesh has it, then FSDP2 over
+    mesh["dp_shard"]: each decoder block is a unit, the root the last."""
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if bf16 else MixedPrecisionPolicy())
+    names = mesh.mesh_dim_names
+    dp = mesh["dp_shard"] if len(names) > 1 else mesh
     for block in model.model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        if "tp" in names:
+            # src_data_rank=None: every rank built the same weights (seeded), so each
+            # takes its shard locally (a spare parallelizes alone, when it takes its rank)
+            parallelize_module(block.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(),
+                                                       "up_proj": ColwiseParallel(),
+                                                       "down_proj": RowwiseParallel()},
+                               src_data_rank=None)
+        fully_shard(block, mesh=dp, mp_policy=mp)
+    fully_shard(model, mesh=dp, mp_policy=mp)
 
 
 def device_of(args) -> torch.device:
@@ -71,7 +87,7 @@ def under_phoenixft(args) -> None:
     import phoenixft
     sess = phoenixft.Session()
     model, windows = build(args)
-    sess.setup(model, optimizer(args), microbatches=args.microbatches,
+    sess.setup(model, optimizer(args), microbatches=args.microbatches, tp=args.tp,
                parallelize=lambda m, mesh: parallelize(m, mesh, args.bf16))
     for step in sess.steps(args.steps):
         for j in step.microbatches():
@@ -79,27 +95,34 @@ def under_phoenixft(args) -> None:
 
 
 def under_torchrun(args) -> None:
-    """The plain FSDP2 loop phoenixft is compared with: one microbatch per rank and step
-    (microbatch j = the rank), FSDP2's own gradient average, AdamW on the DTensors."""
+    """The plain FSDP2 loop phoenixft is compared with: one microbatch per data-parallel
+    rank and step (microbatch j = the rank's dp coordinate), FSDP2's own gradient average,
+    AdamW on the DTensors."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, windows = build(args)
-    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp_shard",))
+    mesh = (init_device_mesh(args.device, (world,), mesh_dim_names=("dp_shard",))
+            if args.tp == 1 else
+            init_device_mesh(args.device, (world // args.tp, args.tp),
+                             mesh_dim_names=("dp_shard", "tp")))
     parallelize(model, mesh, args.bf16)
+    dp_rank, tp_rank = divmod(rank, args.tp)
     opt = optimizer(args)([p for p in model.parameters() if p.requires_grad])
     losses = []
     for index in range(1, args.steps + 1):
-        loss = loss_of(model, windows, index, rank)
+        loss = loss_of(model, windows, index, dp_rank)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        # the step's mean loss as phoenixft reports it: each rank's loss summed over the
-        # ranks in the float32 buffer of the step's all-reduce
+        # the step's mean loss as phoenixft reports it: each dp rank's loss summed over
+        # the ranks in the float32 buffer of the step's all-reduce (a tp group counts once)
         total = loss.detach().double().float().reshape(1)  # (on the loss's device)
+        if tp_rank:
+            total.zero_()
         dist.all_reduce(total)
-        losses.append(float(total) / world)
+        losses.append(float(total) / (world // args.tp))
     state = {}
     for name, p in model.named_parameters():  # the final state, as phoenixft digests it
         state[f"model.{name}"] = p.full_tensor().detach()
@@ -120,6 +143,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel degree: a (ranks/tp, tp) mesh, the MLPs split over tp")
     ap.add_argument("--microbatches", type=int, default=None,
                     help="under phoenixft: microbatches per step over all ranks (default one "
                          "per rank); keep it when resuming onto another number of ranks")

@@ -120,6 +120,9 @@ class SwapGroup(dist.ProcessGroup):
         # called before each gradient reduce-scatter is issued (fault injection's
         # phase=backward); None: nothing
         self.before_reduce_scatter: Callable[[], None] | None = None
+        # the other groups of the same mesh: a failure latched in one is latched in all
+        # (the generation is over for every collective of the step)
+        self.siblings: list[SwapGroup] = []
 
     # -- identity (what c10d, DeviceMesh and FSDP2 ask) ---------------------------------
     def rank(self) -> int:
@@ -165,14 +168,12 @@ class SwapGroup(dist.ProcessGroup):
         front._register_backend(device, kind, ops.pg)
         self.inner, self.ops, self.generation, self.failure = front, ops, generation, None
 
-    def abandon(self, reason: CommFailure) -> None:
-        """The generation is over (a failure elsewhere, or a new plan): no collective of
-        it waits any more."""
-        self.latch(reason)
-
     def latch(self, exc: CommFailure) -> None:
-        if self.failure is None:
-            self.failure = exc
+        """The generation is over (a failed collective, a failure elsewhere, a new plan):
+        no collective of it, in this group or its siblings, waits any more."""
+        for g in (self, *self.siblings):
+            if g.failure is None:
+                g.failure = exc
 
     def live(self, generation: int) -> bool:
         return self.failure is None and generation == self.generation
@@ -183,7 +184,12 @@ def _forwarder(method: str):
 
     def forward(self: SwapGroup, *args, **kwargs):
         if self.inner is None:
-            raise CommFailure(f"{self._name}.{method}: no generation joined yet")
+            raise RuntimeError(
+                f"{method} on the mesh's {self._name.removeprefix('phoenixft_')} group while "
+                "the model is being parallelized: parallelize(model, mesh) must not "
+                "communicate (a spare runs it alone, when it takes its rank). Every rank "
+                "builds the same initial weights, so pass src_data_rank=None to "
+                "parallelize_module / distribute_tensor")
         if self.failure is not None:
             return _Done()
         if scatter and self.before_reduce_scatter is not None:
@@ -197,6 +203,20 @@ def _forwarder(method: str):
 
 for _method in _FORWARDED:
     setattr(SwapGroup, _method, _forwarder(_method))
+
+
+def sub_group(dim: str, ranks: list[int], rank: int) -> SwapGroup:
+    """A `SwapGroup` over `ranks` (global ranks, in group-rank order) for mesh dimension
+    `dim`, of which global rank `rank` is a member, registered with c10d as a group of
+    the world (DeviceMesh, DTensor's functional collectives and `get_process_group_ranks`
+    find it by name, as they find a `new_group`'s)."""
+    from torch.distributed.distributed_c10d import _register_pg_in_world
+
+    pg = SwapGroup(ranks.index(rank), len(ranks), name=f"phoenixft_{dim}")
+    _register_pg_in_world(pg, backend_name=BACKEND, store=dist.HashStore(),
+                          group_name=pg.group_name, backend_config=BACKEND,
+                          rank_mapping={g: i for i, g in enumerate(ranks)})
+    return pg
 
 
 def init_world(rank: int, size: int) -> SwapGroup:

@@ -39,22 +39,25 @@ import torch
 from torch import nn
 
 from phoenixft.comm.collectives import CommFailure, GroupOps
-from phoenixft.comm.swap_group import SwapGroup, init_world
+from phoenixft.comm.swap_group import SwapGroup, init_world, sub_group
+from phoenixft.train import quota
 from phoenixft.train.digest import state_digest
 from phoenixft.train.layout import StateLayout
 from phoenixft.train.zero import SchedulerFactory
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Parallelize = Callable[[nn.Module, object], object]  # (model, DeviceMesh) -> anything
-MESH_DIMS = ("dp_shard",)
+MESH_DIMS = ("dp_shard", "tp")
 
 
 class Fsdp2Layout(StateLayout):
     local_gradients = False
 
     def __init__(self, model: nn.Module, factory: OptimizerFactory, parallelize: Parallelize,
-                 scheduler: SchedulerFactory | None = None, *,
+                 scheduler: SchedulerFactory | None = None, *, tp: int = 1,
                  before_reduce_scatter: Callable[[], None] | None = None) -> None:
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
@@ -62,14 +65,18 @@ class Fsdp2Layout(StateLayout):
         if len(dtypes) > 1:
             raise ValueError(f"trainable parameters of one dtype expected, got {sorted(map(str, dtypes))}")
         self.model, self.factory, self.parallelize = model, factory, parallelize
+        self.tp = tp
         self.scheduler_factory = scheduler
         self.device, self.master_dtype = params[0].device, params[0].dtype
         self._numel = sum(p.numel() for p in params)
         # every rank must start from the same parameters (seed before building the model):
         # checked at a fresh start without gathering any of them
         self._init_digest = _init_sample(model)
-        self.group: SwapGroup | None = None
+        self.group: SwapGroup | None = None  # the world's (torch.distributed's default group)
+        self.dims: dict[str, SwapGroup] = {}  # with tp > 1: the mesh's dimensions' groups
         self.mesh = None
+        self._tp_ops: GroupOps | None = None
+        self._replicated: set[str] = set()  # parameters the tp dimension replicates
         self.opt: torch.optim.Optimizer | None = None
         self.sched = None
         self._hooks: list[Callable[[], None]] = []
@@ -97,33 +104,88 @@ class Fsdp2Layout(StateLayout):
                     f"rank {rank} of {world_size}. Changing the world size of an FSDP2 job "
                     "(--min-nproc, --respawn) is not supported yet: give it spares instead")
             return False
-        from torch.distributed.device_mesh import DeviceMesh
+        if world_size % self.tp:
+            raise ValueError(f"{world_size} ranks cannot form tensor-parallel groups of "
+                             f"tp={self.tp}: run a multiple of {self.tp} ranks")
         self.group = init_world(rank, world_size)
-        self.group.before_reduce_scatter = self._before_reduce_scatter
-        self.mesh = DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=MESH_DIMS)
+        self.mesh = self._make_mesh(rank, world_size)
+        for g in self._all_groups():
+            g.siblings = [x for x in self._all_groups() if x is not g]
         self.parallelize(self.model, self.mesh)
         self._fsdp_params = _fsdp_params(self.model)
-        self._placement = _placement(self.model)
         if not self._fsdp_params:
             raise RuntimeError("parallelize(model, mesh) sharded nothing: call fully_shard on "
                                "the model's blocks and its root with the mesh it is given")
+        self._placement = _placement(self.model)
+        if self.tp > 1:  # FSDP2 over dp_shard alone: the tp dimension holds copies of them
+            self._replicated = {n for n, p in self.model.named_parameters()
+                                if "tp" not in (getattr(p, "device_mesh", None) and
+                                                p.device_mesh.mesh_dim_names or ())}
         self.opt = self.factory([p for p in self.model.parameters() if p.requires_grad])
         for hook in self._hooks:
             self.opt.register_step_pre_hook(lambda *_, h=hook: h())
         self.sched = self.scheduler_factory(self.opt) if self.scheduler_factory else None
         return True
 
-    def bind(self, ops: GroupOps, generation: int, microbatches: int) -> None:
+    def _make_mesh(self, rank: int, world_size: int):
+        """The DeviceMesh over SwapGroups: ("dp_shard",) of the world's group, or with
+        tp > 1 ("dp_shard", "tp") of one SwapGroup per dimension (the ranks of a tp group
+        are consecutive, as torchtitan lays them out)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        dev = self.device.type
+        scatter = self._before_reduce_scatter
+        if self.tp == 1:
+            self.group.before_reduce_scatter = scatter
+            return DeviceMesh.from_group(self.group, dev, mesh_dim_names=MESH_DIMS[:1])
+        grid = torch.arange(world_size).view(world_size // self.tp, self.tp)
+        d, t = divmod(rank, self.tp)
+        self.dims = {"dp_shard": sub_group("dp_shard", grid[:, t].tolist(), rank),
+                     "tp": sub_group("tp", grid[d].tolist(), rank)}
+        self.dims["dp_shard"].before_reduce_scatter = scatter
+        return DeviceMesh.from_group(list(self.dims.values()), dev, mesh=grid,
+                                     mesh_dim_names=MESH_DIMS)
+
+    def _all_groups(self) -> list[SwapGroup]:
+        return [self.group, *self.dims.values()] if self.group is not None else []
+
+    def mesh_groups(self, rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+        if self.tp == 1:
+            return {}
+        d, t = divmod(rank, self.tp)
+        return {f"dp_shard.{t}": (d, world_size // self.tp), f"tp.{d}": (t, self.tp)}
+
+    def data_ranks(self, world_size: int) -> int:
+        return max(1, world_size // self.tp)
+
+    def plan(self, m: int, world_size: int) -> list[list[int]]:
+        """A tp group's ranks compute the same microbatches (the dp plan, repeated)."""
+        dp = quota.plan(m, self.data_ranks(world_size))
+        return [dp[r // self.tp] for r in range(world_size)]
+
+    def contributes(self) -> bool:
+        return self.group is None or self.group.rank() % self.tp == 0
+
+    def bind(self, ops: GroupOps, generation: int, microbatches: int,
+             groups: dict[str, GroupOps]) -> None:
         self.group.swap(ops, generation)
-        # FSDP2 averages each reduce-scatter over the W ranks and sums the M/W microbatches
-        # each rank runs: (1/W) of the sum; the mean over M is W/M of it (FSDP2's own
-        # divide factor would need PREMUL_SUM, which gloo lacks). M == W: FSDP2's own
-        # average, bit for bit that of a plain FSDP2 script.
-        w = self.group.size()
-        self._grad_scale = None if microbatches == w else w / microbatches
+        for name, dim_ops in groups.items():
+            self.dims[name.split(".")[0]].swap(dim_ops, generation)
+        self._tp_ops = groups.get(next((n for n in groups if n.startswith("tp.")), ""), None)
+        # FSDP2 averages each reduce-scatter over the D data-parallel ranks and sums the
+        # M/D microbatches each runs: (1/D) of the sum; the mean over M is D/M of it
+        # (FSDP2's own divide factor would need PREMUL_SUM, which gloo lacks). M == D:
+        # FSDP2's own average, bit for bit that of a plain FSDP2 script.
+        d = self.data_ranks(self.group.size())
+        if microbatches % d:
+            raise ValueError(
+                f"{microbatches} microbatches a step cannot be shared evenly by {d} "
+                f"data-parallel ranks: FSDP2's collectives need every rank to run as many "
+                f"forward and backward passes as the others. Choose microbatches= a multiple "
+                f"of {d} (and, to resume onto other shapes, of their data-parallel sizes too)")
+        self._grad_scale = None if microbatches == d else d / microbatches
 
     def failure(self) -> CommFailure | None:
-        return self.group.failure if self.group is not None else None
+        return next((g.failure for g in self._all_groups() if g.failure is not None), None)
 
     def on_optimizer_step(self, hook: Callable[[], None]) -> None:
         self._hooks.append(hook)
@@ -137,7 +199,7 @@ class Fsdp2Layout(StateLayout):
         which it misses in torch 2.13 and which a redone step would add to)."""
         if self.group is None:
             return
-        self.group.abandon(CommFailure("the generation was left"))
+        self.group.latch(CommFailure("the generation was left"))  # (and its siblings)
         self.model.reset_iter_state()
         for fp in self._fsdp_params:
             unsharded = getattr(fp, "_unsharded_param", None)
@@ -183,9 +245,16 @@ class Fsdp2Layout(StateLayout):
                                       "weights before setup()")
 
     # -- snapshots, restores, resharding -----------------------------------------------
+    def _holds_copy(self, name: str) -> bool:
+        """Whether parameter `name` is a copy this rank holds of its tp group's first
+        rank's (a parameter the tp dimension replicates, on a rank other than the first)."""
+        return name in self._replicated and self.group.rank() % self.tp != 0
+
     def unique_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for name, p in self.model.named_parameters():
+            if self._holds_copy(name):
+                continue  # its tp group's first rank snapshots it (see gather_params)
             out[f"p.{name}"] = _local(p)
             for k, v in self.opt.state.get(p, {}).items():
                 if torch.is_tensor(v):
@@ -197,16 +266,25 @@ class Fsdp2Layout(StateLayout):
         scalars = {name: {k: v for k, v in self.opt.state.get(p, {}).items()
                           if not torch.is_tensor(v)}
                    for name, p in self.model.named_parameters()}
+        # each tensor's kind of optimizer state (a rank that holds a copy gets them from
+        # its tp group's first rank: it must know what to receive)
+        kinds = {name: {k: [v.dim(), str(v.dtype).removeprefix("torch.")]
+                        for k, v in self.opt.state.get(p, {}).items() if torch.is_tensor(v)}
+                 for name, p in self.model.named_parameters() if self._holds_copy(name)}
         meta = {"param_groups": groups, "opt_scalars": scalars, "layout": "fsdp2",
-                "dcp": self._placement}
+                "dcp": self._placement, "copies": kinds}
         if self.sched is not None:
             meta["scheduler"] = self.sched.state_dict()
         return meta
 
     def load_unique(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         scalars = meta.get("opt_scalars", {})
+        copies = meta.get("copies", {})
         with torch.no_grad():
             for name, p in self.model.named_parameters():
+                if f"p.{name}" not in tensors and name in copies:
+                    self._await_copy(p, copies[name])  # (gather_params fills it)
+                    continue
                 if _local(p).shape != tensors[f"p.{name}"].shape:
                     raise RuntimeError(f"snapshot shard of {name} is {tuple(tensors[f'p.{name}'].shape)}, "
                                        f"this rank's is {tuple(_local(p).shape)}: another model "
@@ -231,8 +309,28 @@ class Fsdp2Layout(StateLayout):
     def load_params(self, shards: list[dict[str, torch.Tensor]]) -> None:
         raise RuntimeError("an FSDP2 rank cannot compute ahead (local_gradients is False)")
 
+    def _await_copy(self, p: nn.Parameter, kinds: dict[str, list]) -> None:
+        """Make the optimizer state a copy of a replicated parameter will receive."""
+        st = self.opt.state[p]
+        for k, (dim, dtype) in kinds.items():
+            if k not in st:
+                st[k] = torch.zeros_like(p) if dim else torch.zeros((), dtype=getattr(torch, dtype))
+
     def gather_params(self, ops: GroupOps, what: str) -> None:
-        pass  # FSDP2 all-gathers in the next forward
+        """FSDP2 all-gathers in the next forward; with tp > 1, the parameters the tp
+        dimension replicates (and their optimizer state) are sent from each tp group's
+        first rank to the others, which do not snapshot them."""
+        if self.tp == 1:
+            return
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name not in self._replicated:
+                    continue
+                state = self.opt.state.get(p, {})
+                for t in [p, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]))]:
+                    self._tp_ops.broadcast(_local(t), 0, f"{what}: {name} over tp")
+        if self.group.failure is not None:
+            raise self.group.failure
 
     def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
         """This rank's shards on a new mesh (a job resumed onto another shape) from every
@@ -274,7 +372,8 @@ class Fsdp2Layout(StateLayout):
         return out
 
     def export_meta(self) -> dict:
-        return {"layout": "fsdp2", "mesh": {d: self.world_size for d in MESH_DIMS},
+        return {"layout": "fsdp2",
+                "mesh": {"dp_shard": self.data_ranks(self.world_size), "tp": self.tp},
                 "numel": self._numel, "dtype": str(self.master_dtype).removeprefix("torch.")}
 
     def trained_names(self) -> set[str]:

@@ -57,11 +57,14 @@ class GroupBuilds:
         return generation in self._builds
 
     def start(self, plan: Plan, rank: int, device: torch.device, *, replicate: bool,
-              current: int) -> dict[str, Pending]:
-        """Start (or find) `plan`'s builds: the training group on `device`, and the
+              current: int, mesh: dict[str, tuple[int, int]] | None = None
+              ) -> dict[str, Pending]:
+        """Start (or find) `plan`'s builds: the training group on `device`, the
         replication group when `replicate` (some rank's replica is held on another node:
-        the only copies it carries). `current` is the generation this worker is in, whose
-        builds its burial aborts; builds of generations never joined are discarded."""
+        the only copies it carries), and the layout's `mesh` groups on `device` (name ->
+        this rank's place in it, its size: `StateLayout.mesh_groups`). `current` is the
+        generation this worker is in, whose builds its burial aborts; builds of
+        generations never joined are discarded."""
         g, size = plan.generation, plan.world_size
         with self._lock:
             if g < self._built_upto or (g == self._built_upto and g not in self._builds):
@@ -72,6 +75,8 @@ class GroupBuilds:
                 if replicate:
                     builds["replicate"] = self._pending(g, "replicate", rank, size,
                                                         torch.device("cpu"))
+                for name, (place, n) in (mesh or {}).items():
+                    builds[name] = self._pending(g, name, place, n, device)
                 kept = {}
                 for k, old in self._builds.items():
                     if k == current:  # joined, or being joined: `bury` aborts what it

@@ -37,6 +37,13 @@ Guarantees every implementation gives, and the rules for calling it:
 - `local_gradients`: a rank's accumulated gradients are its own until the step's
   all-reduce (true for the flat layout). Only then can a recovery keep the microbatches a
   survivor finished, or a spare compute the dead rank's ahead of joining.
+- `mesh_groups(rank, world_size)`: process groups over subsets of the generation's ranks
+  the layout needs besides the training group (a tensor-parallel mesh's rows and
+  columns): name -> (this rank's place in it, its size). They are built with the
+  training group and handed to `bind`.
+- `plan(m, world_size)` / `contributes()`: which microbatch ids each rank computes, and
+  whether this rank's audit, loss and count go into the step's all-reduce (ranks of one
+  tensor-parallel group compute the same microbatches: only one of them counts them).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from collections.abc import Callable
 import torch
 
 from phoenixft.comm.collectives import CommFailure, GroupOps
+from phoenixft.train import quota
 
 
 class StateLayout(ABC):
@@ -73,9 +81,27 @@ class StateLayout(ABC):
     def join(self, rank: int, world_size: int) -> bool:
         """Lay out for (rank, world_size); True when the optimizer was (re)built."""
 
-    def bind(self, ops: GroupOps, generation: int, microbatches: int) -> None:
-        """The generation's training group is built (`microbatches`: M of its steps).
-        A layout that talks only through `ops` has nothing to do here."""
+    def mesh_groups(self, rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+        """The extra groups this layout needs at (rank, world_size) (see the module doc)."""
+        return {}
+
+    def plan(self, m: int, world_size: int) -> list[list[int]]:
+        """Microbatch ids per rank: ReCoVer's quota plan over the ranks."""
+        return quota.plan(m, world_size)
+
+    def data_ranks(self, world_size: int) -> int:
+        """Ranks that compute distinct microbatches (M's default: one microbatch each)."""
+        return world_size
+
+    def contributes(self) -> bool:
+        """Whether this rank's microbatches are counted in the step's all-reduce."""
+        return True
+
+    def bind(self, ops: GroupOps, generation: int, microbatches: int,
+             groups: dict[str, GroupOps]) -> None:
+        """The generation's training group is built (`microbatches`: M of its steps), and
+        the `mesh_groups` (name -> their ops). A layout that talks only through `ops` has
+        nothing to do here."""
         return None
 
     def failure(self) -> CommFailure | None:

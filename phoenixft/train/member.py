@@ -96,6 +96,8 @@ class Member:
         self.ops: GroupOps | None = None
         self.snap: Snapshotter | None = None
         self._rep_pg = None
+        self._mesh_ops: dict[str, GroupOps] = {}  # the layout's mesh groups (`mesh_groups`)
+        self._layout = None  # the rank's StateLayout, once `start` is given it
         self._stopped = False
         self._watchers: list[threading.Thread] = []
         self._device: torch.device | None = None  # where the training group lives
@@ -131,10 +133,11 @@ class Member:
     def start(self, state: RankState) -> Step | None:
         """Wait (as a spare, for as long as it takes) for a plan that includes this
         worker, and join it. Fixes M and the starting world size from generation 0."""
+        self._layout = state.layout
         plan = self.await_plan(0, self.cfg.timeouts.spare_wait_s)
         first = Plan.from_json(self.store.get(Keys.plan(0)))
         state.initial_world = first.world_size or 1
-        state.m = state.m or state.initial_world
+        state.m = state.m or state.layout.data_ranks(state.initial_world)
         return self.enter(plan, state)
 
     def enter(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
@@ -196,7 +199,8 @@ class Member:
         if self.generation > 0:  # every member is inside this join now (the group formed)
             self.injector.at_recovery(self.rank, self.generation)
         self._prepare(state, first)
-        state.layout.bind(self.ops, self.generation, state.m_for(self.world_size))
+        state.layout.bind(self.ops, self.generation, state.m_for(self.world_size),
+                          self._mesh_ops)
         phases["rep_group"] = time.time() - t0
         ctx = JoinContext(generation=self.generation, rank=self.rank,
                           world_size=self.world_size, ops=self.ops, store=self.store,
@@ -287,13 +291,19 @@ class Member:
                             self.cfg.timeouts.collective_timeout_s)
         phases = {"group": time.time() - t0}
         self._rep_pg = builds["replicate"].result(wait_s) if "replicate" in builds else None
+        self._mesh_ops = {
+            name: GroupOps(builds[name].result(wait_s), self.interrupt,
+                           self.cfg.timeouts.collective_timeout_s)
+            for name in self._layout.mesh_groups(self.rank, self.world_size)}
         return phases
 
     def _start_builds(self, plan: Plan) -> dict[str, Pending]:
         """Start building `plan`'s groups in the background, once (`group_builds.py`)."""
+        rank = plan.rank_of(self.wid)
         return self.builds.start(
-            plan, plan.rank_of(self.wid), self._device, current=self.generation,
-            replicate=bool(crossing_replicas(plan.nodes, self._replica_holders(plan))))
+            plan, rank, self._device, current=self.generation,
+            replicate=bool(crossing_replicas(plan.nodes, self._replica_holders(plan))),
+            mesh=self._layout.mesh_groups(rank, plan.world_size) if self._layout else None)
 
     def _prepare(self, state: RankState, first: bool) -> None:
         lay = state.layout
@@ -380,9 +390,10 @@ class Member:
 
     def _bury_groups(self) -> None:
         """Abort the dead generation's groups, then drop them (`GroupBuilds.bury`)."""
-        dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg)
-                if pg is not None]
+        dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg,
+                              *(o.pg for o in self._mesh_ops.values())) if pg is not None]
         self.ops = self._rep_pg = None
+        self._mesh_ops = {}
         self.builds.bury(self.generation, dead)
 
     def hand_over_for_growth(self, state: RankState) -> Step | None:

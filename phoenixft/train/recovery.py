@@ -64,6 +64,7 @@ class RestorePoint:
     step: int
     world_size: int
     generation: int
+    mesh: dict | None = None  # a sharded model's mesh shape when it was persisted
 
 
 def restore_point(ctx: JoinContext, state: RankState, new_member: bool,
@@ -167,7 +168,8 @@ def _persisted_point(ctx: JoinContext, upto: int | None) -> RestorePoint | None:
                 # committed for this store too: later snapshots wait on its marker
                 mark_committed(ctx.store, step, {"generation": manifest["generation"],
                                                  "world_size": world, "restored_from": "persistent"})
-            return RestorePoint(step, world, manifest["generation"])
+            return RestorePoint(step, world, manifest["generation"],
+                                mesh=(manifest.get("model") or {}).get("meta", {}).get("mesh"))
 
 
 def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: Step | None,
@@ -188,7 +190,8 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
     # shard of t to compute ahead): each already holds t's parameters, bit for bit, and
     # the all-gather would write the same bytes again (25 ms of a recovery, 4 workers).
     everyone_holds_t = int(flags[0]) == ctx.world_size
-    if point.world_size == ctx.world_size:
+    mesh = state.layout.export_meta().get("mesh")
+    if point.world_size == ctx.world_size and (point.mesh is None or point.mesh == mesh):
         source = _same_world(ctx, state, point, load_rank_state=not keep,
                              gather=not everyone_holds_t)
     else:

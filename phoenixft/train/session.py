@@ -34,7 +34,7 @@ from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
 from phoenixft.comm.collectives import CommFailure
 from phoenixft.observe.events import EventLog
-from phoenixft.train import model_io, quota
+from phoenixft.train import model_io
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.flat_layout import FlatZero1
@@ -131,7 +131,7 @@ class Session:
               optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
               *, scheduler: SchedulerFactory | None = None,
               track: dict[str, object] | None = None, microbatches: int | None = None,
-              parallelize: Parallelize | None = None) -> None:
+              parallelize: Parallelize | None = None, tp: int = 1) -> None:
         """Register the model, the optimizer factory, an optional LR scheduler factory
         (`lambda opt: CosineAnnealingLR(opt, T_max=...)`, stepped after every optimizer
         step; its state is snapshotted and restored with the optimizer's) and any extra
@@ -139,16 +139,22 @@ class Session:
         microbatches of every step (default: the starting world size, one per rank).
         `parallelize(model, mesh)`: shard the model with FSDP2 (`fully_shard` per block,
         then the root) over the DeviceMesh phoenixft gives (dimension "dp_shard"); the
-        optimizer is then built on its DTensor parameters (`fsdp_layout.py`). Without it
-        the session runs ZeRO-1 over a flat copy of the parameters (`flat_layout.py`).
+        optimizer is then built on its DTensor parameters (`fsdp_layout.py`). `tp` > 1
+        makes the mesh two-dimensional, ("dp_shard", "tp"), with groups of `tp`
+        consecutive ranks for tensor parallelism (`parallelize_module` over mesh["tp"]),
+        each group computing the same microbatches. Without `parallelize` the session
+        runs ZeRO-1 over a flat copy of the parameters (`flat_layout.py`).
         Spares block here until activated."""
         if microbatches is not None and microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         tracked = Tracked()
         for name, obj in (track or {}).items():
             tracked.add(name, obj)
+        if tp != 1 and parallelize is None:
+            raise ValueError(f"tp={tp} needs parallelize=: tensor parallelism is the "
+                             "user's parallelize_module over the mesh phoenixft gives")
         layout = (FlatZero1(model, optimizer, scheduler) if parallelize is None
-                  else Fsdp2Layout(model, optimizer, parallelize, scheduler,
+                  else Fsdp2Layout(model, optimizer, parallelize, scheduler, tp=tp,
                                    before_reduce_scatter=self._in_backward))
         self.state = RankState(model=model, layout=layout,
                                tracked=tracked, policy=self.cfg.policy, m=microbatches or 0)
@@ -158,7 +164,7 @@ class Session:
         # (a garble is checked against the job's first placement: a spare or a respawned
         # worker sets up later, when the ranks that receive replicas may have changed)
         self.member.injector.check_plan(
-            [len(ids) for ids in quota.plan(m, self.world_size)],
+            [len(ids) for ids in self.state.layout.plan(m, self.world_size)],
             receivers=self.member.replica_receivers() if self.generation == 0 else None)
 
     def _warm_up(self, factory) -> None:
@@ -187,7 +193,7 @@ class Session:
             st, self._pending = self._pending, None
             if st is None:
                 m = state.m_for(self.world_size)
-                st = self._new_step(state.step + 1, quota.plan(m, self.world_size)[self.rank], m)
+                st = self._new_step(state.step + 1, self.state.layout.plan(m, self.world_size)[self.rank], m)
                 member.injector.at_step(self.rank, st.index)
             self._current = st
             yield st
@@ -272,12 +278,13 @@ class Session:
         g = state.grad[:lay.total]
         state.layout.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask and the tail: set below
-        for j in st.done:
-            g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
+        if state.layout.contributes():  # (one rank of a tensor-parallel group counts)
+            for j in st.done:
+                g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
+            g[lay.loss] = st.loss_sum
+            g[lay.count] = len(st.done)
         if self.rank == 0 and self.store.check([Keys.grow(self.generation)]):
             g[lay.grow] = 1.0
-        g[lay.loss] = st.loss_sum
-        g[lay.count] = len(st.done)
         self.member.injector.at_step(self.rank, st.index, "reduce")
         self.member.tell_passes()
         st.phase = StepPhase.REDUCE

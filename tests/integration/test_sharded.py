@@ -63,21 +63,27 @@ def _same_as(job, ref, *, rank: int, kind: str) -> None:
     assert not job.of("in_step_recovery") and not job.of("computing_ahead")
 
 
-@pytest.mark.timeout(300)
-def test_fsdp2_under_phoenixft_trains_like_plain_torchrun(tmp_path, tmp_path_factory):
-    ref = _failure_free(tmp_path_factory, 2)
+def _plain_torchrun(tmp_path: Path, nproc: int, *script_args: str) -> dict:
+    """The same script under plain torchrun (no phoenixft): its losses and final digest."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "losses.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHOENIXFT_")}
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(FSDP), "--steps", str(STEPS),
-                          "--out", str(out)], cwd=ROOT, env=env,
+                          "--nproc-per-node", str(nproc), str(FSDP), "--out", str(out),
+                          *script_args], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log, _ = p.communicate(timeout=240)
     finally:
         kill_tree(p.pid)
     assert p.returncode == 0, log[-3000:]
-    plain = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_under_phoenixft_trains_like_plain_torchrun(tmp_path, tmp_path_factory):
+    ref = _failure_free(tmp_path_factory, 2)
+    plain = _plain_torchrun(tmp_path, 2, "--steps", str(STEPS))
     assert len(plain["losses"]) == STEPS
     # bit for bit: the same reduce-scatters, the same AdamW steps
     assert ref["final_state_digest"] == plain["final_state_digest"]
@@ -95,6 +101,42 @@ def test_fsdp2_rank_killed_inside_its_collectives_is_hot_swapped(tmp_path, tmp_p
     job = _fsdp(tmp_path, "--nproc", "4", "--spares", "1", "--inject",
                 f"kill:rank=1:step=5:phase={where}")
     _same_as(job, ref, rank=1, kind="exit")
+
+
+@pytest.mark.timeout(500)
+def test_fsdp2_with_tensor_parallelism_on_a_2x2_mesh_through_a_sigkill(tmp_path):
+    """FSDP2 over dp_shard + tensor parallelism over tp (the MLPs), a (2, 2) mesh + 1
+    spare; rank 1 (the second of its tp group: it snapshots only its own shards, not the
+    copies of the parameters tp replicates) SIGKILLed inside backward. The spare takes
+    its shards and receives those copies from its tp group: losses and final state bit for
+    bit those of plain torchrun with the same mesh. The job's last base, in DCP's format,
+    then resumes onto a (2, 1) mesh for 2 more steps: within 1e-4 of plain torchrun's
+    run of STEPS + 2 steps."""
+    ref = _plain_torchrun(tmp_path / "plain", 4, "--steps", str(STEPS), "--tp", "2")
+    longer = _plain_torchrun(tmp_path / "plain2", 4, "--steps", str(STEPS + 2), "--tp", "2")
+    ckpt = tmp_path / "ckpt"
+    persist = ("--persist", str(ckpt), "--persist-every", "1", "--persist-cpu-share", "1")
+    job = _fsdp(tmp_path / "tp", "--nproc", "4", "--spares", "1", *persist, "--inject",
+                "kill:rank=1:step=5:phase=backward", script_args=("--tp", "2"))
+    assert job.rc == 0, job.out[-3000:]
+    assert job.summary["final_state_digest"] == ref["final_state_digest"]
+    assert job.summary["losses"] == ref["losses"] == longer["losses"][:STEPS]
+    [rec] = job.summary["recoveries"]
+    assert (rec["rank"], rec["source"]) == (1, "local_snapshot")
+    survivors_kept_pids(job)
+    # the copies tp replicates are snapshotted once per tp group: rank 1's base is smaller
+    tier = FsspecTier(str(ckpt))
+    step = max(tier.manifests())
+    assert tier.read_manifest(step).get("dcp")
+    size = {r: Path(tier.dcp_path(step, r)).stat().st_size for r in range(4)}
+    assert size[1] < 0.75 * size[0] and size[3] < 0.75 * size[2], size
+    more = _fsdp(tmp_path / "resumed", "--nproc", "2", *persist, "--resume",
+                 script_args=("--steps", str(STEPS + 2)))
+    assert more.rc == 0, more.out[-3000:]
+    assert more.summary["resumed_from"] == STEPS
+    assert len(more.summary["losses"]) == 2
+    for x, y in zip(more.summary["losses"], longer["losses"][STEPS:]):
+        assert abs(x - y) <= 1e-4 * abs(y), (x, y)
 
 
 @pytest.mark.timeout(300)

@@ -79,7 +79,7 @@ def _joined(kind: str, seed: int, addr: str, rank: int, world: int, prefix: str)
         m = _model(seed)
         lay = LAYOUTS[kind].make(m)
     lay.join(rank, world)
-    lay.bind(ops, 0, world)
+    lay.bind(ops, 0, world, {})
     return m, lay, ops
 
 
