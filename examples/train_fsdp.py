@@ -26,8 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from phoenixft.models.llama import EOS_ID, LlamaForCausalLM, preset
 from phoenixft.train.data import MicrobatchWindows, stdlib_corpus
