@@ -2,7 +2,8 @@
 
 `PhoenixJob` runs `phoenixft run ... examples/train_gpt.py --data ids` and reads its run
 directory (events.jsonl for steps, status.json for the PIDs of active workers).
-`TorchrunJob` runs `torchrun --max-restarts R phoenixft/bench/torchrun_baseline.py` and
+`TorchrunJob` runs `torchrun --max-restarts R phoenixft/bench/torchrun_baseline.py` (or
+the FSDP2 + dcp.async_save one, torchrun_fsdp_baseline.py) and
 reads the baseline's own JSON-lines log; its workers are found among the torchrun
 process's descendants by their command line and `RANK` environment variable.
 Both bind 127.0.0.1 only and run 1 torch thread per worker.
@@ -63,6 +64,8 @@ class PhoenixJob:
     run_dir: Path
     work: Workload
     launcher_args: list[str]
+    script: Path = EXAMPLE
+    script_extra: list[str] = field(default_factory=lambda: ["--data", "ids"])
     tree: ProcessTree | None = None
     events: list[dict] = field(default_factory=list)
     step_faults: list[StepFault] = field(default_factory=list)
@@ -71,7 +74,7 @@ class PhoenixJob:
         inject = [a for f in self.step_faults for a in ("--inject", f"kill:rank={f.rank}:step={f.step}")]
         return [sys.executable, "-m", "phoenixft.cli", "run", "--nproc", str(self.work.nproc),
                 *self.launcher_args, *inject, "--quiet", "--run-dir", str(self.run_dir),
-                str(EXAMPLE), *self.work.script_args(), "--data", "ids"]
+                str(self.script), *self.work.script_args(), *self.script_extra]
 
     def start(self, step_faults: list[StepFault]) -> ProcessTree:
         _fresh(self.run_dir)
@@ -116,6 +119,8 @@ class TorchrunJob:
     work: Workload
     max_restarts: int
     ckpt_every: int
+    script: Path = BASELINE  # or torchrun_fsdp_baseline.py (FSDP2 + dcp.async_save)
+    ckpt: str = "ckpt.pt"  # under run_dir: the baseline's --ckpt
     init: str = "per-attempt"  # see torchrun_baseline.init_process_group
     pg_timeout_s: float = 60.0
     port: int = field(default_factory=_free_port)
@@ -129,8 +134,8 @@ class TorchrunJob:
         return [sys.executable, "-m", "torch.distributed.run",
                 "--nproc-per-node", str(self.work.nproc), "--max-restarts", str(self.max_restarts),
                 "--master-addr", "127.0.0.1", "--master-port", str(self.port),
-                str(BASELINE), *self.work.script_args(), "--ckpt-every", str(self.ckpt_every),
-                "--ckpt", str(self.run_dir / "ckpt.pt"), "--events", str(self.run_dir / "events.jsonl"),
+                str(self.script), *self.work.script_args(), "--ckpt-every", str(self.ckpt_every),
+                "--ckpt", str(self.run_dir / self.ckpt), "--events", str(self.run_dir / "events.jsonl"),
                 "--init", self.init, "--pg-timeout", str(self.pg_timeout_s), *kills]
 
     def start(self, step_faults: list[StepFault]) -> ProcessTree:
@@ -156,7 +161,7 @@ class TorchrunJob:
         out = {}
         for p in self.tree.refresh():
             try:
-                if BASELINE.name in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                if self.script.name in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
                     rank = p.environ().get("RANK")
                     if rank is not None:
                         out[int(rank)] = p.pid

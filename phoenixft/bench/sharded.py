@@ -9,10 +9,13 @@ x 1 torch thread, side by side in one invocation:
   parameters' and optimizer state's local shards): two slots (the newest committed
   snapshot survives while the next is written) for its own copy and for each replica;
 - a rank SIGKILLed inside the step's reduce-scatter with a warm spare: detection, the
-  recovery, and the gap from the kill to the next completed step.
-
-Not measured yet: torchrun with `dcp.async_save` every K steps restarting after the same
-SIGKILL (the goodput comparison the sharded-model work asks for).
+  recovery, and the gap from the kill to the next completed step;
+- goodput: the same SIGKILL at the same step (rank chosen by seed, when it starts the
+  step) in phoenixft with a warm spare and persistence to a directory, and in plain
+  torchrun with `dcp.async_save` every K steps and `--max-restarts 1`
+  (torchrun_fsdp_baseline.py, what torchtitan users run); each its own process tree, one
+  after the other; effective steps per second from the first completed step to the
+  last (`bench goodput`'s measure), and their ratio.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from phoenixft.bench.runner import command
 from phoenixft.observe.goals import Goal
 
 FSDP = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
+FSDP_BASELINE = Path(__file__).with_name("torchrun_fsdp_baseline.py")
 GOAL_RATIO = 1.01
 
 
@@ -43,6 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--blocks", type=int, default=40, help="on/off block pairs")
     p.add_argument("--kill-steps", type=int, default=24,
                    help="steps of the SIGKILL run (the kill lands at two thirds)")
+    p.add_argument("--goodput-steps", type=int, default=40,
+                   help="steps of each goodput run (the kill lands at five eighths)")
+    p.add_argument("--ckpt-every", type=int, default=10,
+                   help="K: torchrun's dcp.async_save every K steps (goodput)")
+    p.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit per goodput run, s")
     p.add_argument("--out", default="runs/bench/sharded.json")
     p.set_defaults(func=command(measure, show))
 
@@ -54,9 +63,11 @@ def _job(root: Path, name: str, args: argparse.Namespace, steps: int, **cfg) -> 
 
 def measure(opts: BenchOptions) -> dict:
     args = opts.own
-    if args.block < 2 or args.block % 2 or args.nproc < 2 or args.kill_steps < 12:
+    if (args.block < 2 or args.block % 2 or args.nproc < 2 or args.kill_steps < 12
+            or args.goodput_steps < 8 or not 1 <= args.ckpt_every < args.goodput_steps):
         raise SystemExit("phoenixft bench sharded: --block must be even and >= 2, --nproc >= 2, "
-                         "--kill-steps >= 12 (steps before the kill time a step)")
+                         "--kill-steps >= 12 (steps before the kill time a step), "
+                         "--goodput-steps >= 8, 1 <= --ckpt-every < --goodput-steps")
     root = opts.runs_dir("sharded")
     t0 = time.time()
     k, steps = args.block, 2 * args.block * args.blocks + args.block
@@ -72,7 +83,45 @@ def measure(opts: BenchOptions) -> dict:
             "host_bytes_per_rank": size["host_bytes_per_rank"],
             "host_per_shard": size["host_bytes_per_rank"] / size["bytes_per_slot"],
             "kill": {"step": kill_step, **measure_events(killed["events"])},
-            "torchrun_dcp_async": None, "wall_s": round(time.time() - t0, 1)}
+            "torchrun_dcp_async": _goodput(root, args), "wall_s": round(time.time() - t0, 1)}
+
+
+def _goodput(root: Path, args: argparse.Namespace) -> dict:
+    """phoenixft (a warm spare, persistence on) against torchrun + dcp.async_save with a
+    restart, through the same SIGKILL (see the module docstring)."""
+    from phoenixft.bench.faults import FaultConfig, drive
+    from phoenixft.bench.goodput import measure_mode
+    from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob, Workload
+    from phoenixft.bench.torchrun_baseline import microbatch_tokens
+
+    work = Workload(preset=args.preset, steps=args.goodput_steps, microbatches=args.nproc,
+                    nproc=args.nproc)
+    kill_step = 5 * args.goodput_steps // 8
+    cfg = FaultConfig(failures=1, at_steps=(kill_step,), timeout_s=args.timeout)
+    faults = cfg.step_faults(args.nproc, shrinking=False)
+    jobs = {"spares": PhoenixJob(run_dir=root / "goodput-spares", work=work, script=FSDP,
+                                 script_extra=[], launcher_args=[
+                                     "--spares", "1", "--persist",
+                                     str(root / "goodput-spares-ckpt")]),
+            "restart": TorchrunJob(run_dir=root / "goodput-restart", work=work, max_restarts=1,
+                                   ckpt_every=args.ckpt_every, script=FSDP_BASELINE, ckpt="dcp")}
+    rows = {}
+    for mode, job in jobs.items():
+        print(f"[sharded] goodput {mode}: {' '.join(job.argv())}", flush=True)
+        rows[mode] = measure_mode(mode, drive(job, cfg, faults), work,
+                                  microbatch_tokens(args.preset) * args.nproc)
+        rows[mode]["processes"] = (f"{args.nproc} + 1 spare, 1 torch thread each" if mode == "spares"
+                                   else f"{args.nproc}, new ones per restart, 1 torch thread each")
+        if not rows[mode].get("completed"):
+            raise SystemExit(f"phoenixft bench sharded: the goodput run {mode} did not complete "
+                             f"(rc {rows[mode]['rc']}); see {job.run_dir}")
+    if isinstance(jobs["restart"], TorchrunJob):
+        rows["restart"]["restarts"] = jobs["restart"].restart_report()
+    ratio = rows["spares"]["eff_steps_s"] / rows["restart"]["eff_steps_s"]
+    keep = ("eff_steps_s", "wall_s", "median_step_s", "kill_to_next_step_s", "steps_recomputed",
+            "failures", "processes", "restarts")
+    return {"kill_step": kill_step, "ckpt_every": args.ckpt_every, "steps": args.goodput_steps,
+            "ratio": ratio, **{m: {k: r[k] for k in keep if k in r} for m, r in rows.items()}}
 
 
 def goals(result: dict) -> list[Goal]:
@@ -82,7 +131,15 @@ def goals(result: dict) -> list[Goal]:
                  f"<= {GOAL_RATIO}x without", f"{b['ratio']:.4f} ± {b['se']:.4f}",
                  b["ratio"] <= GOAL_RATIO),
             Goal("FSDP2 snapshot host memory per rank", f"<= 2 slots x {copies} copies of "
-                 "the shard", f"{per:.2f}x the shard", per <= 2 * copies + 0.05)]
+                 "the shard", f"{per:.2f}x the shard", per <= 2 * copies + 0.05),
+            *_goodput_goal(result.get("torchrun_dcp_async"))]
+
+
+def _goodput_goal(g: dict | None) -> list[Goal]:
+    if not g:
+        return []
+    return [Goal("FSDP2 goodput through a SIGKILL vs torchrun + dcp.async_save, restart",
+                 "> 1x", f"{g['ratio']:.2f}x", g["ratio"] > 1)]
 
 
 def headline(result: dict) -> str:
@@ -90,7 +147,9 @@ def headline(result: dict) -> str:
     return (f"FSDP2, {result['nproc']} workers: step with snapshots + a replica "
             f"{b['ratio']:.3f}x ± {b['se']:.3f} without; snapshot memory "
             f"{result['host_per_shard']:.1f}x the shard per rank; SIGKILL in a reduce-scatter "
-            f"-> next step {kill['kill_to_next_step_s']:.2f} s (steps {kill['step_s']:.2f} s)")
+            f"-> next step {kill['kill_to_next_step_s']:.2f} s (steps {kill['step_s']:.2f} s)"
+            + (f"; goodput {g['ratio']:.2f}x torchrun + dcp.async_save with a restart"
+               if (g := result.get("torchrun_dcp_async")) else ""))
 
 
 def show(result: dict, opts: BenchOptions) -> None:
@@ -114,7 +173,13 @@ def show(result: dict, opts: BenchOptions) -> None:
     table.add_row("SIGKILL in a reduce-scatter -> next step", f"{kill['kill_to_next_step_s']:.2f} s",
                   f"detect {kill['detect_s']:.3f} s, recover {kill['recover_s']:.3f} s, "
                   f"{kill['lost_steps']} steps lost, steps {kill['step_s']:.2f} s")
-    table.add_row("torchrun + dcp.async_save, restart", "not measured", "")
+    g = result.get("torchrun_dcp_async")
+    if g:
+        table.add_row(f"goodput vs torchrun + dcp.async_save every {g['ckpt_every']}, restart",
+                      f"{g['ratio']:.2f}x",
+                      f"SIGKILL at step {g['kill_step']} of {g['steps']}: "
+                      f"{g['spares']['eff_steps_s']:.2f} against {g['restart']['eff_steps_s']:.2f} "
+                      f"steps/s; {g['restart']['steps_recomputed']} steps recomputed by torchrun")
     Console(width=max(Console().width, 130)).print(table)
 
 
@@ -128,4 +193,13 @@ def markdown(result: dict) -> list[str]:
             f"({result['copies']} copies x 2 slots) |",
             f"| SIGKILL in a reduce-scatter -> next step | {kill['kill_to_next_step_s']:.2f} s "
             f"(detect {kill['detect_s']:.3f} s, recover {kill['recover_s']:.3f} s) |",
-            "| torchrun + dcp.async_save, restart | not measured yet |"]
+            *_goodput_md(result.get("torchrun_dcp_async"))]
+
+
+def _goodput_md(g: dict | None) -> list[str]:
+    if not g:
+        return ["| goodput vs torchrun + dcp.async_save, restart | not measured |"]
+    return [f"| goodput vs torchrun + dcp.async_save every {g['ckpt_every']}, restart | "
+            f"{g['ratio']:.2f}x ({g['spares']['eff_steps_s']:.2f} against "
+            f"{g['restart']['eff_steps_s']:.2f} steps/s; SIGKILL at step {g['kill_step']} of "
+            f"{g['steps']}) |"]

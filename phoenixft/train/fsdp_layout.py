@@ -1,34 +1,42 @@
-"""`Fsdp2Layout`: a model the user shards with FSDP2 (`fully_shard`), the parallelism
-seam's second implementation (`layout.py`).
+"""`Fsdp2Layout`: a model the user shards with FSDP2 (`fully_shard`), optionally with
+tensor parallelism under it, the parallelism seam's second implementation (`layout.py`).
 
 The user gives the unsharded model and a torchtitan-style `parallelize(model, mesh)`
-(`fully_shard` per block, then on the root); phoenixft gives the mesh. Its process group
-is a `SwapGroup` (comm/swap_group.py) made torch.distributed's default group, so the
-mesh, FSDP2's parameter groups and the optimizer built on the DTensor parameters are made
+(`parallelize_module` over mesh["tp"], then `fully_shard` per block and on the root over
+mesh["dp_shard"]); phoenixft gives the mesh. Its groups are `SwapGroup`s
+(comm/swap_group.py): the world's made torch.distributed's default group, and with tp > 1
+one per mesh dimension (a tp group is `tp` consecutive ranks), registered with c10d. So
+the mesh, FSDP2's parameter groups, the DTensors and the optimizer built on them are made
 once per worker and kept for its whole life: after a failure the survivors keep every
-object, only the communicator underneath is swapped for the next generation's, and a
-spare builds them once, when it takes its rank (`fully_shard` fixes a rank's shard when
-it runs, so a spare cannot build them before it knows its rank).
+object, only the communicators underneath are swapped for the next generation's (built
+with its training group, `mesh_groups`), and a spare builds them once, when it takes its
+rank (`fully_shard` fixes a rank's shard when it runs, so a spare cannot build them
+before it knows its rank; `parallelize` must therefore not communicate).
 
-What is unique to a rank: with FSDP2 over one mesh dimension every parameter, and so
-every optimizer state, is cut over the ranks: its local shards of both (each FSDP2 unit's
-`_local_tensor`) are all its unique state. Nothing is replicated, so nothing is left out.
+What is unique to a rank: its local shards (each DTensor's `_local_tensor`) of the
+parameters and their optimizer state. With tp > 1 the parameters tensor parallelism
+leaves whole (FSDP2 shards them over dp_shard only: norms, attention, embeddings in the
+example) are the same on every rank of a tp group: only the group's first rank
+snapshots them, and a restore sends them from it to the others (`gather_params`). Where
+each shard lies in the whole (`_placement`) goes into every snapshot: resharding, `ckpt
+export` and bases in DCP's format (checkpoint/dcp_base.py) all place shards by it.
 
 The step: FSDP2 reduces the gradients itself, inside the user's backward (a
-reduce-scatter per unit, averaged over the mesh by default); the session's all-reduce
-carries only the audit and the loss (`grad_numel() == 0`). With M microbatches per step
-over W ranks, the reduced gradient is scaled by W/M before the optimizer step when they
-differ, so it is the mean over the step's microbatches as with the flat layout; when
-M == W FSDP2's own reduction is left as it is, bit for bit that of a plain FSDP2 script. Its
-collectives run inside the user's loop body, so a failure there is latched by the group
-and raised by the session at the step's end (`failure`); the step is then redone from
-the restored snapshot: a rank's gradients are never its own (`local_gradients` is
-False), so no finished microbatch can be kept (no in-step recovery, no computing ahead).
+reduce-scatter per unit, averaged over the D = world / tp data-parallel ranks); the
+session's all-reduce carries only the audit and the loss (`grad_numel() == 0`; a tp
+group's ranks compute the same microbatches, and only its first counts them). With M
+microbatches per step the reduced gradient is scaled by D/M before the optimizer step
+when they differ, so it is the mean over the step's microbatches as with the flat
+layout; when M == D FSDP2's own reduction is left as it is, bit for bit that of a plain
+FSDP2 script. M must be a multiple of D (every rank runs as many passes). Its collectives
+run inside the user's loop body, so a failure there is latched by the groups and raised
+by the session at the step's end (`failure`); the step is then redone from the restored
+snapshot: a rank's gradients are never its own (`local_gradients` is False), so no
+finished microbatch can be kept (no in-step recovery, no computing ahead).
 
-A job resumed onto another world size reshards (`reshard`); a running job cannot change
-its world size (survivors' shards were cut by `fully_shard` for the old one): it needs
-spares. Not yet: tensor parallelism, clipping by the global norm, `ckpt export` of its
-records, bases in torch.distributed.checkpoint's format.
+A job resumed onto another world size or mesh shape reshards (`reshard`); a running job
+cannot change its world size (survivors' shards were cut by `fully_shard` for the old
+one): it needs spares. Not yet: clipping by the global norm, HSDP's replicate dimension.
 """
 
 from __future__ import annotations
