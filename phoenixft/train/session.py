@@ -136,7 +136,7 @@ class Session:
         (`lambda opt: CosineAnnealingLR(opt, T_max=...)`, stepped after every optimizer
         step; its state is snapshotted and restored with the optimizer's) and any extra
         per-rank state (data loaders, samplers, generators). `microbatches` is M, the
-        microbatches of every step (default: the starting world size, one per rank).
+        microbatches of every step (default: one per data-parallel rank at the start).
         `parallelize(model, mesh)`: shard the model with FSDP2 (`fully_shard` per block,
         then the root) over the DeviceMesh phoenixft gives (dimension "dp_shard"); the
         optimizer is then built on its DTensor parameters (`fsdp_layout.py`). `tp` > 1
