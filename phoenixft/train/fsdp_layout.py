@@ -346,9 +346,10 @@ class Fsdp2Layout(StateLayout):
         (`_placement`, the same map a base in DCP's format carries), and this rank takes
         the piece its own placement names. One whole tensor at a time is built."""
         if any("dcp" not in meta for _, meta in old):
-            raise RuntimeError(f"the snapshots to reshard were written by a {old[0][1].get('layout', 'flat')} "
-                               "layout, not a sharded model's: resume them with the model set "
-                               "up as it was (parallelize= or not)")
+            kind = old[0][1].get("layout", "flat")
+            raise RuntimeError(f"the snapshots to reshard were written by a {kind} layout, "
+                               "not a sharded model's: resume them with the model set up as "
+                               "it was (parallelize= or not)")
         names = {k for tensors, _ in old for k in tensors if k.startswith(("p.", "o."))}
         params = dict(self.model.named_parameters())
         mine = {}
