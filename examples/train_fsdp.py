@@ -34,13 +34,16 @@ from phoenixft.train.data import MicrobatchWindows, stdlib_corpus
 BATCH = {"tiny": 4, "small": 8, "ref": 8}
 
 
-def parallelize(model: LlamaForCausalLM, mesh, bf16: bool = False) -> None:
+def parallelize(model: LlamaForCausalLM, mesh, bf16: bool = False, dp_shard: int = -1) -> None:
     """Tensor parallelism over mesh["tp"] when the mesh has it, then FSDP2 over
     mesh["dp_shard"]: each decoder block is a unit, the root the last."""
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if bf16 else MixedPrecisionPolicy())
     names = mesh.mesh_dim_names
     dp = mesh["dp_shard"] if len(names) > 1 else mesh
+    if dp_shard not in (-1, dp.size()):
+        raise ValueError(f"--dp-shard {dp_shard}: the mesh's dp_shard dimension has "
+                         f"{dp.size()} ranks (ranks / --tp); pass -1 to take it")
     for block in model.model.layers:
         if "tp" in names:
             # src_data_rank=None: every rank built the same weights (seeded), so each
@@ -87,7 +90,7 @@ def under_phoenixft(args) -> None:
     sess = phoenixft.Session()
     model, windows = build(args)
     sess.setup(model, optimizer(args), microbatches=args.microbatches, tp=args.tp,
-               parallelize=lambda m, mesh: parallelize(m, mesh, args.bf16))
+               parallelize=lambda m, mesh: parallelize(m, mesh, args.bf16, args.dp_shard))
     for step in sess.steps(args.steps):
         for j in step.microbatches():
             step.backward(loss_of(model, windows, step.index, j))
@@ -106,7 +109,7 @@ def under_torchrun(args) -> None:
             if args.tp == 1 else
             init_device_mesh(args.device, (world // args.tp, args.tp),
                              mesh_dim_names=("dp_shard", "tp")))
-    parallelize(model, mesh, args.bf16)
+    parallelize(model, mesh, args.bf16, args.dp_shard)
     dp_rank, tp_rank = divmod(rank, args.tp)
     opt = optimizer(args)([p for p in model.parameters() if p.requires_grad])
     losses = []
@@ -144,6 +147,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel degree: a (ranks/tp, tp) mesh, the MLPs split over tp")
+    ap.add_argument("--dp-shard", type=int, default=-1,
+                    help="FSDP2's degree: -1 (default) the ranks / tp; any other value must "
+                         "equal it (checked; torchtitan's flag)")
     ap.add_argument("--microbatches", type=int, default=None,
                     help="under phoenixft: microbatches per step over all ranks (default one "
                          "per rank); keep it when resuming onto another number of ranks")
