@@ -66,12 +66,15 @@ class PhoenixJob:
     launcher_args: list[str]
     script: Path = EXAMPLE
     script_extra: list[str] = field(default_factory=lambda: ["--data", "ids"])
+    phase: str | None = None  # where in the step a fault fires (faults/inject.py); None: its start
     tree: ProcessTree | None = None
     events: list[dict] = field(default_factory=list)
     step_faults: list[StepFault] = field(default_factory=list)
 
     def argv(self) -> list[str]:
-        inject = [a for f in self.step_faults for a in ("--inject", f"kill:rank={f.rank}:step={f.step}")]
+        where = f":phase={self.phase}" if self.phase else ""
+        inject = [a for f in self.step_faults
+                  for a in ("--inject", f"kill:rank={f.rank}:step={f.step}{where}")]
         return [sys.executable, "-m", "phoenixft.cli", "run", "--nproc", str(self.work.nproc),
                 *self.launcher_args, *inject, "--quiet", "--run-dir", str(self.run_dir),
                 str(self.script), *self.work.script_args(), *self.script_extra]

@@ -8,14 +8,14 @@ x 1 torch thread, side by side in one invocation:
 - host memory for snapshots per rank against the bytes of the rank's shard (its
   parameters' and optimizer state's local shards): two slots (the newest committed
   snapshot survives while the next is written) for its own copy and for each replica;
-- a rank SIGKILLed inside the step's reduce-scatter with a warm spare: detection, the
-  recovery, and the gap from the kill to the next completed step;
-- goodput: the same SIGKILL at the same step (rank chosen by seed, when it starts the
-  step) in phoenixft with a warm spare and persistence to a directory, and in plain
-  torchrun with `dcp.async_save` every K steps and `--max-restarts 1`
-  (torchrun_fsdp_baseline.py, what torchtitan users run); each its own process tree, one
-  after the other; effective steps per second from the first completed step to the
-  last (`bench goodput`'s measure), and their ratio.
+- a SIGKILL at two thirds of a run, of the same rank (chosen by seed) at the same step,
+  in two jobs, each its own process tree, one after the other: phoenixft with a warm
+  spare and persistence to a directory (the rank dies inside the step's reduce-scatter),
+  and plain torchrun with `dcp.async_save` every K steps and `--max-restarts 1`
+  (torchrun_fsdp_baseline.py, what torchtitan users run; the rank dies as it starts the
+  step). From phoenixft's: detection, the recovery, and the gap from the kill to the next
+  completed step; from both: effective steps per second from the first completed step to
+  the last (`bench goodput`'s measure), and their ratio (goodput).
 """
 
 from __future__ import annotations
@@ -45,12 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="small", choices=["tiny", "small", "ref"])
     p.add_argument("--block", type=int, default=2, help="K (even): steps per on / off block")
     p.add_argument("--blocks", type=int, default=40, help="on/off block pairs")
-    p.add_argument("--kill-steps", type=int, default=24,
-                   help="steps of the SIGKILL run (the kill lands at two thirds)")
-    p.add_argument("--goodput-steps", type=int, default=40,
-                   help="steps of each goodput run (the kill lands at five eighths)")
+    p.add_argument("--kill-steps", type=int, default=30,
+                   help="steps of the two SIGKILL runs (the kill lands at two thirds)")
     p.add_argument("--ckpt-every", type=int, default=10,
-                   help="K: torchrun's dcp.async_save every K steps (goodput)")
+                   help="K: torchrun's dcp.async_save every K steps")
     p.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit per goodput run, s")
     p.add_argument("--out", default="runs/bench/sharded.json")
     p.set_defaults(func=command(measure, show))
@@ -64,43 +62,40 @@ def _job(root: Path, name: str, args: argparse.Namespace, steps: int, **cfg) -> 
 def measure(opts: BenchOptions) -> dict:
     args = opts.own
     if (args.block < 2 or args.block % 2 or args.nproc < 2 or args.kill_steps < 12
-            or args.goodput_steps < 8 or not 1 <= args.ckpt_every < args.goodput_steps):
+            or not 1 <= args.ckpt_every < 2 * args.kill_steps // 3):
         raise SystemExit("phoenixft bench sharded: --block must be even and >= 2, --nproc >= 2, "
                          "--kill-steps >= 12 (steps before the kill time a step), "
-                         "--goodput-steps >= 8, 1 <= --ckpt-every < --goodput-steps")
+                         "1 <= --ckpt-every < the kill's step (two thirds of --kill-steps)")
     root = opts.runs_dir("sharded")
     t0 = time.time()
     k, steps = args.block, 2 * args.block * args.blocks + args.block
     s = _job(root, "blocks", args, steps, snapshots={"enabled": True, "blocks": k, "replicas": 1})
     blocks = block_figures(s["events"], k)
     size = next(e for e in s["events"] if e["event"] == "snapshot_size")
-    kill_step = 2 * args.kill_steps // 3
-    killed = _job(root, "kill", args, args.kill_steps, spares=1,
-                  inject=[f"kill:rank=1:step={kill_step}:phase=backward"])
     return {"benchmark": "sharded", "nproc": args.nproc, "threads_per_worker": 1,
             "preset": args.preset, "layout": "fsdp2", "blocks": blocks, "goal_ratio": GOAL_RATIO,
             "shard_bytes": size["bytes_per_slot"], "copies": size["copies"],
             "host_bytes_per_rank": size["host_bytes_per_rank"],
             "host_per_shard": size["host_bytes_per_rank"] / size["bytes_per_slot"],
-            "kill": {"step": kill_step, **measure_events(killed["events"])},
-            "torchrun_dcp_async": _goodput(root, args), "wall_s": round(time.time() - t0, 1)}
+            **_killed(root, args), "wall_s": round(time.time() - t0, 1)}
 
 
-def _goodput(root: Path, args: argparse.Namespace) -> dict:
-    """phoenixft (a warm spare, persistence on) against torchrun + dcp.async_save with a
-    restart, through the same SIGKILL (see the module docstring)."""
+def _killed(root: Path, args: argparse.Namespace) -> dict:
+    """phoenixft (a warm spare, persistence on) and torchrun + dcp.async_save with a
+    restart, through the same SIGKILL (see the module docstring): `kill`, phoenixft's
+    recovery figures, and `torchrun_dcp_async`, the goodput of both."""
     from phoenixft.bench.faults import FaultConfig, drive
     from phoenixft.bench.goodput import measure_mode
     from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob, Workload
     from phoenixft.bench.torchrun_baseline import microbatch_tokens
 
-    work = Workload(preset=args.preset, steps=args.goodput_steps, microbatches=args.nproc,
+    work = Workload(preset=args.preset, steps=args.kill_steps, microbatches=args.nproc,
                     nproc=args.nproc)
-    kill_step = 5 * args.goodput_steps // 8
+    kill_step = 2 * args.kill_steps // 3
     cfg = FaultConfig(failures=1, at_steps=(kill_step,), timeout_s=args.timeout)
     faults = cfg.step_faults(args.nproc, shrinking=False)
     jobs = {"spares": PhoenixJob(run_dir=root / "goodput-spares", work=work, script=FSDP,
-                                 script_extra=[], launcher_args=[
+                                 script_extra=[], phase="backward", launcher_args=[
                                      "--spares", "1", "--persist",
                                      str(root / "goodput-spares-ckpt")]),
             "restart": TorchrunJob(run_dir=root / "goodput-restart", work=work, max_restarts=1,
@@ -120,8 +115,10 @@ def _goodput(root: Path, args: argparse.Namespace) -> dict:
     ratio = rows["spares"]["eff_steps_s"] / rows["restart"]["eff_steps_s"]
     keep = ("eff_steps_s", "wall_s", "median_step_s", "kill_to_next_step_s", "steps_recomputed",
             "failures", "processes", "restarts")
-    return {"kill_step": kill_step, "ckpt_every": args.ckpt_every, "steps": args.goodput_steps,
-            "ratio": ratio, **{m: {k: r[k] for k in keep if k in r} for m, r in rows.items()}}
+    return {"kill": {"step": kill_step, **measure_events(jobs["spares"].events)},
+            "torchrun_dcp_async": {
+                "kill_step": kill_step, "ckpt_every": args.ckpt_every, "steps": args.kill_steps,
+                "ratio": ratio, **{m: {k: r[k] for k in keep if k in r} for m, r in rows.items()}}}
 
 
 def goals(result: dict) -> list[Goal]:

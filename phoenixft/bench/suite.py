@@ -78,7 +78,7 @@ SUITE: list[Entry] = [
            "lighthouse); plain DDP beside",
            ["--steps", "34", "--kill-step", "20", "--no-free-runs"]),
     _bench("sharded", sharded, "4 FSDP2 workers x 1 torch thread (+1 spare for the kill)",
-           ["--preset", "tiny", "--blocks", "20", "--kill-steps", "15"]),
+           ["--preset", "tiny", "--blocks", "20", "--kill-steps", "24"]),
     Entry(name="simulate", command=("simulate",), processes="1 process",
           goals=simulate_report.goals, headline=simulate_report.headline,
           markdown=simulate_report.markdown,
