@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                          stall_s=round(time.perf_counter() - t0, 4))
     if pending is not None:
         pending[1].result()
+        if rank == 0:
+            log.emit("checkpoint", step=pending[0], save_s=round(time.perf_counter() - pending[2], 4))
     log.emit("done", step=args.steps)
     dist.barrier()
     dist.destroy_process_group()
