@@ -158,3 +158,69 @@ def test_a_base_is_compressed_only_when_a_sample_of_it_shrinks(tmp_path):
     tier.fs.pipe_file(path, _RECORD + _LEN.pack(len(new)) + new + data[start + n:])
     with pytest.raises(IntegrityError, match="unknown base codec 'lz5'"):
         tier.get(1, 0)
+
+
+def sharded_blob(tmp_path, step: int, rank: int, rows: slice, value: float) -> bytes:
+    """Rank `rank`'s snapshot of a sharded model (as Fsdp2Layout writes one: its shard of
+    parameter `w` (6 x 5) and of its Adam state, the scalar step, RNG, and where the
+    shard lies in the whole), with garbage in the alignment padding and the header's
+    spare room: a base in DCP's format must give all of it back byte for byte."""
+    g = torch.Generator().manual_seed(step)
+    w = torch.randn(6, 5, generator=g) + value
+    tensors = {"p.w": w[rows].clone(), "o.w.exp_avg": (w[rows] * 0.1).clone(),
+               "o.w.step": torch.tensor(float(step)),
+               "rng.torch": torch.randint(0, 255, (13,), dtype=torch.uint8)}
+    lay = Layout.of(tensors)
+    f = SlotFile(tmp_path / f"scratch-{step}-{rank}")
+    f.ensure(HEADER_BYTES + lay.data_nbytes)
+    f.np[:HEADER_BYTES + lay.data_nbytes] = 0xAB
+    f.begin_write(step)
+    for e in lay.entries:
+        f.view(e).copy_(tensors[e.name].reshape(e.shape))
+    meta = {"dcp": {"w": [[6, 5], [rows.start, 0]]}, "layout": "fsdp2"}
+    f.finish_write(step, lay, {"rank": rank, "opt": meta})
+    return bytes(f.np[:f.used_nbytes()])
+
+
+@pytest.mark.parametrize("where", ["directory", "s3"])
+def test_a_sharded_base_is_a_dcp_checkpoint_and_gives_its_blob_back(tmp_path, request, where):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    url = str(tmp_path / "ckpt") if where == "directory" else request.getfixturevalue("s3_url") + "/dcp"
+    t = FsspecTier(url)
+    halves = [slice(0, 3), slice(3, 6)]
+    blobs = [sharded_blob(tmp_path, 4, r, rows, 1.0) for r, rows in enumerate(halves)]
+    for r, b in enumerate(blobs):
+        info = t.put(4, r, b)
+        assert (info.kind, info.codec) == ("base", "dcp")
+        assert t.get(4, r) == b  # header, padding and all
+    # a delta stacks on it as on any base
+    later = sharded_blob(tmp_path, 5, 0, halves[0], 1.5)
+    assert t.put(5, 0, later, base=(4, blobs[0])).kind == "delta"
+    assert t.get(5, 0) == later
+    assert sorted((r.step, r.rank, r.kind) for r in t.list()) == [
+        (4, 0, "base"), (4, 1, "base"), (5, 0, "delta")]
+    if where == "directory":
+        # plain DCP reads the directory as one checkpoint of the whole tensors
+        state = {"w": torch.zeros(6, 5), "optimizer.state.w.exp_avg": torch.zeros(6, 5),
+                 "optimizer.state.w.step": torch.tensor(0.0)}
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(t.dcp_dir(4)))
+        parts = [load_file(t.dcp_path(4, r)) for r in range(2)]
+        assert torch.equal(state["w"], torch.cat([p["w"] for p in parts]))
+        assert torch.equal(state["optimizer.state.w.exp_avg"],
+                           torch.cat([p["optimizer.state.w.exp_avg"] for p in parts]))
+        assert float(state["optimizer.state.w.step"]) == 4.0
+        assert "optimizer.state.w.step" not in parts[1]  # a scalar is written once
+        assert "phoenixft.rank1.rng.torch" in parts[1]  # rank-local state kept apart
+    # a flipped byte in a shard: named, never loaded
+    data = bytearray(t.fs.cat_file(t.dcp_path(4, 1)))
+    data[-7] ^= 0x10
+    with t.fs.open(t.dcp_path(4, 1), "wb") as fh:
+        fh.write(bytes(data))
+    with pytest.raises(IntegrityError, match="r00001.safetensors"):
+        t.get(4, 1)
+    t.delete(4, 0)
+    t.delete(4, 1)
+    assert not t.fs.exists(t.dcp_dir(4))
