@@ -28,6 +28,8 @@ def source_words(name: str | None) -> str:
     """A restore source's name (`Keys.source`) in words."""
     if name and name.startswith("resharded_"):
         old, _, new = name.removeprefix("resharded_").partition("_to_")
+        if "x" in old:  # a sharded model's mesh shapes (dp_shard x tp)
+            return f"every old rank's snapshot, resharded from a {old} mesh to a {new} one"
         return f"every old rank's snapshot, resharded from {old} ranks to {new}"
     return _SOURCES.get(name or "", name or "?")
 

@@ -234,6 +234,11 @@ def _resharded(ctx: JoinContext, state: RankState, point: RestorePoint) -> str:
         ctx.events.emit("tracked_not_resharded", step=point.step,
                         note="per-rank tracked state stays with each process across a "
                              "world-size change; draw data from microbatch ids")
+    mesh = state.layout.export_meta().get("mesh")
+    if point.mesh and mesh and point.mesh != mesh:  # (a sharded model onto another mesh shape)
+        shape = "x".join  # dp_shard x tp
+        return (f"resharded_{shape(str(v) for v in point.mesh.values())}_to_"
+                f"{shape(str(v) for v in mesh.values())}")
     return f"resharded_{point.world_size}_to_{ctx.world_size}"
 
 

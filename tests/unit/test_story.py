@@ -81,3 +81,6 @@ def test_a_resharded_source_is_told_in_words():
     [ln] = Story().recovered({"gen": 1, "restore_step": 5, "recover_s": 0.2, "lost_steps": 0},
                              "resharded_4_to_3")
     assert "restored step 5 from every old rank's snapshot, resharded from 4 ranks to 3 in" in ln.text
+    [ln] = Story().recovered({"gen": 1, "restore_step": 5, "recover_s": 0.2, "lost_steps": 0},
+                             "resharded_2x2_to_4x1")  # a sharded model onto another mesh
+    assert "resharded from a 2x2 mesh to a 4x1 one in" in ln.text
