@@ -123,6 +123,7 @@ class SwapGroup(dist.ProcessGroup):
         # the other groups of the same mesh: a failure latched in one is latched in all
         # (the generation is over for every collective of the step)
         self.siblings: list[SwapGroup] = []
+        self.retired: str | None = None  # why this group cannot be used any more (`retire`)
 
     # -- identity (what c10d, DeviceMesh and FSDP2 ask) ---------------------------------
     def rank(self) -> int:
@@ -167,6 +168,12 @@ class SwapGroup(dist.ProcessGroup):
             else torch.device("cpu")
         front._register_backend(device, kind, ops.pg)
         self.inner, self.ops, self.generation, self.failure = front, ops, generation, None
+        self.retired = None
+
+    def retire(self, why: str) -> None:
+        """This group's members are no longer a group of the job (an HSDP job's world
+        after a replica group left): a collective on it raises `why`."""
+        self.retired, self.inner, self.failure = why, None, None
 
     def latch(self, exc: CommFailure) -> None:
         """The generation is over (a failed collective, a failure elsewhere, a new plan):
@@ -183,6 +190,8 @@ def _forwarder(method: str):
     scatter = "reduce_scatter" in method
 
     def forward(self: SwapGroup, *args, **kwargs):
+        if self.retired is not None:
+            raise RuntimeError(f"{method} on {self._name.removeprefix('phoenixft_')}: {self.retired}")
         if self.inner is None:
             raise RuntimeError(
                 f"{method} on the mesh's {self._name.removeprefix('phoenixft_')} group while "

@@ -173,6 +173,12 @@ class Fsdp2Layout(StateLayout):
     def contributes(self) -> bool:
         return self.group is None or self.group.rank() % self.tp == 0
 
+    def unit_ranks(self, rank: int, world_size: int) -> range:
+        return range(world_size)  # (its gradients are never a rank's own)
+
+    def can_move(self) -> bool:
+        return self.group is None  # `fully_shard` fixed this worker's shard
+
     def bind(self, ops: GroupOps, generation: int, microbatches: int,
              groups: dict[str, GroupOps]) -> None:
         self.group.swap(ops, generation)
@@ -337,8 +343,9 @@ class Fsdp2Layout(StateLayout):
                 state = self.opt.state.get(p, {})
                 for t in [p, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]))]:
                     self._tp_ops.broadcast(_local(t), 0, f"{what}: {name} over tp")
-        if self.group.failure is not None:
-            raise self.group.failure
+        failed = self.failure()
+        if failed is not None:
+            raise failed
 
     def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
         """This rank's shards on a new mesh (a job resumed onto another shape) from every
@@ -380,8 +387,9 @@ class Fsdp2Layout(StateLayout):
             for k, v in self.opt.state.get(p, {}).items():
                 if torch.is_tensor(v):
                     out[f"optim.{k}.{name}"] = (v.full_tensor() if v.dim() else v).detach().cpu()
-        if self.group.failure is not None:  # a gather that failed returned garbage
-            raise self.group.failure
+        failed = self.failure()
+        if failed is not None:  # a gather that failed returned garbage
+            raise failed
         return out
 
     def export_meta(self) -> dict:

@@ -44,6 +44,15 @@ Guarantees every implementation gives, and the rules for calling it:
 - `plan(m, world_size)` / `contributes()`: which microbatch ids each rank computes, and
   whether this rank's audit, loss and count go into the step's all-reduce (ranks of one
   tensor-parallel group compute the same microbatches: only one of them counts them).
+  `reassign` hands an interrupted step's unfinished ids to the next generation's ranks.
+- Failure units (HSDP's replica groups): `unit_ranks(rank, world_size)` are the ranks
+  whose gradients are one thing (FSDP2 reduce-scatters inside them): they keep a step's
+  finished microbatches together or not at all (`keeps_work`), and a unit leaves the job
+  whole. The `mesh_groups` that lie inside a unit (`in_unit`) are not interrupted by a
+  new generation that leaves the unit as it was: its collectives complete. `reduce`
+  (collective, before the step's all-reduce) reduces gradients across units without
+  touching the accumulated ones. `can_move()`: whether a worker can take another rank
+  (False: a worker its generation leaves out exits instead of waiting as a spare).
 """
 
 from __future__ import annotations
@@ -95,6 +104,32 @@ class StateLayout(ABC):
 
     def contributes(self) -> bool:
         """Whether this rank's microbatches are counted in the step's all-reduce."""
+        return True
+
+    def reassign(self, remaining: list[int], m: int, old_world: int,
+                 world_size: int) -> list[list[int]]:
+        """An interrupted step's unfinished ids, per rank of the next generation."""
+        return quota.reassign(remaining, self.plan(m, old_world), world_size)
+
+    def unit_ranks(self, rank: int, world_size: int) -> range:
+        """The ranks of `rank`'s failure unit (see the module docstring)."""
+        return range(rank, rank + 1)
+
+    def in_unit(self, name: str) -> bool:
+        """Whether mesh group `name` lies inside one failure unit."""
+        return False
+
+    def keeps_work(self) -> bool:
+        """Whether the gradients accumulated in the interrupted step are intact (decided
+        when the generation was left, `relocate`)."""
+        return self.local_gradients
+
+    def reduce(self, what: str) -> None:
+        """Collective, before the step's all-reduce: gradients across failure units."""
+        return None
+
+    def can_move(self) -> bool:
+        """Whether this worker, once laid out, can take another rank."""
         return True
 
     def bind(self, ops: GroupOps, generation: int, microbatches: int,

@@ -77,6 +77,10 @@ class Member:
         self.events = events
         self.make_step = make_step  # (index, ids, m) -> Step
         self.interrupt = Interrupt()
+        # interrupts the collectives inside this worker's failure unit (an HSDP replica
+        # group: `StateLayout.in_unit`) only when a new generation changes the unit
+        self.unit_interrupt = Interrupt()
+        self._ran_plan: Plan | None = None  # the plan of the generation joined last
         self.injector = Injector(parse_env(cfg.inject), member_hooks(
             store=store, wid=self.wid, shm_dir=cfg.shm_dir, events=events,
             agent_pid=cfg.agent_pid, before_fault=self.tell_passes,
@@ -147,6 +151,8 @@ class Member:
             if plan.kind is not PlanKind.RUN:
                 self._leave(plan)
             if plan.rank_of(self.wid) is None:
+                if state.joined and not state.layout.can_move():
+                    self._leave_unit(plan)
                 plan = self.await_plan(plan.generation + 1, self.cfg.timeouts.spare_wait_s)
                 continue
             if in_flight is None and not state.joined:
@@ -163,6 +169,16 @@ class Member:
                 self._bury_groups()
                 plan = self.await_plan(plan.generation + 1, self.cfg.timeouts.join_timeout_s)
 
+    def _leave_unit(self, plan: Plan) -> None:
+        """Generation `plan` goes on without this worker's replica group (a member of it
+        died and no spare was left), and a sharded worker cannot take another place: it
+        exits cleanly (the leader counts it gone, not failed; `--respawn` replaces it)."""
+        self.events.emit("left_with_group", gen=plan.generation, rank=self.rank,
+                         reason=plan.reason[:300])
+        self.store.set(Keys.left(self.wid), str(plan.generation))
+        self.shutdown()
+        raise SystemExit(0)
+
     def _leave(self, plan: Plan) -> None:
         self.shutdown()
         if plan.kind is PlanKind.ABORT:
@@ -176,14 +192,28 @@ class Member:
             store = self.connect()
             while self.generation < g_next and not self._stopped:
                 if kv.wait_for(store, [Keys.plan(g_next)], 0.25):
-                    self.interrupt.announce(g_next)
                     plan = Plan.from_json(store.get(Keys.plan(g_next)))
+                    self.interrupt.announce(g_next)
+                    if not self._unit_same(self.plan, plan):
+                        self.unit_interrupt.announce(g_next)
                     if (plan.kind is PlanKind.RUN and plan.rank_of(self.wid) is not None
                             and self._device is not None and not self._stopped):
                         self._start_builds(plan)  # while the training thread computes
                     return
         except (kv.StoreGone, RuntimeError):
             return  # the store is gone: the training thread finds out on its next wait
+
+    def _unit_same(self, old: Plan | None, new: Plan) -> bool:
+        """Whether this worker's failure unit has the same members, in the same places,
+        in plan `new` as in `old` (its rank and the unit's number may differ)."""
+        if old is None or self._layout is None or new.kind is not PlanKind.RUN:
+            return False
+        r, r2 = old.rank_of(self.wid), new.rank_of(self.wid)
+        if r is None or r2 is None:
+            return False
+        unit = self._layout.unit_ranks
+        return ([old.members[x] for x in unit(r, old.world_size)]
+                == [new.members.get(x) for x in unit(r2, new.world_size)])
 
     # -- joining a generation ----------------------------------------------------------
     def join(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
@@ -205,7 +235,11 @@ class Member:
         ctx = JoinContext(generation=self.generation, rank=self.rank,
                           world_size=self.world_size, ops=self.ops, store=self.store,
                           planner=self.planner, events=self.events, make_step=self.make_step,
-                          resume=self.cfg.persistence.resume)
+                          resume=self.cfg.persistence.resume,
+                          # a worker's first generation (a spare that computed ahead
+                          # included): no earlier unit to compare, its own work decides
+                          unit_intact=(self._ran_plan is None
+                                       or self._unit_same(self._ran_plan, plan)))
         point = recovery.restore_point(ctx, state, new_member=first or ahead, ahead=ahead)
         source, pending = self._restore(ctx, state, point, in_flight, first)
         self.planner.forget()
@@ -215,6 +249,7 @@ class Member:
             # tells with the replaced rank's source, is written after it
             self.store.set(Keys.source(self.generation, self.rank), source)
         self.ops.barrier("generation barrier")
+        self._ran_plan = plan
         self._record(plan, state, point, source, pending, t0)
         phases["barrier"] = time.time() - t0
         self.events.emit("joined", gen=self.generation, rank=self.rank,
@@ -271,6 +306,7 @@ class Member:
         g = plan.generation
         self.plan, self.generation = plan, g
         self.interrupt.enter(g)
+        self.unit_interrupt.enter(g)
         if self.led:
             watcher = threading.Thread(target=self._watch, args=(g + 1,), daemon=True,
                                        name=f"phoenixft-watch-{g + 1}")
@@ -292,7 +328,8 @@ class Member:
         phases = {"group": time.time() - t0}
         self._rep_pg = builds["replicate"].result(wait_s) if "replicate" in builds else None
         self._mesh_ops = {
-            name: GroupOps(builds[name].result(wait_s), self.interrupt,
+            name: GroupOps(builds[name].result(wait_s),
+                           self.unit_interrupt if self._layout.in_unit(name) else self.interrupt,
                            self.cfg.timeouts.collective_timeout_s)
             for name in self._layout.mesh_groups(self.rank, self.world_size)}
         return phases

@@ -36,7 +36,6 @@ from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.comm.collectives import GroupOps
 from phoenixft.observe.events import EventLog
-from phoenixft.train import quota
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.step import Step, StepPhase
 
@@ -54,6 +53,9 @@ class JoinContext:
     events: EventLog
     make_step: Callable[[int, list[int], int], Step]  # (index, ids, m) -> a Step
     resume: bool = False  # the job was started with --resume: a fresh start is an error
+    # this rank's failure unit has the same members as in the generation its interrupted
+    # step ran in (`StateLayout.unit_ranks`): only then can it keep that step's work
+    unit_intact: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,13 +185,20 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
             in_flight.loss_sum = 0.0
             new_member, in_flight = True, None  # and join as a new member
     keep = (not new_member and in_flight is not None and in_flight.index == t + 1
-            and in_flight.phase != StepPhase.UPDATE and state.layout.local_gradients)
-    flags = ctx.ops.allreduce(torch.tensor([float(keep)]), "agreeing on in-step recovery")
-    in_step = flags[0] > 0  # some member keeps finished microbatches of step t+1
+            and in_flight.phase != StepPhase.UPDATE and state.layout.keeps_work()
+            and ctx.unit_intact)
+    flags = torch.zeros(ctx.world_size)
+    flags[ctx.rank] = float(keep)
+    ctx.ops.allreduce(flags, "agreeing on in-step recovery")
+    # a failure unit (an HSDP replica group) keeps its work only if all of it does
+    unit = state.layout.unit_ranks
+    kept = [all(flags[x] > 0 for x in unit(r, ctx.world_size)) for r in range(ctx.world_size)]
+    keep = kept[ctx.rank]
+    in_step = any(kept)  # some member keeps finished microbatches of step t+1
     # Every member keeps (survivors that had not updated, a spare that loaded every rank's
     # shard of t to compute ahead): each already holds t's parameters, bit for bit, and
     # the all-gather would write the same bytes again (25 ms of a recovery, 4 workers).
-    everyone_holds_t = int(flags[0]) == ctx.world_size
+    everyone_holds_t = all(kept)
     mesh = state.layout.export_meta().get("mesh")
     if point.world_size == ctx.world_size and (point.mesh is None or point.mesh == mesh):
         source = _same_world(ctx, state, point, load_rank_state=not keep,
@@ -252,7 +261,7 @@ def _resume_step(ctx: JoinContext, state: RankState, index: int, in_flight: Step
             done[j] = 1.0
     ctx.ops.allreduce(done, "collecting finished microbatches")
     remaining = [j for j in range(m_step) if done[j] == 0]
-    assigned = quota.reassign(remaining, quota.plan(m_step, old_world), ctx.world_size)
+    assigned = state.layout.reassign(remaining, m_step, old_world, ctx.world_size)
     mine = assigned[ctx.rank]
     if in_flight is None:
         st = ctx.make_step(index, mine, m_step)
