@@ -2,6 +2,7 @@
 
     phoenixft run --nproc 4 --spares 1 examples/train_fsdp.py --steps 50
     phoenixft run --nproc 4 --spares 1 examples/train_fsdp.py --tp 2   # (2, 2) mesh
+    phoenixft run --nproc 4 --min-nproc 2 examples/train_fsdp.py --dp-shard 2  # HSDP, 2 x 2
     torchrun --nproc-per-node 4 examples/train_fsdp.py --steps 50      # no phoenixft
 
 The model is sharded the way torchtitan does it: `parallelize(model, mesh)` applies
@@ -90,7 +91,8 @@ def under_phoenixft(args) -> None:
     sess = phoenixft.Session()
     model, windows = build(args)
     sess.setup(model, optimizer(args), microbatches=args.microbatches, tp=args.tp,
-               parallelize=lambda m, mesh: parallelize(m, mesh, args.bf16, args.dp_shard))
+               parallelize=lambda m, mesh: parallelize(m, mesh, args.bf16, args.dp_shard),
+               dp_shard=None if args.dp_shard == -1 else args.dp_shard)
     for step in sess.steps(args.steps):
         for j in step.microbatches():
             step.backward(loss_of(model, windows, step.index, j))
@@ -148,8 +150,9 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel degree: a (ranks/tp, tp) mesh, the MLPs split over tp")
     ap.add_argument("--dp-shard", type=int, default=-1,
-                    help="FSDP2's degree: -1 (default) the ranks / tp; any other value must "
-                         "equal it (checked; torchtitan's flag)")
+                    help="FSDP2's degree (torchtitan's flag): -1 (default) the ranks / tp; "
+                         "under phoenixft a smaller N makes HSDP, replica groups of N x tp "
+                         "ranks (a group is the unit of failure)")
     ap.add_argument("--microbatches", type=int, default=None,
                     help="under phoenixft: microbatches per step over all ranks (default one "
                          "per rank); keep it when resuming onto another number of ranks")

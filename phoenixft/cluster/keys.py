@@ -79,6 +79,10 @@ class Keys:
         return f"exit/{wid}"
 
     @staticmethod
+    def left(wid: str) -> str:  # the worker, exiting because its replica group left the job
+        return f"left/{wid}"
+
+    @staticmethod
     def finished(wid: str) -> str:  # the worker, once its Session.steps() completed
         return f"finished/{wid}"
 
@@ -167,6 +171,7 @@ class Keys:
         return f"persist_error/{rank}"
 
     # -- progress and results (rank 0) ---------------------------------------------------
+    UNIT = "unit"  # every rank at setup: ranks per failure unit (an HSDP replica group)
     MB_COUNT = "mb_count"  # add-counter: microbatch forward+backward passes, all ranks
     PROGRESS = "progress"  # rank 0: last completed step
 

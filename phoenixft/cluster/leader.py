@@ -204,6 +204,11 @@ class Leader:
                     self.problems.append(f"worker {w.wid} exited after training with "
                                          f"{rep['detail'].splitlines()[-1]}")
                 continue
+            if self.store.check([Keys.left(w.wid)]) and rep.get("rc") == 0:
+                w.state = WorkerState.EXITED  # its replica group left (`Member._leave_unit`)
+                self.monitor.forget(w.wid)
+                self.events.emit("worker_left", wid=w.wid, note="its replica group left the job")
+                continue
             if rep["kind"] == ReportKind.ERROR:
                 self._abort(f"the training script raised on worker {rep['wid']}:\n{rep['detail']}",
                             error=True)
@@ -293,20 +298,24 @@ class Leader:
             [policy.Spare(w.wid, w.node) for w in self._spares()],
             min_world=self.cfg.min_world, progress=kv.get_int(self.store, Keys.PROGRESS, 0),
             previous_recovered=plan.generation == 0 or
-            self.store.check([Keys.recovered(plan.generation)]))
+            self.store.check([Keys.recovered(plan.generation)]),
+            unit=kv.get_int(self.store, Keys.UNIT, 1))
         if nxt.decision is policy.Decision.STOP:
             self._abort(nxt.reason)
             return
         for wid in nxt.taken:
             self.workers[wid].state = WorkerState.RUNNING
+        for wid in set(plan.members.values()) - set(nxt.plan.members.values()):
+            if self.workers[wid].state is WorkerState.RUNNING:  # its replica group left
+                self.workers[wid].state = WorkerState.WAITING
         self._publish(nxt.plan)
 
     def _grow(self) -> None:
         """A spare is waiting while the job runs below its starting size: ask the members
         to stop at the next committed step, then admit the spare (`policy.grow`)."""
-        plan = self.plan
-        if plan.world_size >= self.target_world or not self._spares():
-            return
+        plan, unit = self.plan, kv.get_int(self.store, Keys.UNIT, 1)
+        if plan.world_size + unit > self.target_world or len(self._spares()) < unit:
+            return  # (a replica group comes back whole)
         if not self.store.check([Keys.grow(plan.generation)]):
             self.store.set(Keys.grow(plan.generation), "1")
             return
@@ -314,7 +323,8 @@ class Leader:
             return
         nxt = policy.grow(plan, [policy.Spare(w.wid, w.node) for w in self._spares()],
                           target_world=self.target_world,
-                          progress=kv.get_int(self.store, Keys.PROGRESS, 0))
+                          progress=kv.get_int(self.store, Keys.PROGRESS, 0),
+                          unit=unit)
         for wid in nxt.taken:
             self.workers[wid].state = WorkerState.RUNNING
         self._publish(nxt.plan)

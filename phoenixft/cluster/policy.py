@@ -47,20 +47,25 @@ class Next:
 
 def after_failures(plan: Plan, failed: list[Failed], spares: list[Spare], *,
                    min_world: int | None, progress: int,
-                   previous_recovered: bool) -> Next:
+                   previous_recovered: bool, unit: int = 1) -> Next:
     """The next generation after members failed. Each dead rank goes to a live spare,
     preferring one on the dead rank's node (it maps the dead rank's snapshot from shared
     memory), else the lowest-named one elsewhere; when spares run out, the survivors go
     on without the dead ranks if `min_world` allows (renumbered in order), else the job
     stops. A recovery that never completed (`previous_recovered` False) is folded into
-    this one: its replaced ranks and its failure times carry over."""
+    this one: its replaced ranks and its failure times carry over.
+
+    `unit` > 1: the job's failure unit is a replica group of `unit` consecutive ranks
+    (HSDP: FSDP2 shards inside it). Spares still take dead ranks inside their group; when
+    there are too few for every dead rank, each group with a dead rank leaves whole (its
+    live ranks become spares) and the other groups go on."""
     members, nodes = dict(plan.members), dict(plan.nodes)
     replaced: dict[int, str] = {}
     left = sorted(spares, key=lambda s: s.wid)
     taken = []
+    if len(failed) > len(left):
+        return _shrink(plan, failed, min_world=min_world, progress=progress, unit=unit)
     for f in failed:
-        if not left:
-            return _shrink(plan, failed, min_world=min_world, progress=progress)
         node = plan.nodes[f.rank]
         left.sort(key=lambda s: (s.node != node, s.wid))
         spare = left.pop(0)
@@ -78,9 +83,10 @@ def after_failures(plan: Plan, failed: list[Failed], spares: list[Spare], *,
         t_fail=t_fail, t_detect=t_detect, progress=progress), taken=tuple(taken))
 
 
-def _shrink(plan: Plan, failed: list[Failed], *, min_world: int | None, progress: int) -> Next:
-    dead = {f.wid for f in failed}
-    alive = [(r, w) for r, w in sorted(plan.members.items()) if w not in dead]
+def _shrink(plan: Plan, failed: list[Failed], *, min_world: int | None, progress: int,
+            unit: int = 1) -> Next:
+    lost = {f.rank // unit for f in failed}  # (unit 1: each dead rank is its own unit)
+    alive = [(r, w) for r, w in sorted(plan.members.items()) if r // unit not in lost]
     f = failed[0]
     if min_world is None or len(alive) < min_world:
         why = ("rerun with more --spares, or let the job shrink with --min-nproc"
@@ -93,20 +99,25 @@ def _shrink(plan: Plan, failed: list[Failed], *, min_world: int | None, progress
         members={i: w for i, (_, w) in enumerate(alive)},
         nodes={i: plan.nodes[r] for i, (r, _) in enumerate(alive)},
         replaced={x.rank: x.wid for x in failed},
-        reason="shrink: " + "; ".join(f"{x.wid}: {x.detail}" for x in failed),
+        reason="shrink: " + "; ".join(f"{x.wid}: {x.detail}" for x in failed)
+        + "".join(f"; replica group {u} (ranks {u * unit}-{u * unit + unit - 1}) leaves"
+                  for u in sorted(lost) if unit > 1),
         t_fail=min(x.t_fail for x in failed), t_detect=min(x.t_detect for x in failed),
         progress=progress))
 
 
-def grow(plan: Plan, spares: list[Spare], *, target_world: int, progress: int) -> Next | None:
+def grow(plan: Plan, spares: list[Spare], *, target_world: int, progress: int,
+         unit: int = 1) -> Next | None:
     """Admit spares, lowest-named first, up to the job's starting size (None: nothing to
-    admit). The caller has already held the members at a committed step boundary."""
-    if plan.world_size >= target_world or not spares:
+    admit), whole replica groups of `unit` ranks at a time. The caller has already held
+    the members at a committed step boundary."""
+    room = min(target_world - plan.world_size, len(spares)) // unit * unit
+    if room <= 0:
         return None
     members, nodes = dict(plan.members), dict(plan.nodes)
     taken = []
     for s in sorted(spares, key=lambda s: s.wid):
-        if len(members) >= target_world:
+        if len(taken) >= room:
             break
         members[len(members)] = s.wid
         nodes[len(nodes)] = s.node

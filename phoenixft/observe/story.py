@@ -124,7 +124,12 @@ class Story:
             return []
         replaced = {int(r): w for r, w in (e.get("replaced") or {}).items()}
         n0, n = len(before), len(members)
-        if n < n0:
+        gone = sorted(r for r, w in before.items() if w not in members.values())
+        if n < n0 and set(gone) != set(replaced):  # whole replica groups left (HSDP)
+            what = (f"no spare left: ranks {', '.join(map(str, gone))} leave with their "
+                    f"replica group; {plural(n, 'rank')} go on (was {n0}), taking over "
+                    "their microbatches")
+        elif n < n0:
             what = (f"no spare left: {plural(n, 'rank')} go on (was {n0}), taking over "
                     f"{', '.join(f'rank {r}' for r in sorted(replaced))}'s microbatches")
         elif n > n0:
@@ -146,8 +151,9 @@ class Story:
         where = (f"restored step {step} from {src}" if step is not None and step >= 0
                  else "no step to restore (none committed yet)")
         lost = rec.get("lost_steps", 0)
-        return [Line(f"phoenixft: generation {rec.get('gen')} training again: {where} in "
-                     f"{duration(rec.get('recover_s'))} after detection, "
+        took = (f" in {duration(rec.get('recover_s'))} after detection"
+                if rec.get("recover_s") is not None else "")  # (a grow: nothing failed)
+        return [Line(f"phoenixft: generation {rec.get('gen')} training again: {where}{took}, "
                      f"{plural(lost, 'completed step')} lost")]
 
 

@@ -39,6 +39,7 @@ from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.flat_layout import FlatZero1
 from phoenixft.train.fsdp_layout import Fsdp2Layout, Parallelize
+from phoenixft.train.hsdp_layout import HsdpLayout
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
 from phoenixft.train.rank_state import RankState
@@ -131,7 +132,8 @@ class Session:
               optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
               *, scheduler: SchedulerFactory | None = None,
               track: dict[str, object] | None = None, microbatches: int | None = None,
-              parallelize: Parallelize | None = None, tp: int = 1) -> None:
+              parallelize: Parallelize | None = None, tp: int = 1,
+              dp_shard: int | None = None) -> None:
         """Register the model, the optimizer factory, an optional LR scheduler factory
         (`lambda opt: CosineAnnealingLR(opt, T_max=...)`, stepped after every optimizer
         step; its state is snapshotted and restored with the optimizer's) and any extra
@@ -142,8 +144,11 @@ class Session:
         optimizer is then built on its DTensor parameters (`fsdp_layout.py`). `tp` > 1
         makes the mesh two-dimensional, ("dp_shard", "tp"), with groups of `tp`
         consecutive ranks for tensor parallelism (`parallelize_module` over mesh["tp"]),
-        each group computing the same microbatches. Without `parallelize` the session
-        runs ZeRO-1 over a flat copy of the parameters (`flat_layout.py`).
+        each group computing the same microbatches. `dp_shard` (with `parallelize`): HSDP,
+        replica groups of dp_shard x tp ranks, FSDP2 inside each (the mesh is the
+        group's), gradients averaged across groups by phoenixft, a group the unit of
+        failure (`hsdp_layout.py`); None: one group of every rank. Without `parallelize`
+        the session runs ZeRO-1 over a flat copy of the parameters (`flat_layout.py`).
         Spares block here until activated."""
         if microbatches is not None and microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
@@ -153,9 +158,18 @@ class Session:
         if tp != 1 and parallelize is None:
             raise ValueError(f"tp={tp} needs parallelize=: tensor parallelism is the "
                              "user's parallelize_module over the mesh phoenixft gives")
-        layout = (FlatZero1(model, optimizer, scheduler) if parallelize is None
-                  else Fsdp2Layout(model, optimizer, parallelize, scheduler, tp=tp,
-                                   before_reduce_scatter=self._in_backward))
+        if dp_shard is not None and parallelize is None:
+            raise ValueError(f"dp_shard={dp_shard} needs parallelize=: the replica groups "
+                             "shard the model with FSDP2")
+        if parallelize is None:
+            layout = FlatZero1(model, optimizer, scheduler)
+        elif dp_shard is None:
+            layout = Fsdp2Layout(model, optimizer, parallelize, scheduler, tp=tp,
+                                 before_reduce_scatter=self._in_backward)
+        else:
+            layout = HsdpLayout(model, optimizer, parallelize, scheduler, tp=tp,
+                                dp_shard=dp_shard, before_reduce_scatter=self._in_backward)
+            self.store.set(Keys.UNIT, str(layout.unit))  # the leader drops whole groups
         self.state = RankState(model=model, layout=layout,
                                tracked=tracked, policy=self.cfg.policy, m=microbatches or 0)
         self._warm_up(optimizer)
@@ -288,6 +302,7 @@ class Session:
         self.member.injector.at_step(self.rank, st.index, "reduce")
         self.member.tell_passes()
         st.phase = StepPhase.REDUCE
+        state.layout.reduce(f"cross-group gradient all-reduce (step {st.index})")
         ops.allreduce(g, f"gradient all-reduce (step {st.index})")
         counts = g[lay.mask].tolist()
         if int(g[lay.count]) != st.m or any(c != 1.0 for c in counts):
