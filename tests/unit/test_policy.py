@@ -89,3 +89,33 @@ def test_grow_admits_spares_up_to_the_starting_size(members, live, target, expec
         return
     assert nxt.decision is Decision.GROW and nxt.plan.members == expect
     assert nxt.plan.reason == "grow" and nxt.plan.progress == 9
+
+
+@pytest.mark.parametrize("dead, live, expect", [
+    # replica groups of 2 (HSDP): a dead rank with no spare takes its live partner along
+    ([("d", 3)], [], {0: "a", 1: "b", 2: "e", 3: "f"}),
+    ([("a", 0)], [], {0: "c", 1: "d", 2: "e", 3: "f"}),
+    ([("a", 0), ("b", 1)], [], {0: "c", 1: "d", 2: "e", 3: "f"}),
+    ([("b", 1), ("e", 4)], [], {0: "c", 1: "d"}),
+    # spares first: a dead rank is replaced inside its group
+    ([("d", 3)], [("s", 0)], {0: "a", 1: "b", 2: "c", 3: "s", 4: "e", 5: "f"}),
+    # too few spares for every dead rank: the groups leave, no spare is taken
+    ([("c", 2), ("d", 3)], [("s", 0)], {0: "a", 1: "b", 2: "e", 3: "f"}),
+])
+def test_replica_groups_leave_whole_when_no_spare_is_left(dead, live, expect):
+    nxt = after_failures(plan("a b c d e f"), failed(*dead), spares(*live), min_world=2,
+                         progress=3, previous_recovered=True, unit=2)
+    assert nxt.plan.members == expect
+    if len(expect) < 6:
+        assert nxt.decision is Decision.SHRINK and nxt.taken == ()
+        assert "replica group" in nxt.plan.reason
+
+
+@pytest.mark.parametrize("live, expect", [
+    ([("s", 0)], None),  # one spare cannot make a group of 2
+    ([("s", 0), ("t", 0)], {0: "a", 1: "b", 2: "s", 3: "t"}),
+    ([("s", 0), ("t", 0), ("u", 0)], {0: "a", 1: "b", 2: "s", 3: "t"}),
+])
+def test_grow_admits_whole_replica_groups(live, expect):
+    nxt = grow(plan("a b"), spares(*live), target_world=6, progress=9, unit=2)
+    assert (nxt.plan.members if nxt else None) == expect

@@ -26,6 +26,12 @@ def test_generations_are_told_as_replace_shrink_and_grow():
     assert "no spare left: 2 ranks go on (was 3), taking over rank 1's microbatches" in ln.text
     [ln] = s.tell(_gen(3, {"0": "a", "1": "c", "2": "e"}))
     assert "e admitted: back to 3 ranks (was 2)" in ln.text
+    # an HSDP replica group leaves whole: its live member is named with the dead one
+    h = Story()
+    h.tell(_gen(0, {"0": "a", "1": "b", "2": "c", "3": "d"}))
+    [ln] = h.tell(_gen(1, {"0": "a", "1": "b"}, {"3": "d"}))
+    assert ln.text == ("phoenixft: generation 1: no spare left: ranks 2, 3 leave with their "
+                       "replica group; 2 ranks go on (was 4), taking over their microbatches")
     assert s.tell(_gen(3, {"0": "a", "1": "c", "2": "e"})) == []  # told once
     assert s.tell(_gen(4, {"0": "a", "1": "c", "2": "e"}, kind="done")) == []
 
@@ -84,3 +90,10 @@ def test_a_resharded_source_is_told_in_words():
     [ln] = Story().recovered({"gen": 1, "restore_step": 5, "recover_s": 0.2, "lost_steps": 0},
                              "resharded_2x2_to_4x1")  # a sharded model onto another mesh
     assert "resharded from a 2x2 mesh to a 4x1 one in" in ln.text
+
+
+def test_a_grow_is_told_without_a_detection_time():
+    [ln] = Story().recovered({"gen": 2, "restore_step": 4, "recover_s": None, "lost_steps": 0},
+                             "resharded_2_to_4")
+    assert "after detection" not in ln.text and "?" not in ln.text
+    assert ln.text.startswith("phoenixft: generation 2 training again: restored step 4 from ")

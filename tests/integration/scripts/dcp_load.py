@@ -39,6 +39,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         save_file(full, out)
     assert "phoenixft" not in sys.modules
+    # both ranks leave together: a rank tearing gloo down while the other still writes
+    # was seen to abort in the torn-down rank ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

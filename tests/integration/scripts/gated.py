@@ -39,15 +39,15 @@ def wait_for_failure_plan(run_dir: Path, wid: str) -> None:
     wait_until(lambda: len(generations()) >= 2, "generation after the first")
 
 
-def hold(run_dir: Path, until_file: str | None) -> None:
-    """Wait for the file in the run directory, or for a respawned worker's registration
-    when no file is named."""
+def hold(run_dir: Path, until_file: str | None, spares: int = 1) -> None:
+    """Wait for the file in the run directory, or for `spares` respawned workers'
+    registrations when no file is named."""
     if until_file is not None:
         wait_until((run_dir / until_file).exists, f"{until_file} in the run dir")
     else:
-        wait_until(lambda: any(e["event"] == "spare_added"
-                               for e in read_events(run_dir / "events.jsonl")),
-                   "respawned worker registered")
+        wait_until(lambda: sum(e["event"] == "spare_added"
+                               for e in read_events(run_dir / "events.jsonl")) >= spares,
+                   f"{spares} respawned worker(s) registered")
 
 
 def main() -> None:
