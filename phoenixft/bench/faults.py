@@ -152,8 +152,14 @@ class FaultConfig:
     timeout_s: float = 600.0
     seed: int = 0  # which rank dies at each fault (a seeded choice among the live ones)
     poll_s: float = 0.05
+    # wall-clock faults wait until the job trains on this many workers again (0: once it
+    # recovered at all): an HSDP job of 2 replica groups that lost one has no group to
+    # lose next until the lost one came back
+    full_world: int = 0
 
     def __post_init__(self) -> None:
+        if self.full_world < 0:
+            raise ValueError(f"FaultConfig.full_world must be >= 0, got {self.full_world}")
         if self.failures < 0:
             raise ValueError(f"FaultConfig.failures must be >= 0, got {self.failures}")
         for name in ("interval_s", "timeout_s", "poll_s"):
@@ -222,7 +228,7 @@ def _maybe_kill(job: Job, cfg: FaultConfig, out: Outcome, rng: random.Random, no
     latest = out.steps[-1]
     due = out.steps[0].t + (len(out.kills) + 1) * cfg.interval_s
     recovered = not out.kills or latest.epoch > out.kills[-1]["epoch"]
-    if now < due or not recovered:
+    if now < due or not recovered or latest.world_size < cfg.full_world:
         return
     victims = job.victims()
     if not victims:

@@ -14,6 +14,15 @@ run one after another in one invocation:
 - restart-env (optional): `restart` with a plain `init_process_group("gloo")`, which on
            torch 2.13 fails its restarts on stale gloo addresses (torchrun_baseline.py)
 
+With `--dp-shard S` every mode trains examples/train_fsdp.py's model as HSDP instead:
+nproc / S replica groups of S FSDP2 ranks, one microbatch per rank and step. A SIGKILL
+costs the dead rank's whole group: `spares` swaps it inside its group, `shrink` goes on
+with the other groups taking the lost group's microbatches and `--respawn` brings the
+group back at a step boundary (a wall-clock fault waits until it is back: with 2 groups
+there is no other group to lose meanwhile), and `restart` is torchrun with
+`dcp.async_save` every K steps on the same (replicate, shard) mesh
+(torchrun_fsdp_baseline.py), what torchtitan users run without torchft.
+
 Faults are SIGKILLs of one training worker every `--interval` seconds after the first
 step (see `faults.py`); by default the interval is the failure-free run's duration divided
 by failures + 1, so the faults fall at even fractions of the job on any machine. With
@@ -73,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: steps per torch.save")
     p.add_argument("--timeout", type=float, default=400.0, help="wall-clock limit per mode, seconds")
     p.add_argument("--seed", type=int, default=0, help="which ranks die (and the data seed)")
+    p.add_argument("--dp-shard", type=int, default=0, metavar="S",
+                   help="HSDP: replica groups of S FSDP2 ranks (train_fsdp.py; the group is the "
+                        "unit of failure; microbatches = nproc); 0: data parallel train_gpt.py")
     p.add_argument("--quick", action="store_true",
                    help="about 2 minutes: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     p.add_argument("--out", default="runs/bench/goodput.json")
@@ -82,13 +94,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def make_job(mode: str, run_dir: Path, work: Workload, args):
     from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob
+    from phoenixft.bench.sharded import FSDP, FSDP_BASELINE
 
+    hsdp = ["--dp-shard", str(args.dp_shard)] if args.dp_shard else []
     if mode.startswith("restart"):
+        extra = {"script": FSDP_BASELINE, "ckpt": "dcp", "script_extra": hsdp} if hsdp else {}
         return TorchrunJob(run_dir=run_dir, work=work, max_restarts=args.failures,
                            ckpt_every=args.ckpt_every,
-                           init="env" if mode == "restart-env" else "per-attempt")
-    launcher = {"clean": [], "spares": ["--spares", str(args.failures)],
-                "shrink": ["--min-nproc", "1"]}[mode]
+                           init="env" if mode == "restart-env" else "per-attempt", **extra)
+    shrink = (["--min-nproc", str(args.dp_shard), "--respawn", str(args.failures * args.dp_shard)]
+              if hsdp else ["--min-nproc", "1"])
+    launcher = {"clean": [], "spares": ["--spares", str(args.failures)], "shrink": shrink}[mode]
+    if hsdp:
+        return PhoenixJob(run_dir=run_dir, work=work, launcher_args=launcher, script=FSDP,
+                          script_extra=hsdp)
     return PhoenixJob(run_dir=run_dir, work=work, launcher_args=launcher)
 
 
@@ -96,17 +115,20 @@ def processes(mode: str, args) -> str:
     """Worker processes besides the launcher (phoenixft's agent or torchrun's)."""
     if mode == "spares":
         return f"{args.nproc} + {args.failures} spares"
+    if mode == "shrink" and args.dp_shard:
+        return f"{args.nproc}, up to {args.failures * args.dp_shard} respawned"
     if mode.startswith("restart"):
         return f"{args.nproc}, new ones per restart"
     return str(args.nproc)
 
 
-def measure_mode(mode: str, out: Outcome, work: Workload, tokens_per_step: int) -> dict:
+def measure_mode(mode: str, out: Outcome, work: Workload, tokens_per_step: int,
+                 label: str | None = None) -> dict:
     """Figures of one mode from its step events (see the module docstring)."""
     steps = out.steps
     for k in out.kills:
         k["t_rel"] = round(k["t"] - out.t_launch, 3)
-    row = {"mode": mode, "label": LABELS[mode], "rc": out.rc, "timed_out": out.timed_out,
+    row = {"mode": mode, "label": label or LABELS[mode], "rc": out.rc, "timed_out": out.timed_out,
            "failures": len(out.kills), "kills": out.kills,
            "progress": [[round(s.t - out.t_launch, 3), s.step, s.world_size, s.epoch] for s in steps]}
     if len(steps) < 2:
@@ -167,7 +189,9 @@ def _modes(args) -> list[str]:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"phoenixft bench goodput: unknown modes {bad}; choose from {MODES}")
-    if args.failures >= args.nproc and "shrink" in modes:
+    if args.dp_shard:
+        _check_hsdp(args, modes)
+    elif args.failures >= args.nproc and "shrink" in modes:
         raise SystemExit(f"phoenixft bench goodput: --failures {args.failures} needs more than "
                          f"--nproc {args.nproc} workers (shrink keeps one survivor)")
     if args.fault_steps is not None:
@@ -193,6 +217,26 @@ def _modes(args) -> list[str]:
     return modes
 
 
+def _check_hsdp(args, modes: list[str]) -> None:
+    s = args.dp_shard
+    if s < 1 or args.nproc % s or args.nproc // s < 2:
+        raise SystemExit(f"phoenixft bench goodput: --dp-shard {s} must divide --nproc "
+                         f"{args.nproc} into at least 2 replica groups")
+    if args.microbatches != args.nproc:
+        raise SystemExit(f"phoenixft bench goodput: --dp-shard trains one microbatch per rank: "
+                         f"give --microbatches {args.nproc}, not {args.microbatches}")
+    if "restart-env" in modes:
+        raise SystemExit("phoenixft bench goodput: restart-env is the DDP baseline's; with "
+                         "--dp-shard run restart")
+
+
+HSDP_LABELS = {"clean": "(d) phoenixft HSDP failure-free",
+               "spares": "(a) phoenixft HSDP, swap in the group",
+               "shrink": "(b) phoenixft HSDP, group leaves + respawn",
+               "restart": "(c) torchrun HSDP + dcp.async_save",
+               "restart-clean": "torchrun HSDP failure-free"}
+
+
 def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
              tokens_per_step: int) -> dict:
     """Run one mode in its own process tree and measure it."""
@@ -202,12 +246,14 @@ def run_mode(mode: str, work: Workload, args, interval_s: float, root: Path,
     faulted = mode not in ("clean", "restart-clean")
     cfg = FaultConfig(failures=args.failures if faulted else 0, interval_s=interval_s,
                       at_steps=tuple(args.fault_steps or ()) if faulted else (),
-                      timeout_s=args.timeout, seed=args.seed)
-    step_faults = cfg.step_faults(args.nproc, shrinking=mode == "shrink")
+                      timeout_s=args.timeout, seed=args.seed,
+                      full_world=args.nproc if args.dp_shard and mode == "shrink" else 0)
+    step_faults = cfg.step_faults(args.nproc, shrinking=mode == "shrink" and not args.dp_shard)
     job = make_job(mode, root / mode, work, args)
     print(f"[goodput] {mode}: {' '.join(job.argv())}", flush=True)
     out = drive(job, cfg, step_faults)
-    r = measure_mode(mode, out, work, tokens_per_step)
+    r = measure_mode(mode, out, work, tokens_per_step,
+                     label=HSDP_LABELS[mode] if args.dp_shard else None)
     r.update(processes=processes(mode, args), run_dir=str(root / mode), loadavg_1m=os.getloadavg()[0])
     if isinstance(job, TorchrunJob):
         r["restarts"] = job.restart_report()
@@ -249,6 +295,8 @@ def measure(opts: BenchOptions) -> dict:
     rows, interval = _run_modes(args, modes, work, opts.runs_dir("goodput"), tokens_per_step)
     compare(rows, args.nproc)
     return {"benchmark": "goodput", "preset": args.preset, "steps": args.steps,
+            "layout": (f"hsdp {args.nproc // args.dp_shard}x{args.dp_shard}" if args.dp_shard
+                       else "dp"),
             "nproc": args.nproc, "microbatches": args.microbatches,
             "tokens_per_step": tokens_per_step, "threads_per_worker": 1,
             "cpu_count": os.cpu_count(), "loadavg_before": load_before,

@@ -124,6 +124,7 @@ class TorchrunJob:
     ckpt_every: int
     script: Path = BASELINE  # or torchrun_fsdp_baseline.py (FSDP2 + dcp.async_save)
     ckpt: str = "ckpt.pt"  # under run_dir: the baseline's --ckpt
+    script_extra: list[str] = field(default_factory=list)  # e.g. --dp-shard for HSDP
     init: str = "per-attempt"  # see torchrun_baseline.init_process_group
     pg_timeout_s: float = 60.0
     port: int = field(default_factory=_free_port)
@@ -139,7 +140,8 @@ class TorchrunJob:
                 "--master-addr", "127.0.0.1", "--master-port", str(self.port),
                 str(self.script), *self.work.script_args(), "--ckpt-every", str(self.ckpt_every),
                 "--ckpt", str(self.run_dir / self.ckpt), "--events", str(self.run_dir / "events.jsonl"),
-                "--init", self.init, "--pg-timeout", str(self.pg_timeout_s), *kills]
+                "--init", self.init, "--pg-timeout", str(self.pg_timeout_s), *kills,
+                *self.script_extra]
 
     def start(self, step_faults: list[StepFault]) -> ProcessTree:
         _fresh(self.run_dir)

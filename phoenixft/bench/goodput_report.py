@@ -26,7 +26,8 @@ def _schedule(result: dict) -> str:
 def print_table(result: dict) -> None:
     console = Console(width=max(Console().width, 170))
     table = Table(title=(
-        f"goodput: {result['preset']} preset, {result['steps']} steps x {result['microbatches']} "
+        f"goodput ({result.get('layout', 'dp')}): {result['preset']} preset, "
+        f"{result['steps']} steps x {result['microbatches']} "
         f"microbatches ({result['tokens_per_step']} tokens/step); each mode: 1 launcher process "
         f"+ worker processes x 1 torch thread, on {result['cpu_count']} cores; "
         f"{_schedule(result)}, "

@@ -8,9 +8,11 @@ rank starts `dcp.async_save` of the model and optimizer state dicts
 (`get_state_dict`) into ``<ckpt>/step-N`` over a gloo group of its own (the training
 collectives do not wait behind it); a save is complete when DCP wrote its ``.metadata``.
 Before the next save starts, the previous one is awaited (one in flight, as torchtitan
-does). On (re)start every rank loads the newest complete save with `dcp.load` and carries
-on from the step after it. torchrun's `--max-restarts` restarts the whole group when one
-worker dies: each failure costs a restart plus the steps since the last complete save.
+does). With `--dp-shard S` below the world size the mesh is (world / S, S) and
+`fully_shard` makes it HSDP (torchtitan's dp_replicate x dp_shard). On (re)start every
+rank loads the newest complete save with `dcp.load` and carries on from the step after
+it. torchrun's `--max-restarts` restarts the whole group when one worker dies: each
+failure costs a restart plus the steps since the last complete save.
 
 Progress goes to `--events` (start, resumed, step, checkpoint, done), in the format of
 torchrun_baseline.py, whose fault injection (`--kill-at`) and process-group set-up it
@@ -60,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP",
                     help="SIGKILL this worker when rank RANK starts step STEP, once per job")
     ap.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, s")
+    ap.add_argument("--dp-shard", type=int, default=-1,
+                    help="ranks per FSDP2 shard group; fewer than the world makes it HSDP "
+                         "(world / dp_shard replica groups), -1: the world")
     return ap.parse_args(argv)
 
 
@@ -88,7 +93,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg = preset(args.preset)
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    shard = world if args.dp_shard == -1 else args.dp_shard
+    if shard < 1 or world % shard:
+        raise SystemExit(f"--dp-shard {args.dp_shard} must divide the world size {world}")
+    # a 2-D mesh makes fully_shard HSDP: shards within a group, replicas across groups
+    mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)) if shard == world
+            else init_device_mesh("cpu", (world // shard, shard),
+                                  mesh_dim_names=("dp_replicate", "dp_shard")))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

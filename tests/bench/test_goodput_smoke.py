@@ -42,3 +42,44 @@ def test_goodput_smoke(tmp_path):
     assert restart["restarts"]["resumed_from"][1] == 5  # the last checkpoint before step 8
     assert restart["vs_restart"] == pytest.approx(1.0)
     assert plot.stat().st_size > 0
+
+
+def test_goodput_smoke_hsdp(tmp_path):
+    """--dp-shard 2: 2 replica groups x 2 FSDP2 ranks; the SIGKILL costs its rank's group
+    (the job goes on on the other, a respawned group may come back) and torchrun restarts
+    the whole HSDP job from its last dcp.async_save."""
+    parser = argparse.ArgumentParser()
+    goodput.register(parser.add_subparsers())
+    out = tmp_path / "goodput.json"
+    args = parser.parse_args([
+        "goodput", "--dp-shard", "2", "--modes", "shrink,restart", "--preset", "tiny",
+        "--steps", "20", "--nproc", "4", "--microbatches", "4", "--failures", "1",
+        "--fault-steps", "8", "--ckpt-every", "5", "--timeout", "120",
+        "--out", str(out), "--plot", str(tmp_path / "goodput.png")])
+
+    assert args.func(args) == 0
+
+    result = json.loads(out.read_text())
+    assert result["layout"] == "hsdp 2x2"
+    shrink, restart = result["modes"]["shrink"], result["modes"]["restart"]
+    for r in (shrink, restart):
+        assert r["completed"] and r["final_step"] == 20 and r["failures"] == 1
+        assert r["kills"][0]["step"] == 7
+    [rec] = shrink["recoveries"]
+    assert rec["replacement"] is None and rec["source"] == "resharded_4_to_2"
+    assert 2 in {world for _, _, world, _ in shrink["progress"]}  # one group went on
+    assert shrink["processes"] == "4, up to 2 respawned"
+    assert restart["restarts"]["resumed_from"] == [0, 5]
+
+
+def test_goodput_refuses_an_hsdp_shape_it_cannot_run(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    goodput.register(parser.add_subparsers())
+    for bad, why in ((["--dp-shard", "4"], "at least 2 replica groups"),
+                     (["--dp-shard", "3"], "must divide --nproc 4"),
+                     (["--dp-shard", "2", "--microbatches", "8"], "give --microbatches 4")):
+        args = parser.parse_args(["goodput", "--nproc", "4", "--microbatches", "4", *bad,
+                                  "--modes", "shrink", "--interval", "5",
+                                  "--out", str(tmp_path / "g.json")])
+        with pytest.raises(SystemExit, match=why):
+            args.func(args)
