@@ -87,7 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "unit of failure; microbatches = nproc); 0: data parallel train_gpt.py")
     p.add_argument("--quick", action="store_true",
                    help="about 2 minutes: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
-    p.add_argument("--out", default="runs/bench/goodput.json")
+    p.add_argument("--out", default="runs/bench/goodput.json",
+                   help="the JSON result (with --dp-shard, `phoenixft simulate --hsdp-json` "
+                        "reads runs/bench/goodput-hsdp.json)")
     p.add_argument("--plot", default="runs/bench/goodput.png")
     p.set_defaults(func=command(measure, show, quick=QUICK, exit_code=exit_code))
 
@@ -292,7 +294,8 @@ def measure(opts: BenchOptions) -> dict:
                     nproc=args.nproc, seed=args.seed)
     tokens_per_step = args.microbatches * microbatch_tokens(args.preset)
     t0, load_before = time.time(), os.getloadavg()
-    rows, interval = _run_modes(args, modes, work, opts.runs_dir("goodput"), tokens_per_step)
+    root = opts.runs_dir("goodput-hsdp" if args.dp_shard else "goodput")
+    rows, interval = _run_modes(args, modes, work, root, tokens_per_step)
     compare(rows, args.nproc)
     return {"benchmark": "goodput", "preset": args.preset, "steps": args.steps,
             "layout": (f"hsdp {args.nproc // args.dp_shard}x{args.dp_shard}" if args.dp_shard

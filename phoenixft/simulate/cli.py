@@ -10,7 +10,7 @@ from pathlib import Path
 
 from phoenixft.observe.goals import as_dicts
 from phoenixft.simulate import model, report
-from phoenixft.simulate.measured import measured_costs, read_json
+from phoenixft.simulate.measured import hsdp_costs, measured_costs, read_json
 from phoenixft.simulate.model import Costs, crossover, projection
 from phoenixft.simulate.rates import MIX, RATES, parse_rates
 from phoenixft.simulate.validate import validate
@@ -19,7 +19,7 @@ from phoenixft.simulate.validate import validate
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="project goodput to 100k+ GPUs under published "
                                         "failure rates: checkpoint-restart, spares, ReCoVer, "
-                                        "tiers", description=model.__doc__,
+                                        "tiers, HSDP replica groups", description=model.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", default="1024,16384,100000,131072",
                    help="comma-separated job sizes")
@@ -35,6 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--outage-per-day", type=float, default=Costs.outage_per_day,
                    help="whole-job outages per day (power, storage, scheduler)")
     p.add_argument("--repair-h", type=float, default=Costs.repair_h)
+    p.add_argument("--group-nodes", type=int, default=Costs.group_nodes,
+                   help="hsdp: nodes per replica group (the unit that leaves)")
+    p.add_argument("--hsdp-json", default="runs/bench/goodput-hsdp.json",
+                   help="measured cost of a replica group leaving (phoenixft bench goodput "
+                        "--dp-shard 2 --out ...)")
     p.add_argument("--recovery-json", default="runs/bench/recovery.json",
                    help="measured detect/recover/lost steps (phoenixft bench recovery)")
     p.add_argument("--overhead-json", default="runs/bench/overhead.json",
@@ -52,8 +57,10 @@ def simulate_result(args: argparse.Namespace) -> dict:
     """The projection, the crossover and the validation for these flags, with their goals."""
     base = Costs(step_s=args.step_s, restart_s=args.restart_s, ckpt_s=args.ckpt_s,
                  spare_frac=args.spare_frac, outage_per_day=args.outage_per_day,
-                 repair_h=args.repair_h)
-    costs = measured_costs(args.recovery_json, args.overhead_json, base)
+                 repair_h=args.repair_h, group_nodes=args.group_nodes)
+    if args.group_nodes < 1:
+        raise SystemExit(f"phoenixft simulate: --group-nodes must be >= 1, got {args.group_nodes}")
+    costs = hsdp_costs(args.hsdp_json, measured_costs(args.recovery_json, args.overhead_json, base))
     sizes = [int(x) for x in args.gpus.split(",")]
     rates = parse_rates(args.rates)
     rows = projection(costs, sizes, rates, args.runs, args.horizon_h)

@@ -39,3 +39,21 @@ def measured_costs(recovery_json: str | None, overhead_json: str | None, base: C
         if ratio is not None:
             c = replace(c, snapshot_overhead=max(0.0, ratio - 1.0))
     return c
+
+
+def hsdp_costs(goodput_json: str | None, base: Costs) -> Costs:
+    """A replica group leaving, measured: the mean detect + recover of the group losses in
+    a `bench goodput --dp-shard` run's `shrink` mode (its recoveries), where given."""
+    run = read_json(goodput_json)
+    if run is None:
+        return base
+    if not str(run.get("layout", "")).startswith("hsdp"):
+        raise SystemExit(f"phoenixft simulate: {goodput_json} is a {run.get('layout', 'dp')} "
+                         "goodput run; --hsdp-json needs one of `phoenixft bench goodput "
+                         "--dp-shard S`")
+    rec = [r for r in run["modes"].get("shrink", {}).get("recoveries", [])
+           if r.get("replacement") is None and r.get("recover_s") is not None]
+    if not rec:
+        return base
+    return replace(base, group_loss_s=sum(r["detect_s"] + r["recover_s"] for r in rec) / len(rec))
+

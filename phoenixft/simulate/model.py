@@ -1,4 +1,4 @@
-"""`phoenixft simulate`: what failures cost a job of N GPUs, for four strategies.
+"""`phoenixft simulate`: what failures cost a job of N GPUs, for five strategies.
 
 A discrete-event model. Failures arrive as a Poisson process at the job's rate (per-GPU
 rate x N, from published data, see RATES), each one of a kind (GPU, host, network) drawn
@@ -19,6 +19,12 @@ whatever the job's size. Strategies:
 - recover:  ReCoVer alone (no spares): every failed node shrinks the job until repaired.
 - tiers:    phoenixft + persistent tiers: as spares, but a whole-job outage resumes from
             the newest persisted step (lost: about half the persist interval).
+- hsdp:     phoenixft on an HSDP job, tiers included: replica groups of `group_nodes`
+            nodes, FSDP2 inside a group. A failed node is swapped for a spare inside its
+            group while the pool lasts; with none left its whole group leaves (the other
+            groups take its microbatches: throughput x groups left / groups, at least one)
+            and comes back when the node is repaired. A group leaving or coming back costs
+            `group_loss_s` of the whole job (measured by `bench goodput --dp-shard`).
 
 Effective throughput = useful GPU-seconds / (wall time x GPUs provisioned); spares count
 as provisioned. Inputs for phoenixft are the measured figures (from `bench recovery` and
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 
 from phoenixft.simulate.rates import HOUR, MIX
 
-STRATEGIES = ("restart", "spares", "recover", "tiers")
+STRATEGIES = ("restart", "spares", "recover", "tiers", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class Costs:
     gpus_per_node: int = 8
     spare_frac: float = 0.005  # warm spare nodes as a share of the job's nodes (>= 1)
     outage_per_day: float = 1 / 14  # whole-job outages, whatever the size
+    group_nodes: int = 4  # hsdp: nodes per replica group (the unit that leaves)
+    group_loss_s: float = 0.5  # hsdp: a group leaving (detect + recover) or coming back
 
 
 @dataclass
@@ -121,35 +129,49 @@ def _elastic_effective(strategy: str, events: list[tuple[float, str]], gpus: int
     A failed node is replaced from the spare pool while it lasts, else the job shrinks
     until a repaired node rejoins; each failure costs its stall and the step redone."""
     nodes = gpus // c.gpus_per_node
-    spares = max(1, math.ceil(c.spare_frac * nodes)) if strategy in ("spares", "tiers") else 0
+    # a group of `unit` nodes leaves for one missing node (hsdp); others lose just the node
+    unit = max(1, min(c.group_nodes, nodes)) if strategy == "hsdp" else 1
+    spares = (max(1, math.ceil(c.spare_frac * nodes))
+              if strategy in ("spares", "tiers", "hsdp") else 0)
     provisioned = gpus + spares * c.gpus_per_node
     per_fail = c.detect_s + c.recover_s + c.lost_steps * c.step_s
     speed = 1.0 - (c.snapshot_overhead if strategy != "recover" else 0.0)
     repairs: list[float] = []  # times a failed node comes back
     pool, down = spares, 0  # spare nodes ready, nodes missing from the job
     work, t = 0.0, 0.0
+    groups = nodes // unit
+
+    def share() -> float:  # of the job's throughput while `down` nodes (groups) are out
+        return (nodes - down) / nodes if unit == 1 else (groups - down) / groups
+
     for (tf, kind) in events + [(horizon, "end")]:
         # advance to tf, handling repairs in between
         for r in sorted(x for x in repairs if x <= tf):
-            work += (r - t) * speed * (nodes - down) / nodes
+            work += (r - t) * speed * share()
             t = r
             repairs.remove(r)
             if down:
                 down -= 1  # the repaired node rejoins the job (grow back)
+                if unit > 1:
+                    work -= c.group_loss_s * share()  # its group is admitted and healed
             else:
                 pool += 1
-        work += (tf - t) * speed * (nodes - down) / nodes
+        work += (tf - t) * speed * share()
         t = tf
         if kind == "end":
             break
         if kind == "outage":  # a whole-job outage
             work, t = _outage(strategy, work, t, c)
             continue
-        work -= per_fail * (nodes - down) / nodes  # the stall and the step redone
         repairs.append(tf + c.repair_h * HOUR)
         if pool:
             pool -= 1
+            work -= per_fail * share()  # the stall and the step redone
+        elif unit > 1:  # its group leaves; the others keep the step's finished work
+            down = min(groups - 1, down + 1)
+            work -= c.group_loss_s * share()
         else:
+            work -= per_fail * share()
             down = min(nodes - 1, down + 1)
     return max(0.0, work) * gpus / (horizon * provisioned)
 
@@ -157,7 +179,7 @@ def _elastic_effective(strategy: str, events: list[tuple[float, str]], gpus: int
 def _outage(strategy: str, work: float, t: float, c: Costs) -> tuple[float, float]:
     """A whole-job outage: tiers resume from the newest persisted step (about half the
     persist interval lost); without a persistent tier the job starts over."""
-    if strategy == "tiers":
+    if strategy in ("tiers", "hsdp"):
         return work - min(work, c.persist_every_s / 2), t + c.restart_s
     return 0.0, t + c.restart_s
 

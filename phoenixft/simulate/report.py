@@ -40,11 +40,12 @@ def headline(result: dict) -> str:
 def markdown(result: dict) -> list[str]:
     """The projection table, the 2.23x crossover and the validation, as markdown lines."""
     rows = ["| rate | GPUs | job MTBF | restart | spares | ReCoVer | spares + tiers | "
-            "tiers / restart |", "|---|---|---|---|---|---|---|---|"]
+            "HSDP groups | tiers / restart |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         rows.append(f"| {r['rate']} | {r['gpus']:,} | {r['mtbf_min']:.1f} min | "
                     f"{r['restart']:.3f} | {r['spares']:.3f} | {r['recover']:.3f} | "
-                    f"{r['tiers']:.3f} | {r['tiers_vs_restart']}x |")
+                    f"{r['tiers']:.3f} | {r.get('hsdp', float('nan')):.3f} | "
+                    f"{r['tiers_vs_restart']}x |")
     c = result["crossover_2_23x"]
     rows += ["", f"ReCoVer reaches {c['target_ratio']}x checkpoint-and-restart at "
              f"{c['gpus']:,} GPUs when the job's MTBF is {c['job_mtbf_min']:.1f} minutes "

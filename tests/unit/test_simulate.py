@@ -3,8 +3,13 @@ Young/Daly interval, and the validation arithmetic on a run whose costs are know
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
+import pytest
+
+from phoenixft.simulate.measured import hsdp_costs
 from phoenixft.simulate.model import Costs, mean_effective, simulate, young_daly
 from phoenixft.simulate.rates import RATES
 from phoenixft.simulate.validate import _replay, validate
@@ -56,3 +61,31 @@ def test_validation_of_a_run_whose_costs_are_known():
                      "recover_s": 0.3, "lost_steps": 1}]}
     (row,) = validate(run, rec)
     assert row["mode"] == "spares" and row["error"] < 1e-3
+
+
+def test_hsdp_with_one_node_groups_is_tiers_and_larger_groups_cost_more():
+    """A replica group of one node leaves what a node leaves; bigger groups lose more of
+    the job per failure once the spares are gone (a 4-node group: 4x the throughput)."""
+    rate = 1 / (20 * 60) / 16384 * 3600  # a failure every 20 minutes, repaired in 4 h
+    c = Costs(outage_per_day=0.0, group_loss_s=Costs.detect_s + Costs.recover_s,
+              lost_steps=0.0, spare_frac=1e-4)  # one spare node: ~11 of 2048 nodes out
+    one = simulate("hsdp", 16384, rate, replace(c, group_nodes=1), horizon_h=48)
+    tiers = simulate("tiers", 16384, rate, c, horizon_h=48)
+    assert abs(one.effective - tiers.effective) < 1e-9
+    four = simulate("hsdp", 16384, rate, replace(c, group_nodes=4), horizon_h=48)
+    assert four.effective < one.effective - 0.01  # ~4 x 0.5% of the job out, not 0.5%
+    plenty = replace(c, group_nodes=4, spare_frac=0.2)  # spares cover every failure
+    assert simulate("hsdp", 16384, rate, plenty, horizon_h=48).effective == pytest.approx(
+        simulate("tiers", 16384, rate, replace(plenty, group_nodes=1), horizon_h=48).effective)
+
+
+def test_a_group_loss_is_read_from_an_hsdp_goodput_run(tmp_path):
+    run = tmp_path / "goodput-hsdp.json"
+    run.write_text(json.dumps({"layout": "hsdp 2x2", "modes": {"shrink": {"recoveries": [
+        {"replacement": None, "detect_s": 0.05, "recover_s": 0.15},
+        {"replacement": None, "detect_s": 0.05, "recover_s": 0.35}]}}}))
+    assert hsdp_costs(str(run), Costs()).group_loss_s == pytest.approx(0.3)
+    assert hsdp_costs(str(tmp_path / "none.json"), Costs()) == Costs()
+    run.write_text(json.dumps({"layout": "dp", "modes": {}}))
+    with pytest.raises(SystemExit, match="--dp-shard"):
+        hsdp_costs(str(run), Costs())
