@@ -80,14 +80,17 @@ def test_a_group_killed_in_its_reduce_scatter_leaves_and_comes_back(tmp_path, re
 
 
 @pytest.mark.timeout(300)
-def test_a_group_killed_in_the_cross_group_reduction_leaves_the_other_to_finish(
+def test_a_rank_killed_in_the_cross_group_reduction_takes_its_group_out(
         tmp_path, reference):
-    job = _hsdp(tmp_path, "--min-nproc", "2",
-                "--inject", "kill:rank=0:step=4:phase=reduce",
-                "--inject", "kill:rank=1:step=4:phase=reduce")
+    job = _hsdp(tmp_path, "--min-nproc", "2", "--inject", "kill:rank=0:step=4:phase=reduce")
     # ranks 0, 1 had finished their microbatches of step 4: those 2 are computed again
     _equivalent(job, reference, extra_passes=2)
     assert job.summary["world_sizes"] == [4, 2]
+    # rank 0's group partner was alive: it left cleanly, counted as gone, not failed
+    [left] = job.of("left_with_group")
+    assert (left["wid"], left["rank"]) == ("n0w1", 1)
+    assert [e["wid"] for e in job.of("worker_left")] == ["n0w1"]
+    assert len(job.summary["failures"]) == 1
     # group 1 goes on as ranks 0, 1, keeping its own microbatches and taking group 0's
     first = {e["wid"]: (e["rank"], e["kept"], e["recompute"]) for e in job.of("in_step_recovery")}
     assert first == {"n0w2": (0, [2], [0]), "n0w3": (1, [3], [1])}
