@@ -1,5 +1,6 @@
 """The torchft side's process trees for `phoenixft bench torchft`: a lighthouse and a
-replica group per member (`torchft_job`), a SIGKILLed replica restarted at once."""
+replica group per member (`torchft_job`; with `--hsdp`, `TorchftHsdpRun`: a torchrun of
+S FSDP2 ranks per group, `torchft_hsdp_job`), a SIGKILLed replica restarted at once."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from pathlib import Path
 
 from phoenixft.bench.faults import ProcessTree
-from phoenixft.bench.goodput_jobs import ENV, Workload, _fresh
+from phoenixft.bench.goodput_jobs import ENV, Workload, _free_port, _fresh
 from phoenixft.bench.harness import ROOT
 
 
@@ -68,7 +69,7 @@ class TorchftRun:
                     rc = tree.popen.poll()
                     if rc is None or r in done:
                         continue
-                    if rc != -9 or attempts[r] >= 1:
+                    if not self._killed(r, rc) or attempts[r] >= 1:
                         raise RuntimeError(f"torchft replica {r} exited with {rc}; see "
                                            f"{self.run_dir}/replica{r}.{attempts[r]}.log")
                     attempts[r] += 1  # SIGKILLed: restart it, as torchelastic would
@@ -83,9 +84,51 @@ class TorchftRun:
             for t in self.trees:
                 t.kill()
 
+    def _killed(self, replica: int, rc: int) -> bool:
+        """Whether replica group `replica` ended by the injected SIGKILL."""
+        return rc == -9
+
     @staticmethod
     def _check(tree: ProcessTree, deadline: float, what: str) -> None:
         if tree.popen.poll() is not None:
             raise RuntimeError(f"torchft {what} exited with {tree.popen.returncode}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"torchft {what} never got ready")
+
+
+class TorchftHsdpRun(TorchftRun):
+    """HSDP: each replica group a torchrun of `shard` ranks (`torchft_hsdp_job`), on a
+    loopback port of its own; a group whose rank was SIGKILLed (torchrun then stops the
+    group and exits non-zero) is started again as a fresh torchrun on a new port, as
+    torchelastic restarting the group would (torchrun's own --max-restarts restarts it in
+    place, and then torchft 0.2.0's Manager can read the dead attempt's address from
+    torchrun's store: the restarted group hangs in its first all-gather)."""
+
+    def __init__(self, python: str, run_dir: Path, work: Workload, *, shard: int,
+                 kill_step: int | None, heartbeat_timeout_s: float) -> None:
+        super().__init__(python, run_dir, work, kill_step=kill_step,
+                         heartbeat_timeout_s=heartbeat_timeout_s)
+        self.shard = shard
+
+    def _replica(self, r: int, attempt: int, lighthouse: str) -> ProcessTree:
+        w = self.work
+        args = ["--replica", str(r), "--attempt", str(attempt), "--lighthouse", lighthouse,
+                "--steps", str(w.steps), "--preset", w.preset, "--seed", str(w.seed),
+                "--events", str(self.run_dir / "events.jsonl"), "--go-file",
+                str(self.run_dir / "go"), "--timeout", str(max(10.0, 5 * self.hb))]
+        if self.kill_step is not None and r == w.nproc - 1:
+            args += ["--kill-at", str(self.kill_step), "--kill-rank", str(self.shard - 1)]
+        tree = ProcessTree([self.python, "-m", "torch.distributed.run", "--nproc-per-node",
+                            str(self.shard), "--master-addr", "127.0.0.1", "--master-port",
+                            str(_free_port()), "-m", "phoenixft.bench.torchft_hsdp_job", *args],
+                           log=self.run_dir / f"replica{r}.{attempt}.log", env=self.env)
+        self.trees.append(tree)
+        return tree
+
+    def _killed(self, replica: int, rc: int) -> bool:
+        from phoenixft.observe.events import read_events
+
+        return rc != 0 and any(e["event"] == "inject" and e["replica"] == replica
+                               and e["attempt"] == 0
+                               for e in read_events(self.run_dir / "events.jsonl"))
+

@@ -14,6 +14,9 @@ Figures per faulty run: kill -> the survivor's next committed step (survivor sta
 replica's first committed step), steps whose update was thrown away, and microbatches
 not trained on (torchft's survivor trains on its own share only while its peer is down).
 
+With `--hsdp S` the job is HSDP instead: 2 replica groups of S FSDP2 ranks, phoenixft's
+group leaving and coming back against torchft's group restarted (torchft_hsdp.py).
+
 torchft is an optional dependency (`pip install -e '.[torchft]'`, on the same CPU torch
 2.13.0; the test extra has it), or lives in an environment of its own named by `--python`.
 """
@@ -71,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--free-runs", action=argparse.BooleanOptionalAction, default=True,
                    help="failure-free runs of both for the step time (--no-free-runs: the "
                         "median step before the kill instead; quicker, for smoke tests)")
+    p.add_argument("--hsdp", type=int, default=0, metavar="S",
+                   help="HSDP: 2 replica groups of S FSDP2 ranks (examples/train_fsdp.py's "
+                        "model, one microbatch per rank), group 1's last rank killed; 0: DDP")
     p.add_argument("--out", default="runs/bench/torchft.json")
     p.set_defaults(func=command(measure, show))
 
@@ -183,6 +189,8 @@ def measure(opts: BenchOptions) -> dict:
     root = opts.runs_dir("torchft")
     work = Workload(preset=args.preset, steps=args.steps, microbatches=args.microbatches, nproc=2)
     t0 = time.time()
+    if args.hsdp:
+        return _hsdp(args, root, version, t0)
     print(f"torchft {version}; plain DDP (failure-free reference)", flush=True)
     ddp_step = _ddp_step_s(root, work)
     px_free, tf_free, px_kill, tf_kill = _runs(args, root, work)
@@ -206,6 +214,22 @@ def measure(opts: BenchOptions) -> dict:
     return {**result, "wall_s": round(time.time() - t0, 1)}
 
 
+def _hsdp(args: argparse.Namespace, root: Path, version: str, t0: float) -> dict:
+    from phoenixft.bench.torchft_hsdp import runs
+
+    if args.hsdp < 1 or args.kill_step < 2 or args.kill_step >= args.steps:
+        raise SystemExit(f"phoenixft bench torchft: --hsdp {args.hsdp} must be >= 1 and "
+                         f"--kill-step {args.kill_step} within (1, --steps {args.steps})")
+    print(f"torchft {version}; HSDP 2 x {args.hsdp}; plain torchrun (failure-free reference)",
+          flush=True)
+    result = {"benchmark": "torchft", "torchft_version": version, "preset": args.preset,
+              "steps": args.steps, "kill_step": args.kill_step,
+              "step_time_from": "failure-free runs" if args.free_runs else "steps before the kill",
+              **runs(args, root)}
+    result["goals"] = as_dicts(goals(result))
+    return {**result, "wall_s": round(time.time() - t0, 1)}
+
+
 COLUMNS = ["step_s", "step_ratio_vs_ddp", "kill_to_survivor_step_s", "kill_to_full_strength_s",
            "restart_to_ready_s", "lost_steps", "steps_short_of_data", "microbatches_not_trained"]
 
@@ -213,16 +237,18 @@ COLUMNS = ["step_s", "step_ratio_vs_ddp", "kill_to_survivor_step_s", "kill_to_fu
 def show(result: dict, opts: BenchOptions) -> None:
     """Both systems' figures side by side, the DDP step, the goals."""
     console = Console(width=max(Console().width, 130))
-    table = Table(title=f"torchft {result['torchft_version']} vs phoenixft ({result['preset']} "
-                        f"preset, 2 members x 1 torch thread, kill at step {result['kill_step']}, "
-                        "loopback)")
+    table = Table(title=f"torchft {result['torchft_version']} vs phoenixft "
+                        f"({result.get('layout', 'ddp')}, {result['preset']} preset, "
+                        f"{result['processes']}, kill at step {result['kill_step']}, loopback)")
     table.add_column("system")
     for c in COLUMNS:
         table.add_column(c.replace("_", " "))
     for name, r in result["rows"].items():
         table.add_row(name, *("-" if r[c] is None else str(r[c]) for c in COLUMNS))
     console.print(table)
-    console.print(f"plain DDP step: {result['ddp_step_s']:.4f} s")
+    console.print(f"{result.get('reference', 'plain DDP')} step: {result['ddp_step_s']:.4f} s")
+    if "how" in result["rows"]["phoenixft"]:
+        console.print(f"phoenixft's recovery: {result['rows']['phoenixft']['how']}")
     print_goals(console, goals(result))
 
 
@@ -252,13 +278,13 @@ def headline(result: dict) -> str:
             f"torchft {t['kill_to_survivor_step_s']:.2f} s; back to full strength "
             f"{p['kill_to_full_strength_s']:.2f} s vs {t['kill_to_full_strength_s']} s; "
             f"microbatches not trained {p['microbatches_not_trained']} vs "
-            f"{t['microbatches_not_trained']}; step time vs plain DDP "
+            f"{t['microbatches_not_trained']}; step time vs {_ref(result)} "
             f"{p['step_ratio_vs_ddp']:.2f}x vs {t['step_ratio_vs_ddp']:.2f}x")
 
 
 def markdown(result: dict) -> list[str]:
     """Both systems' figures as a markdown table, for BENCHMARKS.md."""
-    cols = [("step_s", "step s"), ("step_ratio_vs_ddp", "step / plain DDP"),
+    cols = [("step_s", "step s"), ("step_ratio_vs_ddp", f"step / {_ref(result)}"),
             ("kill_to_survivor_step_s", "kill -> survivor's next step s"),
             ("kill_to_full_strength_s", "kill -> full strength s"),
             ("lost_steps", "updates thrown away"),
@@ -267,5 +293,11 @@ def markdown(result: dict) -> list[str]:
             "|---" * (len(cols) + 1) + "|"]
     for name, r in result["rows"].items():
         rows.append(f"| {name} | " + " | ".join(str(r[k]) for k, _ in cols) + " |")
-    return rows + ["", f"torchft {result['torchft_version']}; plain DDP step "
+    return rows + ["", f"torchft {result['torchft_version']}; {_ref(result)} step "
                    f"{result['ddp_step_s']} s; {result['processes']}."]
+
+
+def _ref(result: dict) -> str:
+    """What the step times are compared with: plain DDP, or plain torchrun on the HSDP mesh."""
+    return "plain torchrun HSDP" if result.get("layout", "").startswith("hsdp") else "plain DDP"
+

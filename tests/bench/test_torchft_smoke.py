@@ -33,3 +33,26 @@ def test_torchft_bench_smoke(tmp_path):
     assert tf["steps_short_of_data"] >= 1
     assert tf["microbatches_not_trained"] == 4 * tf["steps_short_of_data"]
     assert [g["name"] for g in r["goals"]][0].startswith("survivor stall")
+
+
+@pytest.mark.timeout(400)
+def test_torchft_bench_smoke_hsdp(tmp_path):
+    """--hsdp 2: 2 replica groups x 2 FSDP2 ranks on both sides, group 1's last rank
+    SIGKILLed; torchft's surviving group trains on its own 2 microbatches a step while the
+    killed group restarts, phoenixft's steps keep all 4."""
+    parser = argparse.ArgumentParser()
+    torchft_side.register(parser.add_subparsers())
+    out = tmp_path / "torchft.json"
+    args = parser.parse_args(["torchft", "--hsdp", "2", "--preset", "tiny", "--steps", "20",
+                              "--kill-step", "8", "--no-free-runs", "--out", str(out)])
+    assert args.func(args) == 0
+    r = json.loads(out.read_text())
+    assert r["layout"] == "hsdp 2x2" and r["microbatches"] == 4 and r["ddp_step_s"] > 0
+    px, tf = r["rows"]["phoenixft"], r["rows"]["torchft"]
+    for row in (px, tf):
+        assert row["step_s"] > 0 and row["kill_to_survivor_step_s"] > 0
+    assert px["microbatches_not_trained"] == 0 and px["lost_steps"] == 0
+    assert px["how"] in ("swapped inside its group (a respawned worker was ready)",
+                         "its group left, then came back")
+    assert tf["restart_to_ready_s"] > 0 and tf["steps_short_of_data"] >= 1
+    assert tf["microbatches_not_trained"] == 2 * tf["steps_short_of_data"]
