@@ -31,21 +31,12 @@ from phoenixft.observe.steps import from_events, step_times
 
 def _plain_step_s(root: Path, args: argparse.Namespace, work: Workload) -> float:
     """Plain torchrun on the HSDP mesh, failure-free: its median step."""
-    from phoenixft.observe.events import read_events
+    from phoenixft.bench.torchft_side import plain_step_s
 
-    job = TorchrunJob(run_dir=root / "torchrun-hsdp", work=work, max_restarts=0,
-                      ckpt_every=10**9, script=FSDP_BASELINE, ckpt="dcp",
-                      script_extra=["--dp-shard", str(args.hsdp)])
-    tree = job.start([])
-    try:
-        rc = tree.popen.wait(900)
-    finally:
-        tree.kill()
-    if rc != 0:
-        raise RuntimeError(f"plain torchrun HSDP run failed ({rc}); see "
-                           f"{root / 'torchrun-hsdp' / 'torchrun.log'}")
-    return median(step_times(from_events(read_events(root / "torchrun-hsdp" / "events.jsonl"),
-                                         epoch="attempt"), skip=5))
+    return plain_step_s(TorchrunJob(run_dir=root / "torchrun-hsdp", work=work, max_restarts=0,
+                                    ckpt_every=10**9, script=FSDP_BASELINE, ckpt="dcp",
+                                    script_extra=["--dp-shard", str(args.hsdp)]),
+                        "plain torchrun HSDP")
 
 
 def phoenix_hsdp_fault(job: dict, run_dir: Path, world: int, m: int) -> dict:

@@ -140,17 +140,22 @@ def phoenix_fault(events: list[dict]) -> dict:
 
 def _ddp_step_s(root: Path, work: Workload) -> float:
     """Plain DDP under torchrun, failure-free: the median step (the reference for both)."""
+    return plain_step_s(TorchrunJob(run_dir=root / "ddp", work=work, max_restarts=0,
+                                    ckpt_every=10**9), "plain DDP")
+
+
+def plain_step_s(job: TorchrunJob, what: str) -> float:
+    """Run a failure-free torchrun job to its end: its median step after warm-up."""
     from phoenixft.observe.events import read_events
 
-    ddp = TorchrunJob(run_dir=root / "ddp", work=work, max_restarts=0, ckpt_every=10**9)
-    tree = ddp.start([])
+    tree = job.start([])
     try:
         rc = tree.popen.wait(900)
     finally:
         tree.kill()
     if rc != 0:
-        raise RuntimeError(f"plain DDP run failed ({rc}); see {root / 'ddp' / 'torchrun.log'}")
-    return median(step_times(from_events(read_events(root / "ddp" / "events.jsonl"),
+        raise RuntimeError(f"{what} run failed ({rc}); see {job.run_dir / 'torchrun.log'}")
+    return median(step_times(from_events(read_events(job.run_dir / "events.jsonl"),
                                          epoch="attempt"), skip=5))
 
 

@@ -156,13 +156,8 @@ class HsdpLayout(Fsdp2Layout):
             else:
                 self.dims[dim].swap(dim_ops, generation)
         self._tp_ops = groups.get(next((n for n in groups if n.startswith("tp.")), ""), None)
-        d = self.data_ranks(ops.pg.size())
-        if microbatches % d:
-            raise ValueError(
-                f"{microbatches} microbatches a step cannot be shared evenly by {d} "
-                f"data-parallel ranks: FSDP2's collectives need every rank of a replica group "
-                f"to run as many passes. Choose microbatches= a multiple of {d} and of the "
-                f"data-parallel ranks the job may shrink to ({self.dp_shard} per group)")
+        self._check_microbatches(microbatches, ops.pg.size(), "of the data-parallel ranks "
+                                 f"the job may shrink to: {self.dp_shard} per replica group")
         # FSDP2 averages each reduce-scatter over the group's dp_shard ranks: the sum over
         # groups is (1 / dp_shard) of the sum over the step's microbatches
         self._grad_scale = self.dp_shard / microbatches

@@ -97,3 +97,12 @@ def test_a_rank_killed_in_the_cross_group_reduction_takes_its_group_out(
     # group 1 goes on as ranks 0, 1, keeping its own microbatches and taking group 0's
     first = {e["wid"]: (e["rank"], e["kept"], e["recompute"]) for e in job.of("in_step_recovery")}
     assert first == {"n0w2": (0, [2], [0]), "n0w3": (1, [3], [1])}
+
+
+@pytest.mark.timeout(120)
+def test_microbatches_that_a_replica_group_cannot_share_are_refused(tmp_path):
+    job = run_script(tmp_path, ROOT / "examples" / "train_fsdp.py", "--nproc", "4",
+                     script_args=("--dp-shard", "2", "--microbatches", "6", "--steps", "3"))
+    assert job.rc != 0
+    assert "6 microbatches a step cannot be shared evenly by 4 data-parallel ranks" in job.out
+    assert "2 per replica group" in job.out
