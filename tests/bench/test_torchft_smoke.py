@@ -51,7 +51,7 @@ def test_torchft_bench_smoke_hsdp(tmp_path):
     px, tf = r["rows"]["phoenixft"], r["rows"]["torchft"]
     for row in (px, tf):
         assert row["step_s"] > 0 and row["kill_to_survivor_step_s"] > 0
-    assert px["microbatches_not_trained"] == 0 and px["lost_steps"] == 0
+    assert px["microbatches_not_trained"] == 0 and px["lost_steps"] <= 1
     assert px["how"] in ("swapped inside its group (a respawned worker was ready)",
                          "its group left, then came back")
     assert tf["restart_to_ready_s"] > 0 and tf["steps_short_of_data"] >= 1
