@@ -96,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def make_job(mode: str, run_dir: Path, work: Workload, args):
     from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob
-    from phoenixft.bench.sharded import FSDP, FSDP_BASELINE
+    from phoenixft.bench.harness import FSDP, FSDP_BASELINE
 
     hsdp = ["--dp-shard", str(args.dp_shard)] if args.dp_shard else []
     if mode.startswith("restart"):

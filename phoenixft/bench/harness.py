@@ -17,6 +17,8 @@ from phoenixft.observe.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
+FSDP = ROOT / "examples" / "train_fsdp.py"  # the FSDP2 / HSDP example
+FSDP_BASELINE = Path(__file__).with_name("torchrun_fsdp_baseline.py")  # its torchrun twin
 
 
 def run_job(run_dir: Path, timeout_s: float = 1800, **agent_cfg) -> dict:

@@ -27,15 +27,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from phoenixft.bench.harness import run_job
+from phoenixft.bench.harness import FSDP, FSDP_BASELINE, run_job
 from phoenixft.bench.options import BenchOptions
 from phoenixft.bench.overhead import block_figures
 from phoenixft.bench.recovery import measure_events
 from phoenixft.bench.runner import command
 from phoenixft.observe.goals import Goal
 
-FSDP = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
-FSDP_BASELINE = Path(__file__).with_name("torchrun_fsdp_baseline.py")
 GOAL_RATIO = 1.01
 
 

@@ -22,17 +22,15 @@ import json
 from pathlib import Path
 
 from phoenixft.bench.goodput_jobs import TorchrunJob, Workload
-from phoenixft.bench.harness import median, run_job
+from phoenixft.bench.harness import FSDP, FSDP_BASELINE, median, run_job
 from phoenixft.bench.recovery import measure_events
-from phoenixft.bench.sharded import FSDP, FSDP_BASELINE
+from phoenixft.bench.torchft_figures import plain_step_s, torchft_fault, torchft_step_times
 from phoenixft.bench.torchft_run import TorchftHsdpRun
 from phoenixft.observe.steps import from_events, step_times
 
 
 def _plain_step_s(root: Path, args: argparse.Namespace, work: Workload) -> float:
     """Plain torchrun on the HSDP mesh, failure-free: its median step."""
-    from phoenixft.bench.torchft_side import plain_step_s
-
     return plain_step_s(TorchrunJob(run_dir=root / "torchrun-hsdp", work=work, max_restarts=0,
                                     ckpt_every=10**9, script=FSDP_BASELINE, ckpt="dcp",
                                     script_extra=["--dp-shard", str(args.hsdp)]),
@@ -67,8 +65,6 @@ def runs(args: argparse.Namespace, root: Path) -> dict:
     """Plain torchrun, then both systems with the same SIGKILL (the last rank of group 1
     at --kill-step); the step times are the steps before the kill (--no-free-runs) or
     failure-free runs of both."""
-    from phoenixft.bench.torchft_side import torchft_fault, torchft_step_times
-
     s = args.hsdp
     world, m = 2 * s, 2 * s
     work = Workload(preset=args.preset, steps=args.steps, microbatches=m, nproc=world)

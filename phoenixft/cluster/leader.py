@@ -55,6 +55,7 @@ class WorkerState(str, enum.Enum):
     DEAD = "dead"  # exited before training finished
     FENCED = "fenced"  # hung or damaged: its agent SIGKILLs it
     EXITED = "exited"  # finished training and left
+    LEAVING = "leaving"  # its replica group left the job: it exits on its own (no spare)
     STOPPED = "stopped"  # still alive when the job ended: its agent stopped it
 
     def __str__(self) -> str:
@@ -307,24 +308,31 @@ class Leader:
             self.workers[wid].state = WorkerState.RUNNING
         for wid in set(plan.members.values()) - set(nxt.plan.members.values()):
             if self.workers[wid].state is WorkerState.RUNNING:  # its replica group left
-                self.workers[wid].state = WorkerState.WAITING
+                self.workers[wid].state = WorkerState.LEAVING  # (never offered as a spare)
         self._publish(nxt.plan)
 
     def _grow(self) -> None:
         """A spare is waiting while the job runs below its starting size: ask the members
         to stop at the next committed step, then admit the spare (`policy.grow`)."""
         plan, unit = self.plan, kv.get_int(self.store, Keys.UNIT, 1)
-        if plan.world_size + unit > self.target_world or len(self._spares()) < unit:
+        progress = kv.get_int(self.store, Keys.PROGRESS, 0)
+        if self.store.check([Keys.grow(plan.generation)]):
+            if not self.store.check([Keys.grow_ready(plan.generation)]):
+                return
+            # the members stopped at a committed step for this: a plan must follow, even
+            # if the spares went away meanwhile (then the same members go on)
+            nxt = policy.grow(plan, [policy.Spare(w.wid, w.node) for w in self._spares()],
+                              target_world=self.target_world, progress=progress, unit=unit)
+            if nxt is None:
+                self._publish(Plan(generation=plan.generation + 1, members=dict(plan.members),
+                                   nodes=dict(plan.nodes), progress=progress,
+                                   reason="grow: the spares left before they were admitted"))
+                return
+        elif plan.world_size + unit > self.target_world or len(self._spares()) < unit:
             return  # (a replica group comes back whole)
-        if not self.store.check([Keys.grow(plan.generation)]):
+        else:
             self.store.set(Keys.grow(plan.generation), "1")
             return
-        if not self.store.check([Keys.grow_ready(plan.generation)]):
-            return
-        nxt = policy.grow(plan, [policy.Spare(w.wid, w.node) for w in self._spares()],
-                          target_world=self.target_world,
-                          progress=kv.get_int(self.store, Keys.PROGRESS, 0),
-                          unit=unit)
         for wid in nxt.taken:
             self.workers[wid].state = WorkerState.RUNNING
         self._publish(nxt.plan)
@@ -390,7 +398,7 @@ class Leader:
         self.plan = Plan.from_json(self.store.get(Keys.plan(g))) if self.store.check(
             [Keys.plan(g)]) else None
         for w in self.workers.values():
-            if w.state in ALIVE:
+            if w.state in (*ALIVE, WorkerState.LEAVING):
                 self.monitor.watch(w.wid)
         return self.plan is not None
 
@@ -403,7 +411,7 @@ class Leader:
         so a worker still shown waiting or running (an unused spare, a member whose exit
         was not read before the end) is shown `stopped`, not alive with a PID now gone."""
         for w in self.workers.values():
-            if w.state in (*ALIVE, WorkerState.STARTING):
+            if w.state in (*ALIVE, WorkerState.STARTING, WorkerState.LEAVING):
                 w.state = WorkerState.STOPPED
         return {**self.status(), "ended": True}
 

@@ -347,12 +347,24 @@ class Fsdp2Layout(StateLayout):
             for name, p in self.model.named_parameters():
                 if name not in self._replicated:
                     continue
-                state = self.opt.state.get(p, {})
-                for t in [p, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]))]:
-                    self._tp_ops.broadcast(_local(t), 0, f"{what}: {name} over tp")
+                self._broadcast_state(self._tp_ops, p, self.opt.state.get(p, {}),
+                                      f"{what}: {name} over tp")
         failed = self.failure()
         if failed is not None:
             raise failed
+
+    def _broadcast_state(self, ops: GroupOps, p, state: dict, what: str) -> None:
+        """Parameter `p`'s local shard and its optimizer state from the group's rank 0.
+        A tensor off the device (Adam's `step` lives on the CPU) goes through a device
+        copy: NCCL sends device memory only."""
+        for t in [p, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]))]:
+            local = _local(t)
+            if local.device == self.device:
+                ops.broadcast(local, 0, what)
+            else:
+                moved = local.to(self.device)
+                ops.broadcast(moved, 0, what)
+                local.copy_(moved)
 
     def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
         """This rank's shards on a new mesh (a job resumed onto another shape) from every

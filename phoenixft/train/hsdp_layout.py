@@ -116,6 +116,18 @@ class HsdpLayout(Fsdp2Layout):
         base = rank - rank % self.unit
         return range(base, base + self.unit)
 
+    def plan(self, m: int, world_size: int) -> list[list[int]]:
+        """Fsdp2Layout's plan when M is a multiple of the data-parallel ranks; otherwise
+        the ids go out in rounds of dp_shard (one per place in a group) to the groups in
+        turn: every rank of a group runs as many passes, groups may run different numbers
+        (the cross-group sum does not care), so M need only be a multiple of dp_shard,
+        whatever number of groups the job shrinks to."""
+        d = self.data_ranks(world_size)
+        if m % d == 0:
+            return super().plan(m, world_size)
+        dp = quota.plan_in_rounds(m, d // self.dp_shard, self.dp_shard)
+        return [dp[r // self.tp] for r in range(world_size)]
+
     def reassign(self, remaining: list[int], m: int, old_world: int,
                  world_size: int) -> list[list[int]]:
         """As the flat layout's (an id stays with its rank number where it can, so a
@@ -156,11 +168,12 @@ class HsdpLayout(Fsdp2Layout):
             else:
                 self.dims[dim].swap(dim_ops, generation)
         self._tp_ops = groups.get(next((n for n in groups if n.startswith("tp.")), ""), None)
-        self._check_microbatches(microbatches, ops.pg.size(), "of the data-parallel ranks "
-                                 f"the job may shrink to: {self.dp_shard} per replica group")
-        # FSDP2 averages each reduce-scatter over the group's dp_shard ranks: the sum over
-        # groups is (1 / dp_shard) of the sum over the step's microbatches
-        self._grad_scale = self.dp_shard / microbatches
+        if microbatches % self.dp_shard:
+            raise ValueError(
+                f"{microbatches} microbatches a step cannot be shared evenly by the "
+                f"{self.dp_shard} data-parallel ranks of a replica group: FSDP2's collectives "
+                f"need every rank of a group to run as many forward and backward passes. "
+                f"Choose microbatches= a multiple of {self.dp_shard}")
         self._reduced = None
 
     def failure(self) -> CommFailure | None:
@@ -185,15 +198,27 @@ class HsdpLayout(Fsdp2Layout):
 
     # -- the step ----------------------------------------------------------------------
     def _grads(self) -> list[torch.Tensor]:
-        return [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        """Every trainable parameter's local gradient shard, in one fixed order; zeros
+        where it has none (a group given no microbatch in a resumed step, a parameter no
+        microbatch reached): the groups' buffers must line up element for element."""
+        out = []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                out.append(_local(p.grad))
+        return out
 
-    def reduce(self, what: str) -> None:
+    def reduce(self, m: int, what: str) -> None:
         """Sum every rank's gradient shards over dp_replicate into a buffer of our own
-        (the accumulated gradients stay the group's until `update`)."""
+        (the accumulated gradients stay the group's until `update`). FSDP2 averaged each
+        reduce-scatter over the group's dp_shard ranks, so the sum over groups is
+        (1 / dp_shard) of the sum over the step's `m` microbatches: the mean is dp_shard
+        / m of it (`m` the step's own: a step resumed after a shrink keeps its M)."""
         flat = torch.cat([g.reshape(-1) for g in self._grads()])
         if self._rep_ops is not None and self._rep_ops.pg.size() > 1:
             self._rep_ops.allreduce(flat, what)
-        self._reduced = flat
+        self._reduced, self._grad_scale = flat, self.dp_shard / m
 
     def update(self, grads: torch.Tensor, ops: GroupOps, what: str) -> None:
         off = 0
@@ -219,8 +244,8 @@ class HsdpLayout(Fsdp2Layout):
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
                     state = self.opt.state.get(p, {})
-                    for t in [p, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]))]:
-                        self._rep_ops.broadcast(_local(t), 0, f"{what}: {name} from group 0")
+                    self._broadcast_state(self._rep_ops, p, state,
+                                          f"{what}: {name} from group 0")
         super().gather_params(ops, what)
 
     def export_meta(self) -> dict:

@@ -124,8 +124,9 @@ class StateLayout(ABC):
         when the generation was left, `relocate`)."""
         return self.local_gradients
 
-    def reduce(self, what: str) -> None:
-        """Collective, before the step's all-reduce: gradients across failure units."""
+    def reduce(self, m: int, what: str) -> None:
+        """Collective, before the step's all-reduce: gradients across failure units, for
+        a step of `m` microbatches."""
         return None
 
     def can_move(self) -> bool:

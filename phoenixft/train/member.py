@@ -190,16 +190,23 @@ class Member:
         Waits in slices so the thread ends with its generation or the process."""
         try:
             store = self.connect()
+            g = g_next
             while self.generation < g_next and not self._stopped:
-                if kv.wait_for(store, [Keys.plan(g_next)], 0.25):
-                    plan = Plan.from_json(store.get(Keys.plan(g_next)))
-                    self.interrupt.announce(g_next)
-                    if not self._unit_same(self.plan, plan):
-                        self.unit_interrupt.announce(g_next)
-                    if (plan.kind is PlanKind.RUN and plan.rank_of(self.wid) is not None
+                if kv.wait_for(store, [Keys.plan(g)], 0.25):
+                    plan = Plan.from_json(store.get(Keys.plan(g)))
+                    self.interrupt.announce(g)
+                    unit_kept = self._unit_same(self.plan, plan)
+                    if not unit_kept:
+                        self.unit_interrupt.announce(g)
+                    if (g == g_next and plan.kind is PlanKind.RUN
+                            and plan.rank_of(self.wid) is not None
                             and self._device is not None and not self._stopped):
                         self._start_builds(plan)  # while the training thread computes
-                    return
+                    if not unit_kept:
+                        return
+                    # this worker's unit goes on as it was, inside a collective maybe:
+                    # a later plan (one of its members died meanwhile) must still reach it
+                    g += 1
         except (kv.StoreGone, RuntimeError):
             return  # the store is gone: the training thread finds out on its next wait
 

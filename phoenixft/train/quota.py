@@ -24,6 +24,20 @@ def plan(m: int, world_size: int) -> list[list[int]]:
     return out
 
 
+def plan_in_rounds(m: int, groups: int, size: int) -> list[list[int]]:
+    """Ids in rounds of `size` consecutive ids, one round per group in turn; the
+    round's ids go to the group's places 0..size-1 (rank u * size + i holds place i of
+    group u). Every place of a group gets as many ids when m is a multiple of `size`."""
+    if m < 1 or groups < 1 or size < 1:
+        raise ValueError(f"need m, groups, size >= 1, got {m}, {groups}, {size}")
+    out: list[list[int]] = [[] for _ in range(groups * size)]
+    for k, start in enumerate(range(0, m, size)):
+        u = k % groups
+        for i, j in enumerate(range(start, min(start + size, m))):
+            out[u * size + i].append(j)
+    return out
+
+
 def reassign(remaining: list[int], old_plan: list[list[int]], world_size: int) -> list[list[int]]:
     """Give the unfinished ids of an interrupted step to the new generation's ranks: an id
     stays with its old rank number when that rank exists (a spare took it over), the rest

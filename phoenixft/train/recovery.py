@@ -208,6 +208,9 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
     state.step = t
     if not keep:  # a new member, or one whose work was past t (or is dropped): from t
         state.zero_grad()
+        if in_flight is not None:  # its gradients are gone: so is the record of them (a
+            in_flight.done.clear()  # later join, if this one fails, must not keep them)
+            in_flight.loss_sum = 0.0
     if not in_step:
         return source, None
     return source, _resume_step(ctx, state, t + 1, in_flight if keep else None,

@@ -302,7 +302,7 @@ class Session:
         self.member.injector.at_step(self.rank, st.index, "reduce")
         self.member.tell_passes()
         st.phase = StepPhase.REDUCE
-        state.layout.reduce(f"cross-group gradient all-reduce (step {st.index})")
+        state.layout.reduce(st.m, f"cross-group gradient all-reduce (step {st.index})")
         ops.allreduce(g, f"gradient all-reduce (step {st.index})")
         counts = g[lay.mask].tolist()
         if int(g[lay.count]) != st.m or any(c != 1.0 for c in counts):

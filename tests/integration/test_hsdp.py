@@ -102,7 +102,25 @@ def test_a_rank_killed_in_the_cross_group_reduction_takes_its_group_out(
 @pytest.mark.timeout(120)
 def test_microbatches_that_a_replica_group_cannot_share_are_refused(tmp_path):
     job = run_script(tmp_path, ROOT / "examples" / "train_fsdp.py", "--nproc", "4",
-                     script_args=("--dp-shard", "2", "--microbatches", "6", "--steps", "3"))
+                     script_args=("--dp-shard", "2", "--microbatches", "5", "--steps", "3"))
     assert job.rc != 0
-    assert "6 microbatches a step cannot be shared evenly by 4 data-parallel ranks" in job.out
-    assert "2 per replica group" in job.out
+    assert ("5 microbatches a step cannot be shared evenly by the 2 data-parallel ranks of "
+            "a replica group") in job.out
+
+
+@pytest.mark.timeout(300)
+def test_three_groups_lose_one_and_share_its_microbatches_in_rounds(tmp_path, tmp_path_factory):
+    """3 groups x 2, M = 6 (the default): after a group leaves, 6 microbatches are not a
+    multiple of the 4 ranks left; they go out in rounds of 2 (one per place in a group),
+    so every rank of a group runs as many passes and the step is the failure-free one."""
+    ref = run_script(tmp_path_factory.mktemp("hsdp-3x2-ref"), SCRIPT, "--nproc", "6",
+                     timeout=240, script_args=("--steps", "6"))
+    assert ref.rc == 0, ref.out[-3000:]
+    job = run_script(tmp_path, SCRIPT, "--nproc", "6", "--min-nproc", "2",
+                     "--inject", "kill:rank=5:step=3:phase=backward", timeout=240,
+                     script_args=("--steps", "6"))
+    assert job.rc == 0, job.out[-3000:]
+    assert job.summary["world_sizes"] == [6, 4]
+    assert _audit(job) == _audit(ref)
+    for x, y in zip(job.summary["losses"], ref.summary["losses"], strict=True):
+        assert abs(x - y) <= 1e-4 * abs(y), (x, y)

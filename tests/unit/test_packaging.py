@@ -40,7 +40,8 @@ def test_every_import_is_declared():
         rel = path.relative_to(ROOT).as_posix()
         allowed = core | (extras["bench"] if "/bench/" in rel else set()) | extras["s3"]
         allowed |= {"transformers"} if "/bench/" in rel else set()
-        allowed |= extras["torchft"] if rel.endswith("bench/torchft_job.py") else set()
+        allowed |= (extras["torchft"] if rel.endswith(("bench/torchft_job.py",
+                                                        "bench/torchft_hsdp_job.py")) else set())
         allowed |= extras["plot"] if rel.endswith("observe/plot.py") else set()
         for mod in _imports(path) - stdlib:
             if DIST.get(mod, mod).replace("_", "-") not in allowed and mod not in allowed:

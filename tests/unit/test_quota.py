@@ -16,3 +16,14 @@ def test_quota_plans():
     assert effective_m(8, 4, 3, "constant") == 8 and effective_m(8, 4, 3, "shrink-batch") == 6
     with pytest.raises(ValueError):
         effective_m(8, 4, 3, "bogus")
+
+
+def test_plan_in_rounds_gives_every_place_of_a_group_as_many_ids():
+    from phoenixft.train import quota
+    # 6 microbatches on 2 groups of 2 (after a 3 x 2 HSDP job lost a group)
+    got = quota.plan_in_rounds(6, 2, 2)
+    assert got == [[0, 4], [1, 5], [2], [3]]
+    assert sorted(j for ids in got for j in ids) == list(range(6))
+    for u in range(2):  # the places of a group run as many passes
+        assert len({len(got[u * 2 + i]) for i in range(2)}) == 1
+    assert quota.plan_in_rounds(4, 2, 2) == [[0], [1], [2], [3]]
