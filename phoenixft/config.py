@@ -2,7 +2,7 @@
 
 `phoenixft run` builds an `AgentConfig` (launch/config.py) whose branches are the
 dataclasses below; the agent hands the branches a worker needs (`Timeouts`, `Snapshots`,
-`Persistence`, `Policy`) to every worker whole, as JSON, and the worker's `SessionConfig`
+`Persistence`, `Policy`, `Stragglers`) to every worker whole, as JSON, and the worker's `SessionConfig`
 (train/config.py) is built from that JSON with the same classes, so each setting is
 declared, defaulted and checked in exactly one place. The run CLI is built from one
 declaration per option (launch/options.py) that names the setting's path in this tree.
@@ -125,6 +125,34 @@ class Persistence:
             raise ConfigError(f"{{cpu_share}} must be in (0, 1], got {self.cpu_share}")
         if self.resume and not self.url:
             raise ConfigError("{resume} needs {url} (where the job's checkpoints are)")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Stragglers:
+    """Finding a rank that computes persistently slower than the others
+    (train/straggler.py): each rank's compute per step (step start to ready to reduce)
+    over the median of the other ranks', its median over the last `window` steps, flagged
+    at `ratio` or more."""
+
+    action: str = "report"  # off | report (an event and a console line)
+    window: int = 20
+    # 2: on this 2-core machine, 3 workers beside a busy process and a test suite, the
+    # highest median ratio over 20 steps of a failure-free run was 1.41, once 1.56
+    ratio: float = 2.0
+
+    ACTIONS = ("off", "report")
+
+    def __post_init__(self) -> None:
+        if self.action in ("swap", "rebalance"):
+            raise ConfigError(f"{{action}} {self.action} is not built yet: use report (or off)")
+        if self.action not in self.ACTIONS:
+            raise ConfigError(f"{{action}} must be one of {', '.join(self.ACTIONS)}, got "
+                              f"{self.action!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 3:
+            raise ConfigError(f"{{window}} must be an integer >= 3 (steps), got {self.window}")
+        if not (isinstance(self.ratio, (int, float)) and math.isfinite(self.ratio)
+                and self.ratio > 1):
+            raise ConfigError(f"{{ratio}} must be a finite number > 1, got {self.ratio}")
 
 
 def build(cls: type, data: dict[str, Any]) -> Any:

@@ -23,6 +23,10 @@ KIND, what the worker holding rank R does when WHEN comes:
               (before a same-node holder copies it), as bad memory would, and carry on:
               a holder that finds it damaged reports the rank, which is then replaced
               like a dead one (step T never commits); only with step=T
+    slow      compute `factor` times slower from step T on (a slow GPU, a noisy
+              neighbour): after its microbatches, before the step's all-reduce, it waits
+              (factor - 1) x the time they took; it needs step=T:factor=F (F > 1), and
+              only this worker is slow (a spare taking its rank is not)
 
 WHEN:
     step=T                  as it starts step T
@@ -53,7 +57,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot")
+KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot", "slow")
 # kinds that land inside the snapshot thread, at a point of their own (the caller does the
 # damage: `garbles`, `rots`), instead of at a step's start or phase
 LANDS_AT = {"garble": "received", "rot": "written"}
@@ -77,10 +81,11 @@ class InjectSpec:
     gen: int | None = None
     microbatch: int | None = None
     phase: str | None = None  # None: "start" (or the microbatch, or the recovery)
+    factor: float | None = None  # slow: how many times slower its compute becomes
 
     def __str__(self) -> str:
         parts = [self.kind, f"rank={self.rank}"]
-        for k in ("step", "gen", "microbatch", "phase"):
+        for k in ("step", "gen", "microbatch", "phase", "factor"):
             v = getattr(self, k)
             if v is not None:
                 parts.append(f"{k}={v}")
@@ -97,8 +102,17 @@ def parse_spec(text: str) -> InjectSpec:
     values: dict[str, int | str] = {}
     for f in fields[1:]:
         key, eq, val = f.partition("=")
-        if not eq or key not in (*_INT_KEYS, "phase") or key in values:
+        if not eq or key not in (*_INT_KEYS, "phase", "factor") or key in values:
             raise InjectSpecError(f"bad field {f!r} in --inject; {usage}")
+        if key == "factor":
+            try:
+                values[key] = float(val)
+            except ValueError:
+                raise InjectSpecError(f"factor must be a number in --inject, got {val!r}") from None
+            if not 1 < values[key] < float("inf"):
+                raise InjectSpecError(f"factor must be a finite number > 1 in --inject (how "
+                                      f"many times slower), got {val!r}")
+            continue
         if key == "phase":
             if val not in PHASES:
                 raise InjectSpecError(f"phase must be one of {', '.join(PHASES)} in --inject, "
@@ -123,6 +137,12 @@ def parse_spec(text: str) -> InjectSpec:
     if kind in LANDS_AT and ("step" not in values or "microbatch" in values or "phase" in values):
         raise InjectSpecError(f"{kind} takes step=T only (it lands when snapshot T is "
                               f"{LANDS_AT[kind]}), got {text!r}")
+    if ("factor" in values) != (kind == "slow"):
+        raise InjectSpecError(f"factor=F goes with slow, and slow needs step=T:factor=F, in "
+                              f"--inject, got {text!r}")
+    if kind == "slow" and ("step" not in values or "microbatch" in values or "phase" in values):
+        raise InjectSpecError(f"slow takes step=T:factor=F only (slower from step T on), "
+                              f"got {text!r}")
     if values.get("phase") == "start":
         del values["phase"]
     return InjectSpec(kind=kind, **values)
@@ -148,6 +168,7 @@ class WorkerHooks:
     settle: Callable[[], None] | None = None
     damage: Callable[[str], None] | None = None
     agent_pid: int | None = None
+    slow: Callable[[float], None] | None = None  # `slow`: compute this many times slower
 
 
 class Injector:
@@ -199,6 +220,11 @@ class Injector:
             return  # the caller does the damage (`garbles`, `rots`)
         if s.kind == "raise":
             raise InjectedFault(f"injected fault {s}")
+        if s.kind == "slow":
+            if self.hooks.slow is None:
+                raise InjectSpecError(f"--inject {s} needs a session to slow down")
+            self.hooks.slow(s.factor)
+            return
         if s.kind == "stop":
             os.kill(me, signal.SIGSTOP)
             return

@@ -12,7 +12,16 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phoenixft.config import ConfigError, Persistence, Policy, Snapshots, Timeouts, seconds, to_dict
+from phoenixft.config import (
+    ConfigError,
+    Persistence,
+    Policy,
+    Snapshots,
+    Stragglers,
+    Timeouts,
+    seconds,
+    to_dict,
+)
 from phoenixft.faults.inject import InjectSpec
 
 
@@ -124,6 +133,7 @@ class AgentConfig:
     inject: list[InjectSpec] = field(default_factory=list)
     timeouts: Timeouts = field(default_factory=Timeouts)
     snapshots: Snapshots = field(default_factory=Snapshots)
+    stragglers: Stragglers = field(default_factory=Stragglers)
     persistence: Persistence = field(default_factory=Persistence)
     policy: Policy = Policy.CONSTANT  # microbatches per step after a shrink
     min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
@@ -176,7 +186,8 @@ class AgentConfig:
     def worker_settings(self) -> dict:
         """What every worker's SessionConfig takes over whole (as JSON)."""
         return {"timeouts": to_dict(self.timeouts), "snapshots": to_dict(self.snapshots),
-                "persistence": to_dict(self.persistence), "policy": self.policy.value}
+                "persistence": to_dict(self.persistence), "policy": self.policy.value,
+                "stragglers": to_dict(self.stragglers)}
 
     @property
     def cadence(self) -> tuple[int | None, float | None]:

@@ -87,6 +87,14 @@ OPTIONS = (
     _opt("--policy", path="policy", choices=["constant", "shrink-batch"],
          help="microbatches per step after a shrink: constant (same gradients as a "
               "failure-free run) or shrink-batch (fewer: the batch shrinks)"),
+    _opt("--straggler", path="stragglers.action", choices=["off", "report", "swap", "rebalance"],
+         help="a rank that computes persistently slower than the others: report (an event "
+              "and a console line; the default) or off; swap and rebalance are not built yet"),
+    _opt("--straggler-ratio", path="stragglers.ratio", type=float, metavar="R",
+         help="a rank is slow when its compute per step is R times the other ranks' median "
+              "or more (default 2), as the median over --straggler-window steps"),
+    _opt("--straggler-window", path="stragglers.window", type=int, metavar="N",
+         help="steps a straggler's median is taken over (default 20)"),
     _opt("--respawn", path="respawn", type=int,
          help="replacement workers this agent may start; they grow the job back"),
     _opt("--persist", path="persistence.url", metavar="URL",

@@ -98,6 +98,11 @@ class Story:
                          f"{_SEEN_BY.get(e.get('kind'), e.get('kind', '?'))}", failure=True)]
         if ev == "generation":
             return self._generation(e)
+        if ev == "straggler" and self._once(("straggler", e.get("wid"), e.get("gen"))):
+            return [Line(f"phoenixft: rank {e.get('rank')} ({e.get('wid')}) is a straggler: its "
+                         f"compute per step is {e.get('ratio')}x the other ranks' median over "
+                         f"the last {e.get('window')} steps (step {e.get('step')}; --straggler "
+                         f"{e.get('action')}: reported only)", failure=True)]
         if ev == "snapshot_degraded":
             return [Line(f"phoenixft: rank {e.get('rank')}: a snapshot copy was rejected "
                          f"({e.get('detail')}); the step commits without it", failure=True)]

@@ -7,7 +7,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
-from phoenixft.config import Persistence, Policy, Snapshots, Timeouts, build
+from phoenixft.config import Persistence, Policy, Snapshots, Stragglers, Timeouts, build
 
 
 @dataclass(kw_only=True)
@@ -29,6 +29,7 @@ class SessionConfig:
     snapshots: Snapshots = field(default_factory=Snapshots)
     persistence: Persistence = field(default_factory=Persistence)
     policy: Policy = Policy.CONSTANT
+    stragglers: Stragglers = field(default_factory=Stragglers)
 
     def __post_init__(self) -> None:
         self.policy = Policy(self.policy)

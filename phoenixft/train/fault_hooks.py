@@ -20,7 +20,8 @@ from phoenixft.observe.events import EventLog
 
 def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: EventLog,
                  agent_pid: int | None, where: Callable[[], dict],
-                 before_fault: Callable[[], None], settle: Callable[[], None]) -> WorkerHooks:
+                 before_fault: Callable[[], None], settle: Callable[[], None],
+                 slow: Callable[[float], None] | None = None) -> WorkerHooks:
     """The injector's hooks for one worker. `where()` names its place now (rank, gen,
     world_size); `before_fault` runs before a fault lands (whatever must reach the store
     while the worker still lives); `settle` waits until the previous step committed."""
@@ -30,7 +31,8 @@ def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: Ev
 
     def on_fire(spec, t: float, point: dict) -> None:
         before_fault()
-        store.set(Keys.failing(wid), repr(t))
+        if spec.kind != "slow":  # (a slow worker carries on: it is not failing)
+            store.set(Keys.failing(wid), repr(t))
         # point may name the gen itself
         events.emit("inject", spec=str(spec), **{**where(), "pid": os.getpid(), **point})
 
@@ -48,5 +50,5 @@ def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: Ev
                     f.seek(HEADER_BYTES + 7)
                     f.write(bytes([b[0] ^ 0xFF]))
 
-    return WorkerHooks(claim=claim, on_fire=on_fire, settle=settle, damage=damage,
+    return WorkerHooks(claim=claim, on_fire=on_fire, settle=settle, damage=damage, slow=slow,
                        agent_pid=agent_pid)

@@ -80,11 +80,13 @@ class Member:
         # interrupts the collectives inside this worker's failure unit (an HSDP replica
         # group: `StateLayout.in_unit`) only when a new generation changes the unit
         self.unit_interrupt = Interrupt()
+        self.slow_factor = 1.0  # an injected `slow` fault: compute this many times slower
         self._ran_plan: Plan | None = None  # the plan of the generation joined last
         self.injector = Injector(parse_env(cfg.inject), member_hooks(
             store=store, wid=self.wid, shm_dir=cfg.shm_dir, events=events,
             agent_pid=cfg.agent_pid, before_fault=self.tell_passes,
             settle=self._previous_step_committed,
+            slow=lambda f: setattr(self, "slow_factor", f),
             where=lambda: {"rank": self.rank, "gen": self.generation,
                            "world_size": self.world_size}))
         self.tier = FsspecTier(cfg.persistence.url) if cfg.persistence.url else None
@@ -360,7 +362,7 @@ class Member:
         # A fresh gradient buffer per generation: an abandoned all-reduce of the old
         # generation may still complete into the old one.
         max_m = max(state.m, state.m_for(self.world_size))
-        state.grad = torch.zeros(ReduceLayout.capacity(lay.grad_numel(), max_m),
+        state.grad = torch.zeros(ReduceLayout.capacity(lay.grad_numel(), max_m, self.world_size),
                                  dtype=lay.master_dtype, device=lay.device)
 
     def _restore(self, ctx: JoinContext, state: RankState, point: RestorePoint,

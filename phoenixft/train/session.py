@@ -45,6 +45,7 @@ from phoenixft.train.member import Member
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.reduce_layout import ReduceLayout
 from phoenixft.train.step import Step, StepPhase
+from phoenixft.train.straggler import StragglerReporter
 from phoenixft.train.tracked import Tracked
 from phoenixft.train.zero import SchedulerFactory
 
@@ -82,6 +83,7 @@ class Session:
         self._pending: Step | None = None
         self._current: Step | None = None  # the step the user's loop body is in
         self._grow_requested = False
+        self._stragglers = StragglerReporter(self.cfg.stragglers, self.events)
         self.final_digest: str | None = None
         self._heartbeat = HeartbeatSender(self.member.connect, self.wid,
                                           self.cfg.timeouts.heartbeat_interval_s).start()
@@ -210,6 +212,7 @@ class Session:
                 st = self._new_step(state.step + 1, self.state.layout.plan(m, self.world_size)[self.rank], m)
                 member.injector.at_step(self.rank, st.index)
             self._current = st
+            self._stragglers.start()
             yield st
             self._current = None
             try:
@@ -288,10 +291,11 @@ class Session:
         failed = state.layout.failure()  # latched inside the user's passes (FSDP2)
         if failed is not None:
             raise failed
-        lay = ReduceLayout(state.layout.grad_numel(), st.m)
+        lay = ReduceLayout(state.layout.grad_numel(), st.m, self.world_size)
         g = state.grad[:lay.total]
         state.layout.write_grads(g[lay.grads])
-        g[lay.grads.stop:].zero_()  # the audit mask and the tail: set below
+        g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
+        g[lay.times.start + self.rank] = self._stragglers.compute_s(self.member.slow_factor)
         if state.layout.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
@@ -309,6 +313,9 @@ class Session:
             raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
                                f"cover each of the {st.m} microbatches exactly once")
         self._grow_requested = bool(g[lay.grow] > 0)
+        self._stragglers.observe(rank=self.rank, generation=self.generation,
+                                 members=self.member.plan.members, step=st.index,
+                                 times=g[lay.times].tolist())
         st.loss = float(g[lay.loss]) / st.m
         g[lay.grads].div_(st.m)
         st.grads, st.audit, st.reduced = g[lay.grads], counts, True
@@ -352,7 +359,8 @@ class Session:
                 [repr(st.loss), json.dumps([j for j, c in enumerate(st.audit) if c > 0]),
                  str(state.step)])
             self.events.emit("step", step=state.step, loss=st.loss, gen=self.generation,
-                             world_size=self.world_size)
+                             world_size=self.world_size,
+                             compute_s=[round(t, 4) for t in self._stragglers.last_times])
         self.member.snapshot(state)
 
     def _finish(self) -> None:

@@ -10,7 +10,17 @@ import math
 
 import pytest
 
-from phoenixft.config import ConfigError, Persistence, Policy, Snapshots, Timeouts, build, default_of, to_dict
+from phoenixft.config import (
+    ConfigError,
+    Persistence,
+    Policy,
+    Snapshots,
+    Stragglers,
+    Timeouts,
+    build,
+    default_of,
+    to_dict,
+)
 from phoenixft.launch.config import AgentConfig, LaunchError
 from phoenixft.launch.options import OPTIONS, PLACEMENT, add_run_arguments, agent_config_from_args, flag_of
 from phoenixft.train.config import SessionConfig
@@ -38,7 +48,12 @@ def test_each_branch_checks_itself_and_names_the_setting_by_its_path():
              (lambda: Persistence(every=0), "every must be >= 1, got 0"),
              (lambda: Persistence(cpu_share=math.nan), "cpu_share must be in (0, 1], got nan"),
              (lambda: Persistence(resume=True), "resume needs url"),
-             (lambda: Persistence(url="  "), "url is empty")]
+             (lambda: Persistence(url="  "), "url is empty"),
+             (lambda: Stragglers(action="swap"), "action swap is not built yet"),
+             (lambda: Stragglers(action="loud"), "action must be one of off, report"),
+             (lambda: Stragglers(window=2), "window must be an integer >= 3"),
+             (lambda: Stragglers(ratio=math.nan), "ratio must be a finite number > 1"),
+             (lambda: Stragglers(ratio=1.0), "ratio must be a finite number > 1")]
     for make, words in cases:
         with pytest.raises(ConfigError) as e:
             make()
@@ -85,7 +100,9 @@ def test_cli_defaults_are_the_trees_and_errors_name_the_flag(script):
                         (["--resume"], "--resume needs --persist (where"),
                         (["--heartbeat-timeout", "0.3"], "--heartbeat-timeout must exceed"),
                         (["--spares", "-1"], "--spares must be >= 0"),
-                        (["--min-nproc", "5"], "--min-nproc must be in [1, 1], got 5")]:
+                        (["--min-nproc", "5"], "--min-nproc must be in [1, 1], got 5"),
+                        (["--straggler", "rebalance"], "--straggler rebalance is not built"),
+                        (["--straggler-window", "1"], "--straggler-window must be an integer")]:
         with pytest.raises(LaunchError) as e:
             _parse(*argv, script=script)
         assert str(e.value).startswith(words), (argv, str(e.value))

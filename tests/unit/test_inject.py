@@ -28,7 +28,13 @@ def test_inject_specs():
                      ("kill:rank=0:step=0", ">= 1"), ("kill:rank=0:gen=0", ">= 1"),
                      ("kill:rank=0:step=2:phase=lunch", "phase must be one of"),
                      ("kill:rank=0:step=2:phase=reduce:microbatch=0", "not both"),
-                     ("kill:rank=0:step=2:step=3", "bad field")]:
+                     ("kill:rank=0:step=2:step=3", "bad field"),
+                     ("slow:rank=0:step=2", "slow needs step=T:factor=F"),
+                     ("slow:rank=0:gen=2:factor=3", "slow takes step=T:factor=F only"),
+                     ("slow:rank=0:step=2:factor=1", "finite number > 1"),
+                     ("slow:rank=0:step=2:factor=nan", "finite number > 1"),
+                     ("slow:rank=0:step=2:factor=x", "factor must be a number"),
+                     ("kill:rank=0:step=2:factor=3", "factor=F goes with slow")]:
         with pytest.raises(InjectSpecError, match=msg):
             parse_spec(bad)
 
@@ -100,3 +106,16 @@ def test_a_garble_needs_a_rank_that_holds_a_replica():
     inj.check_plan([1], receivers=None)  # a spare's later setup: not checked again
     with pytest.raises(InjectSpecError, match="can never fire: rank 1 holds no replica"):
         inj.check_plan([1, 1], receivers={0})
+
+
+def test_a_slow_fault_slows_its_worker_and_it_carries_on():
+    s = parse_spec("slow:rank=1:step=4:factor=3")
+    assert (s.kind, s.step, s.factor) == ("slow", 4, 3.0) and parse_spec(str(s)) == s
+    slowed = []
+    inj = Injector([s], WorkerHooks(claim=lambda key: True, slow=slowed.append))
+    inj.at_step(1, 3)
+    inj.at_step(1, 4, "reduce")
+    assert slowed == []
+    inj.at_step(1, 4)  # no signal: the process goes on, slower
+    assert slowed == [3.0]
+

@@ -11,3 +11,9 @@ def test_fields_are_disjoint_and_fill_the_buffer():
     cells += [lay.grow, lay.loss, lay.count]
     assert sorted(cells) == list(range(lay.total)) == list(range(17))
     assert ReduceLayout.capacity(10, 6) >= ReduceLayout(10, 6).total > lay.total
+
+
+def test_the_compute_times_take_one_slot_per_rank_after_the_tail():
+    lay = ReduceLayout(size=10, m=4, world=3)
+    assert lay.times == slice(17, 20) and lay.total == 20
+    assert ReduceLayout.capacity(10, 4, 3) == lay.total

@@ -1,0 +1,85 @@
+"""Finding stragglers: a rank that computes persistently slower than the others.
+
+Every rank writes its compute time of the step (from the step's start to ready to reduce,
+the part a slow GPU or a noisy neighbour stretches) into its own slot of the step's one
+all-reduce (`ReduceLayout.times`), so every rank sees every rank's time at no extra
+collective. `StragglerWatch` keeps, per rank, its time over the median of the other
+ranks' times, and flags a rank once the median of that ratio over the last `window` steps
+reaches `ratio`: one slow step (a page fault, a neighbour's burst) moves a median little,
+a rank that is slow for half the window moves it. A flagged rank is reported once; it is
+reported again only after it has been back below the ratio. One watch lives as long as a
+generation: a new membership renumbers the ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+from phoenixft.config import Stragglers
+from phoenixft.observe.events import EventLog
+
+
+class StragglerWatch:
+    def __init__(self, world_size: int, window: int, ratio: float) -> None:
+        self.window, self.ratio = window, ratio
+        self._ratios = [deque(maxlen=window) for _ in range(world_size)]
+        self.flagged: set[int] = set()
+
+    def observe(self, times: list[float]) -> list[tuple[int, float]]:
+        """One step's compute time per rank; returns the ranks newly found slow, each
+        with the median ratio that flagged it."""
+        if len(times) < 2 or len(times) != len(self._ratios):
+            return []
+        for r, t in enumerate(times):
+            others = statistics.median(times[:r] + times[r + 1:])
+            if others > 0:
+                self._ratios[r].append(t / others)
+        found = []
+        for r, hist in enumerate(self._ratios):
+            if len(hist) < self.window:
+                continue
+            m = statistics.median(hist)
+            if m >= self.ratio and r not in self.flagged:
+                self.flagged.add(r)
+                found.append((r, m))
+            elif m < self.ratio:
+                self.flagged.discard(r)
+        return found
+
+
+class StragglerReporter:
+    """The session's side: times this rank's compute of a step (`start` as the loop body
+    begins, `compute_s` when the step is ready to reduce), slows it down when an injected
+    `slow` fault fired on this worker, and on rank 0 reports the ranks `StragglerWatch`
+    finds (`observe`, with every rank's time from the all-reduce)."""
+
+    def __init__(self, cfg: Stragglers, events: EventLog) -> None:
+        self.cfg, self.events = cfg, events
+        self._t0 = time.perf_counter()
+        self._watch: StragglerWatch | None = None
+        self._gen = -1
+        self.last_times: list[float] = []  # every rank's compute seconds, the last step
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def compute_s(self, slow_factor: float = 1.0) -> float:
+        t = time.perf_counter() - self._t0
+        if slow_factor > 1:  # an injected slow device: the same work, `factor` times longer
+            time.sleep((slow_factor - 1) * t)
+        return time.perf_counter() - self._t0
+
+    def observe(self, *, rank: int, generation: int, members: dict[int, str], step: int,
+                times: list[float]) -> None:
+        self.last_times = times
+        if self.cfg.action == "off" or rank != 0:
+            return
+        if generation != self._gen:
+            self._watch, self._gen = StragglerWatch(len(times), self.cfg.window,
+                                                    self.cfg.ratio), generation
+        for r, ratio in self._watch.observe(times):
+            self.events.emit("straggler", rank=r, wid=members.get(r), gen=generation, step=step,
+                             ratio=round(ratio, 3), window=self.cfg.window,
+                             threshold=self.cfg.ratio, action=self.cfg.action)

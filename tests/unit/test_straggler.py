@@ -1,0 +1,31 @@
+"""The straggler rule on known timings: a rank 3x slower from some step on is flagged
+once its window is mostly slow, a burst of slow steps is not, and a rank is flagged again
+only after it was back below the ratio."""
+
+from phoenixft.train.straggler import StragglerWatch
+
+
+def test_a_rank_slow_from_a_step_on_is_flagged_once_half_its_window_is_slow():
+    w = StragglerWatch(4, window=10, ratio=1.5)
+    found = []
+    for step in range(1, 40):
+        times = [1.0, 3.0 if step >= 11 else 1.0, 1.0, 1.1]
+        found += [(step, r) for r, _ in w.observe(times)]
+    # the median of 10 ratios (the mean of the middle two) turns once half of them are
+    # slow: steps 11..15
+    assert found == [(15, 1)]
+
+
+def test_bursts_and_noise_are_not_stragglers():
+    w = StragglerWatch(3, window=10, ratio=1.5)
+    for step in range(200):
+        burst = 4.0 if step % 10 < 3 else 1.0  # 3 slow steps in every 10, on rank 2
+        assert w.observe([1.0 + 0.2 * (step % 3), 1.1, burst]) == []
+
+
+def test_a_rank_is_flagged_again_only_after_it_recovered():
+    w = StragglerWatch(2, window=4, ratio=1.5)
+    seq = [3.0] * 6 + [1.0] * 6 + [3.0] * 6
+    hits = [i for i, t in enumerate(seq) if w.observe([1.0, t])]
+    assert len(hits) == 2 and hits[0] < 6 <= 12 <= hits[1]
+    assert w.observe([1.0]) == []  # a generation of one rank has nothing to compare
