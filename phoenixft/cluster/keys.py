@@ -122,6 +122,10 @@ class Keys:
         return f"grow/{g}"
 
     @staticmethod
+    def straggler(g: int) -> str:  # rank 0 of generation g: swap this straggler (JSON)
+        return f"straggler/{g}"
+
+    @staticmethod
     def grow_ready(g: int) -> str:  # rank 0: generation g stopped at a committed step
         return f"grow_ready/{g}"
 

@@ -116,6 +116,8 @@ class Leader:
         self.plan: Plan | None = None
         self.monitor = HeartbeatMonitor(store)
         self.failures: list[Failure] = []
+        self.quarantined: list[str] = []  # workers swapped out as stragglers: never back
+        self._swaps_done: set[int] = set()  # generations whose straggler was decided
         self.problems: list[str] = []
         self.fatal: str | None = None
         self.target_world = 0
@@ -186,7 +188,7 @@ class Leader:
         member_failures = [f for f in new if f.rank is not None]
         if member_failures:
             self._replace(member_failures)
-        else:
+        elif not self._swap_straggler():
             self._grow()
         if new:
             self.save_state()
@@ -311,6 +313,47 @@ class Leader:
                 self.workers[wid].state = WorkerState.LEAVING  # (never offered as a spare)
         self._publish(nxt.plan)
 
+    def _swap_straggler(self) -> bool:
+        """Rank 0 named a straggler (`--straggler swap`): hold the members at the next
+        committed step, as for a grow, then give its rank to a spare (one on its node
+        first) and fence it; nothing is rolled back. True while a swap is under way."""
+        plan = self.plan
+        g, key = plan.generation, Keys.straggler(plan.generation)
+        if not self.store.check([key]) or g in self._swaps_done:
+            return False
+        found, spares = kv.get_json(self.store, key), self._spares()
+        wid, r = found["wid"], found["rank"]
+        if plan.members.get(r) != wid or self.workers[wid].state is not WorkerState.RUNNING:
+            self._swaps_done.add(g)
+            return False
+        if not spares:
+            self._swaps_done.add(g)
+            self.events.emit("straggler_kept", wid=wid, rank=r, gen=g,
+                             reason="no spare to swap it for")
+            return False
+        if not self.store.check([Keys.grow(g)]):
+            self.store.set(Keys.grow(g), "1")  # (the members stop at a committed step)
+            return True
+        if not self.store.check([Keys.grow_ready(g)]):
+            return True
+        spare = sorted(spares, key=lambda s: (s.node != plan.nodes[r], s.wid))[0]
+        members, nodes = dict(plan.members), dict(plan.nodes)
+        members[r], nodes[r] = spare.wid, spare.node
+        self._swaps_done.add(g)
+        self.workers[spare.wid].state = WorkerState.RUNNING
+        w = self.workers[wid]
+        w.state, w.exit_detail = WorkerState.FENCED, f"straggler ({found['ratio']}x)"
+        self.monitor.forget(wid)
+        self.store.set(Keys.fence(wid), "1")  # its agent stops it; it is never re-admitted
+        self.quarantined.append(wid)
+        self.events.emit("straggler_swapped", wid=wid, rank=r, gen=g, spare=spare.wid,
+                         ratio=found["ratio"], step=found["step"])
+        self._publish(Plan(generation=g + 1, members=members, nodes=nodes, replaced={r: wid},
+                           progress=kv.get_int(self.store, Keys.PROGRESS, 0),
+                           reason=f"straggler: {wid} (rank {r}) computed {found['ratio']}x "
+                                  f"the other ranks' median over {found['window']} steps"))
+        return True
+
     def _grow(self) -> None:
         """A spare is waiting while the job runs below its starting size: ask the members
         to stop at the next committed step, then admit the spare (`policy.grow`)."""
@@ -379,7 +422,7 @@ class Leader:
             "workers": [asdict(w) for w in self.workers.values()],
             "failures": [asdict(f) for f in self.failures], "problems": self.problems,
             "reports_seen": self._reports_seen, "target_world": self.target_world,
-            "fatal": self.fatal})
+            "fatal": self.fatal, "quarantined": self.quarantined})
 
     def resume(self) -> bool:
         """Take over from a previous leader's saved state (False: there is none, the job
@@ -392,6 +435,7 @@ class Leader:
         self.failures = [Failure(**f) for f in st["failures"]]
         self.problems, self.fatal = st["problems"], st["fatal"]
         self._reports_seen, self.target_world = st["reports_seen"], st["target_world"]
+        self.quarantined = st.get("quarantined", [])
         g = 0
         while self.store.check([Keys.plan(g + 1)]):
             g += 1
@@ -426,5 +470,7 @@ class Leader:
             self.status_failing = exc
 
     def summary(self, wall_s: float) -> dict:
-        return report.summary(self.store, self.run_dir, self.plan.generation if self.plan else 0,
-                              self.failures, wall_s, self.fatal, self.problems)
+        return {**report.summary(self.store, self.run_dir,
+                                 self.plan.generation if self.plan else 0, self.failures,
+                                 wall_s, self.fatal, self.problems),
+                "quarantined": self.quarantined}

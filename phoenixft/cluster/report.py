@@ -45,7 +45,9 @@ def recoveries(store: dist.Store, last_generation: int, failures: list) -> list[
             f = kinds.get(dead)
             out.append({"gen": gen, "rank": rank, "failed_worker": dead,
                         "replacement": plan.members.get(rank),
-                        "kind": f.kind if f else "unknown",
+                        # a straggler swapped for a spare did not fail
+                        "kind": f.kind if f else ("straggler" if plan.reason.startswith(
+                            "straggler") else "unknown"),
                         "detect_s": round(f.t_detect - f.t_fail, 4) if f else None,
                         "recover_s": rec["recover_s"], "lost_steps": rec["lost_steps"],
                         "restore_step": rec["restore_step"],

@@ -103,6 +103,13 @@ class Story:
                          f"compute per step is {e.get('ratio')}x the other ranks' median over "
                          f"the last {e.get('window')} steps (step {e.get('step')}; --straggler "
                          f"{e.get('action')}: reported only)", failure=True)]
+        if ev == "straggler_swapped":
+            return [Line(f"phoenixft: straggler {e.get('wid')} (rank {e.get('rank')}, "
+                         f"{e.get('ratio')}x) swapped for spare {e.get('spare')} at the next "
+                         "committed step; it is fenced and not re-admitted", failure=True)]
+        if ev == "straggler_kept":
+            return [Line(f"phoenixft: straggler {e.get('wid')} (rank {e.get('rank')}) kept: "
+                         f"{e.get('reason')}", failure=True)]
         if ev == "snapshot_degraded":
             return [Line(f"phoenixft: rank {e.get('rank')}: a snapshot copy was rejected "
                          f"({e.get('detail')}); the step commits without it", failure=True)]

@@ -313,9 +313,11 @@ class Session:
             raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
                                f"cover each of the {st.m} microbatches exactly once")
         self._grow_requested = bool(g[lay.grow] > 0)
-        self._stragglers.observe(rank=self.rank, generation=self.generation,
-                                 members=self.member.plan.members, step=st.index,
-                                 times=g[lay.times].tolist())
+        swap = self._stragglers.observe(rank=self.rank, generation=self.generation,
+                                        members=self.member.plan.members, step=st.index,
+                                        times=g[lay.times].tolist())
+        if swap is not None:  # the leader holds the job at a committed step and swaps it
+            kv.set_json(self.store, Keys.straggler(self.generation), swap)
         st.loss = float(g[lay.loss]) / st.m
         g[lay.grads].div_(st.m)
         st.grads, st.audit, st.reduced = g[lay.grads], counts, True

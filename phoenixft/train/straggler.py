@@ -72,14 +72,21 @@ class StragglerReporter:
         return time.perf_counter() - self._t0
 
     def observe(self, *, rank: int, generation: int, members: dict[int, str], step: int,
-                times: list[float]) -> None:
+                times: list[float]) -> dict | None:
+        """Rank 0: report the stragglers found now; returns the first of them as a swap
+        request (`--straggler swap`), else None."""
         self.last_times = times
         if self.cfg.action == "off" or rank != 0:
-            return
+            return None
         if generation != self._gen:
             self._watch, self._gen = StragglerWatch(len(times), self.cfg.window,
                                                     self.cfg.ratio), generation
+        swap = None
         for r, ratio in self._watch.observe(times):
-            self.events.emit("straggler", rank=r, wid=members.get(r), gen=generation, step=step,
-                             ratio=round(ratio, 3), window=self.cfg.window,
-                             threshold=self.cfg.ratio, action=self.cfg.action)
+            found = {"rank": r, "wid": members.get(r), "gen": generation, "step": step,
+                     "ratio": round(ratio, 3), "window": self.cfg.window}
+            self.events.emit("straggler", **found, threshold=self.cfg.ratio,
+                             action=self.cfg.action)
+            if self.cfg.action == "swap" and swap is None:
+                swap = found
+        return swap

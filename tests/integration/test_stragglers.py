@@ -1,7 +1,9 @@
-"""Stragglers under `phoenixft run` (--straggler report): a rank made 4x slower from a
-step on (`slow:` fault) is named within its window, once; a failure-free run of 300 steps
-beside a noisy neighbour (a busy process the test starts and stops by PID, competing for
-the 2 cores) names nobody."""
+"""Stragglers under `phoenixft run`: a rank made 4x slower from a step on (`slow:` fault)
+is named within its window, once (--straggler report); with --straggler swap and a spare
+it is swapped at the next committed step and fenced, nothing rolled back (final state bit
+for bit the failure-free run's); a failure-free run of 300 steps beside a noisy neighbour
+(a busy process the test starts and stops by PID, competing for the 2 cores) names
+nobody."""
 
 from __future__ import annotations
 
@@ -42,3 +44,38 @@ def test_no_straggler_is_named_in_300_failure_free_steps_beside_a_noisy_neighbou
     assert job.rc == 0, job.out[-3000:]
     assert job.summary["final_step"] == 300
     assert job.of("straggler") == []
+
+
+@pytest.mark.timeout(240)
+def test_a_straggler_is_swapped_for_a_spare_with_nothing_rolled_back(tmp_path, tmp_path_factory):
+    args = ("--nproc", "3", "--spares", "1", "--straggler", "swap", "--straggler-window", "6")
+    ref = run(tmp_path_factory.mktemp("straggler-ref"), *args, steps=24,
+              script_args=("--data", "ids"))
+    assert ref.rc == 0, ref.out[-3000:]
+    job = run(tmp_path, *args, "--inject", "slow:rank=1:step=5:factor=4", steps=24,
+              script_args=("--data", "ids"))
+    assert job.rc == 0, job.out[-3000:]
+    [swapped] = job.of("straggler_swapped")
+    assert (swapped["wid"], swapped["rank"], swapped["spare"]) == ("n0w1", 1, "n0w3")
+    assert job.summary["quarantined"] == ["n0w1"] and not job.summary["failures"]
+    assert job.summary["world_sizes"] == [3, 3]
+    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
+    assert job.summary["losses"] == ref.summary["losses"]
+    # at the next committed step, nothing recomputed, no failure counted
+    [rec] = job.summary["recoveries"]
+    assert (rec["kind"], rec["replacement"], rec["lost_steps"]) == ("straggler", "n0w3", 0)
+    assert rec["restore_step"] >= swapped["step"]
+    assert job.summary["microbatch_passes"] == ref.summary["microbatch_passes"]
+    assert "straggler n0w1 (rank 1" in job.out and "swapped for spare n0w3" in job.out
+
+
+
+@pytest.mark.timeout(200)
+def test_a_straggler_with_no_spare_to_swap_it_for_is_kept_and_told(tmp_path):
+    job = run(tmp_path, "--nproc", "2", "--straggler", "swap", "--straggler-window", "6",
+              "--inject", "slow:rank=1:step=5:factor=4", steps=24, script_args=("--data", "ids"))
+    assert job.rc == 0, job.out[-3000:]
+    [kept] = job.of("straggler_kept")
+    assert (kept["wid"], kept["reason"]) == ("n0w1", "no spare to swap it for")
+    assert job.summary["world_sizes"] == [2] and job.summary["quarantined"] == []
+    assert "straggler n0w1 (rank 1) kept: no spare to swap it for" in job.out

@@ -49,8 +49,8 @@ def test_each_branch_checks_itself_and_names_the_setting_by_its_path():
              (lambda: Persistence(cpu_share=math.nan), "cpu_share must be in (0, 1], got nan"),
              (lambda: Persistence(resume=True), "resume needs url"),
              (lambda: Persistence(url="  "), "url is empty"),
-             (lambda: Stragglers(action="swap"), "action swap is not built yet"),
-             (lambda: Stragglers(action="loud"), "action must be one of off, report"),
+             (lambda: Stragglers(action="rebalance"), "action rebalance is not built yet"),
+             (lambda: Stragglers(action="loud"), "action must be one of off, report, swap"),
              (lambda: Stragglers(window=2), "window must be an integer >= 3"),
              (lambda: Stragglers(ratio=math.nan), "ratio must be a finite number > 1"),
              (lambda: Stragglers(ratio=1.0), "ratio must be a finite number > 1")]
