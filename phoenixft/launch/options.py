@@ -90,7 +90,9 @@ OPTIONS = (
     _opt("--straggler", path="stragglers.action", choices=["off", "report", "swap", "rebalance"],
          help="a rank that computes persistently slower than the others: report (an event "
               "and a console line; the default), swap (also hand its rank to a spare at the "
-              "next committed step; nothing is rolled back) or off; rebalance is not built yet"),
+              "next committed step; nothing is rolled back), rebalance (give it fewer of each "
+              "step's microbatches, in proportion to its speed: same M, same gradients; data "
+              "parallel only) or off"),
     _opt("--straggler-ratio", path="stragglers.ratio", type=float, metavar="R",
          help="a rank is slow when its compute per step is R times the other ranks' median "
               "or more (default 2), as the median over --straggler-window steps"),

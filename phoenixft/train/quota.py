@@ -24,6 +24,23 @@ def plan(m: int, world_size: int) -> list[list[int]]:
     return out
 
 
+def plan_weighted(m: int, weights: list[float]) -> list[list[int]]:
+    """Contiguous ids, each rank's count in proportion to its weight (largest
+    remainders; ties to the lower rank): a faster rank gets more of the step's m."""
+    if m < 1 or not weights or any(not w > 0 for w in weights):
+        raise ValueError(f"need m >= 1 and weights > 0, got m={m}, weights={weights}")
+    total = sum(weights)
+    exact = [m * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    for r in sorted(range(len(weights)), key=lambda r: (counts[r] - exact[r], r))[:m - sum(counts)]:
+        counts[r] += 1
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
 def plan_in_rounds(m: int, groups: int, size: int) -> list[list[int]]:
     """Ids in rounds of `size` consecutive ids, one round per group in turn; the
     round's ids go to the group's places 0..size-1 (rank u * size + i holds place i of

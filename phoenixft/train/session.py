@@ -34,7 +34,7 @@ from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
 from phoenixft.comm.collectives import CommFailure
 from phoenixft.observe.events import EventLog
-from phoenixft.train import model_io
+from phoenixft.train import model_io, quota
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.flat_layout import FlatZero1
@@ -163,6 +163,10 @@ class Session:
         if dp_shard is not None and parallelize is None:
             raise ValueError(f"dp_shard={dp_shard} needs parallelize=: the replica groups "
                              "shard the model with FSDP2")
+        if parallelize is not None and self.cfg.stragglers.action == "rebalance":
+            raise ValueError("--straggler rebalance gives ranks different numbers of "
+                             "microbatches, and a sharded model's ranks must run as many "
+                             "passes (FSDP2's collectives): use --straggler swap or report")
         if parallelize is None:
             layout = FlatZero1(model, optimizer, scheduler)
         elif dp_shard is None:
@@ -209,7 +213,7 @@ class Session:
             st, self._pending = self._pending, None
             if st is None:
                 m = state.m_for(self.world_size)
-                st = self._new_step(state.step + 1, self.state.layout.plan(m, self.world_size)[self.rank], m)
+                st = self._new_step(state.step + 1, self._plan(m)[self.rank], m)
                 member.injector.at_step(self.rank, st.index)
             self._current = st
             self._stragglers.start()
@@ -269,6 +273,14 @@ class Session:
         self.events.emit(event, rank=self.rank, gen=self.generation, **fields)
 
     # -- the step -------------------------------------------------------------------
+    def _plan(self, m: int) -> list[list[int]]:
+        """The step's microbatch ids per rank: the layout's plan, or with `--straggler
+        rebalance` once a straggler was found, weighted by the ranks' speeds."""
+        weights = self._stragglers.weights_for(self.generation)
+        if weights is not None:
+            return quota.plan_weighted(m, weights)
+        return self.state.layout.plan(m, self.world_size)
+
     def _new_step(self, index: int, ids: list[int], m: int) -> Step:
         return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip)
 

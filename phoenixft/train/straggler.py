@@ -61,6 +61,14 @@ class StragglerReporter:
         self._watch: StragglerWatch | None = None
         self._gen = -1
         self.last_times: list[float] = []  # every rank's compute seconds, the last step
+        # `rebalance`: the generation's per-rank weights once a straggler was found (every
+        # rank computes them alike, from the same all-reduced times)
+        self.weights: list[float] | None = None
+
+    def weights_for(self, generation: int) -> list[float] | None:
+        """`rebalance`'s weights if they were found in this generation (a new membership
+        starts unweighted: its ranks are renumbered)."""
+        return self.weights if generation == self._gen else None
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
@@ -76,13 +84,20 @@ class StragglerReporter:
         """Rank 0: report the stragglers found now; returns the first of them as a swap
         request (`--straggler swap`), else None."""
         self.last_times = times
-        if self.cfg.action == "off" or rank != 0:
+        if self.cfg.action == "off" or (rank != 0 and self.cfg.action != "rebalance"):
             return None
         if generation != self._gen:
             self._watch, self._gen = StragglerWatch(len(times), self.cfg.window,
                                                     self.cfg.ratio), generation
+            self.weights = None
         swap = None
         for r, ratio in self._watch.observe(times):
+            if self.cfg.action == "rebalance" and self.weights is None:
+                # its microbatches take `ratio` times the others': it gets 1/ratio the share
+                self.weights = [1.0] * len(times)
+                self.weights[r] = 1.0 / ratio
+            if rank != 0:
+                continue
             found = {"rank": r, "wid": members.get(r), "gen": generation, "step": step,
                      "ratio": round(ratio, 3), "window": self.cfg.window}
             self.events.emit("straggler", **found, threshold=self.cfg.ratio,

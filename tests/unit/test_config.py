@@ -49,8 +49,8 @@ def test_each_branch_checks_itself_and_names_the_setting_by_its_path():
              (lambda: Persistence(cpu_share=math.nan), "cpu_share must be in (0, 1], got nan"),
              (lambda: Persistence(resume=True), "resume needs url"),
              (lambda: Persistence(url="  "), "url is empty"),
-             (lambda: Stragglers(action="rebalance"), "action rebalance is not built yet"),
-             (lambda: Stragglers(action="loud"), "action must be one of off, report, swap"),
+             (lambda: Stragglers(action="loud"), "action must be one of off, report, swap, "
+                                                 "rebalance"),
              (lambda: Stragglers(window=2), "window must be an integer >= 3"),
              (lambda: Stragglers(ratio=math.nan), "ratio must be a finite number > 1"),
              (lambda: Stragglers(ratio=1.0), "ratio must be a finite number > 1")]
@@ -101,7 +101,7 @@ def test_cli_defaults_are_the_trees_and_errors_name_the_flag(script):
                         (["--heartbeat-timeout", "0.3"], "--heartbeat-timeout must exceed"),
                         (["--spares", "-1"], "--spares must be >= 0"),
                         (["--min-nproc", "5"], "--min-nproc must be in [1, 1], got 5"),
-                        (["--straggler", "rebalance"], "--straggler rebalance is not built"),
+                        (["--straggler-ratio", "1"], "--straggler-ratio must be a finite"),
                         (["--straggler-window", "1"], "--straggler-window must be an integer")]:
         with pytest.raises(LaunchError) as e:
             _parse(*argv, script=script)

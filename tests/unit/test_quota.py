@@ -27,3 +27,13 @@ def test_plan_in_rounds_gives_every_place_of_a_group_as_many_ids():
     for u in range(2):  # the places of a group run as many passes
         assert len({len(got[u * 2 + i]) for i in range(2)}) == 1
     assert quota.plan_in_rounds(4, 2, 2) == [[0], [1], [2], [3]]
+
+
+def test_a_weighted_plan_gives_a_slow_rank_its_share_and_covers_every_id():
+    from phoenixft.train import quota
+    assert quota.plan_weighted(12, [1, 0.25, 1]) == [[0, 1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11]]
+    assert quota.plan_weighted(8, [1, 1, 1, 1]) == quota.plan(8, 4)
+    got = quota.plan_weighted(7, [1, 0.1, 2])
+    assert [j for ids in got for j in ids] == list(range(7))
+    with pytest.raises(ValueError):
+        quota.plan_weighted(4, [1, 0])
