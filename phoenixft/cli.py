@@ -31,6 +31,7 @@ _BENCHES = [
     "phoenixft.bench.serve_ft",
     "phoenixft.bench.torchft_side",
     "phoenixft.bench.sharded",
+    "phoenixft.bench.consensus",
     "phoenixft.bench.all",
 ]
 

@@ -10,7 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from phoenixft.bench import checkpoint, goodput, overhead, recovery, serve, serve_ft, sharded, torchft_side
+from phoenixft.bench import (
+    checkpoint,
+    consensus,
+    goodput,
+    overhead,
+    recovery,
+    serve,
+    serve_ft,
+    sharded,
+    torchft_side,
+)
 from phoenixft.observe.goals import Goal
 from phoenixft.simulate import report as simulate_report
 
@@ -79,6 +89,8 @@ SUITE: list[Entry] = [
            ["--steps", "34", "--kill-step", "20", "--no-free-runs"]),
     _bench("sharded", sharded, "4 FSDP2 workers x 1 torch thread (+1 spare for the kill)",
            ["--preset", "tiny", "--blocks", "20", "--kill-steps", "24"]),
+    _bench("consensus", consensus, "3 workers x 1 torch thread per mode (+1 spare for swap; "
+           "+1 busy process for the false alarms)", ["--steps", "80", "--noisy-steps", "300"]),
     Entry(name="simulate", command=("simulate",), processes="1 process",
           goals=simulate_report.goals, headline=simulate_report.headline,
           markdown=simulate_report.markdown,

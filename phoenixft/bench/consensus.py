@@ -1,0 +1,162 @@
+"""`phoenixft bench consensus`: faults that do not crash. Stragglers for now (the
+fingerprints of silent data corruption are not built yet, and the table says so).
+
+examples/train_gpt.py (data parallel, `--data ids`, M microbatches a step), N workers x 1
+torch thread, each mode its own process tree, one after another in one invocation:
+
+- clean:      failure-free, the reference throughput;
+- slow:       rank 1 made F times slower from step S on (`slow:` fault), the straggler
+              only reported (what a job without the action gets);
+- swap:       the same with 1 warm spare and `--straggler swap`;
+- rebalance:  the same, no spare, `--straggler rebalance`;
+- noisy:      failure-free beside a noisy neighbour (a busy process this benchmark starts
+              and stops), for false alarms per 1,000 steps.
+
+Throughput is steps per second from the first completed step to the last; each faulted
+mode against `clean` (goal with a spare: >= 0.9x). Detection latency: steps from the
+slow fault to the `straggler` event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from phoenixft.bench.harness import run_job
+from phoenixft.bench.options import BenchOptions
+from phoenixft.bench.runner import command
+from phoenixft.observe.goals import Goal, as_dicts, print_goals
+
+MODES = ("clean", "slow", "swap", "rebalance", "noisy")
+GOAL_SWAP = 0.9
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("consensus", help="stragglers: throughput with swap / rebalance / "
+                                         "nothing against failure-free, false alarms",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=3)
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "ref"])
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--microbatches", type=int, default=12)
+    p.add_argument("--slow-step", type=int, default=10, help="S: rank 1 is slow from here on")
+    p.add_argument("--factor", type=float, default=4.0, help="F: how many times slower")
+    p.add_argument("--window", type=int, default=10, help="--straggler-window of the jobs")
+    p.add_argument("--noisy-steps", type=int, default=300,
+                   help="steps of the failure-free run beside a busy process")
+    p.add_argument("--out", default="runs/bench/consensus.json")
+    p.set_defaults(func=command(measure, show))
+
+
+def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
+    steps = args.noisy_steps if mode == "noisy" else args.steps
+    cfg: dict = {"nproc": args.nproc, "stragglers": {"window": args.window}}
+    if mode in ("slow", "swap", "rebalance"):
+        cfg["inject"] = [f"slow:rank=1:step={args.slow_step}:factor={args.factor}"]
+    if mode == "swap":
+        cfg.update(spares=1)
+        cfg["stragglers"]["action"] = "swap"
+    if mode == "rebalance":
+        cfg["stragglers"]["action"] = "rebalance"
+    noisy = (subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             if mode == "noisy" else None)
+    try:
+        s = run_job(root / mode, script_args=["--steps", str(steps), "--preset", args.preset,
+                                              "--data", "ids", "--threads", "1",
+                                              "--microbatches", str(args.microbatches)], **cfg)
+    finally:
+        if noisy is not None:
+            noisy.kill()
+            noisy.wait()
+    steps_ev = [e for e in s["events"] if e["event"] == "step"]
+    first, last = steps_ev[0], steps_ev[-1]
+    found = [e for e in s["events"] if e["event"] == "straggler"]
+    return {"mode": mode, "steps": last["step"], "wall_s": round(last["t"] - first["t"], 3),
+            "steps_s": (last["step"] - first["step"]) / (last["t"] - first["t"]),
+            "stragglers": [{"rank": e["rank"], "step": e["step"], "ratio": e["ratio"]}
+                           for e in found],
+            "swapped": [e["wid"] for e in s["events"] if e["event"] == "straggler_swapped"],
+            "failures": len(s["failures"]), "digest": s["final_state_digest"]}
+
+
+def measure(opts: BenchOptions) -> dict:
+    args = opts.own
+    if args.nproc < 2 or not 1 < args.slow_step < args.steps or not args.factor > 1:
+        raise SystemExit("phoenixft bench consensus: --nproc >= 2, 1 < --slow-step < --steps, "
+                         "--factor > 1")
+    root, t0 = opts.runs_dir("consensus"), time.time()
+    rows = {}
+    for mode in MODES:
+        print(f"[consensus] {mode}", flush=True)
+        rows[mode] = _job(root, mode, args)
+    clean = rows["clean"]["steps_s"]
+    for r in rows.values():
+        r["vs_clean"] = r["steps_s"] / clean
+        named = [x for x in r["stragglers"] if x["rank"] == 1]
+        r["detected_after_steps"] = (named[0]["step"] - args.slow_step
+                                     if named and r["mode"] != "noisy" else None)
+    noisy = rows["noisy"]
+    result = {"benchmark": "consensus", "nproc": args.nproc, "threads_per_worker": 1,
+              "preset": args.preset, "microbatches": args.microbatches, "factor": args.factor,
+              "slow_step": args.slow_step, "window": args.window, "rows": rows,
+              "false_alarms_per_1000_steps": 1000 * len(noisy["stragglers"]) / noisy["steps"],
+              "fingerprints": "not built yet"}
+    result["goals"] = as_dicts(goals(result))
+    return {**result, "wall_s": round(time.time() - t0, 1)}
+
+
+def goals(result: dict) -> list[Goal]:
+    r = result["rows"]
+    return [Goal("straggler swapped for a spare: throughput vs failure-free",
+                 f">= {GOAL_SWAP}x", f"{r['swap']['vs_clean']:.3f}x",
+                 r["swap"]["vs_clean"] >= GOAL_SWAP),
+            Goal("false alarms per 1,000 failure-free steps beside a busy process", "0",
+                 result["false_alarms_per_1000_steps"],
+                 result["false_alarms_per_1000_steps"] == 0)]
+
+
+def headline(result: dict) -> str:
+    r = result["rows"]
+    return (f"rank 1 {result['factor']:g}x slower: throughput vs failure-free "
+            f"{r['slow']['vs_clean']:.2f}x reported only, {r['swap']['vs_clean']:.2f}x "
+            f"swapped for a spare, {r['rebalance']['vs_clean']:.2f}x rebalanced; "
+            f"{result['false_alarms_per_1000_steps']:g} false alarms per 1,000 steps beside a "
+            "busy process; SDC fingerprints not built yet")
+
+
+def show(result: dict, opts: BenchOptions) -> None:
+    table = Table(title=f"stragglers: {result['nproc']} workers x 1 torch thread, "
+                        f"{result['preset']} preset, {result['microbatches']} microbatches a "
+                        f"step; rank 1 {result['factor']:g}x slower from step "
+                        f"{result['slow_step']} (window {result['window']})")
+    for col in ("mode", "steps/s", "vs failure-free", "named (steps after the fault)",
+                "swapped", "failures"):
+        table.add_column(col)
+    for r in result["rows"].values():
+        table.add_row(r["mode"], f"{r['steps_s']:.2f}", f"{r['vs_clean']:.3f}x",
+                      "-" if r["detected_after_steps"] is None else str(r["detected_after_steps"]),
+                      ", ".join(r["swapped"]) or "-", str(r["failures"]))
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    console.print(f"false alarms: {result['false_alarms_per_1000_steps']:g} per 1,000 steps "
+                  f"({result['rows']['noisy']['steps']} failure-free steps beside a busy "
+                  "process); fingerprint cost: not measured (not built yet)")
+    print_goals(console, goals(result))
+
+
+def markdown(result: dict) -> list[str]:
+    rows = ["| mode | steps/s | vs failure-free | named (steps after the fault) | swapped |",
+            "|---|---|---|---|---|"]
+    for r in result["rows"].values():
+        rows.append(f"| {r['mode']} | {r['steps_s']:.2f} | {r['vs_clean']:.3f}x | "
+                    f"{r['detected_after_steps'] if r['detected_after_steps'] is not None else '-'}"
+                    f" | {', '.join(r['swapped']) or '-'} |")
+    return rows + ["", f"False alarms: {result['false_alarms_per_1000_steps']:g} per 1,000 "
+                       "failure-free steps beside a busy process. Fingerprints (silent data "
+                       "corruption): not built yet."]

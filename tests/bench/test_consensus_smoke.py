@@ -1,0 +1,31 @@
+"""A very short `phoenixft bench consensus`: every mode runs and is reported; the slow
+rank is named in each faulted mode and swapped in `swap`; never how fast anything was."""
+
+import argparse
+import json
+
+import pytest
+
+from phoenixft.bench import consensus
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(400)
+def test_consensus_smoke(tmp_path):
+    parser = argparse.ArgumentParser()
+    consensus.register(parser.add_subparsers())
+    out = tmp_path / "consensus.json"
+    args = parser.parse_args(["consensus", "--steps", "30", "--noisy-steps", "30",
+                              "--slow-step", "5", "--window", "6", "--out", str(out)])
+    assert args.func(args) == 0
+    r = json.loads(out.read_text())
+    rows = r["rows"]
+    assert list(rows) == ["clean", "slow", "swap", "rebalance", "noisy"]
+    for mode in ("slow", "swap", "rebalance"):
+        assert rows[mode]["detected_after_steps"] is not None, mode
+        assert rows[mode]["steps"] == 30 and rows[mode]["failures"] == 0
+    assert rows["swap"]["swapped"] == ["n0w1"] and rows["slow"]["swapped"] == []
+    assert rows["clean"]["vs_clean"] == 1.0
+    assert r["fingerprints"] == "not built yet"
+    assert [g["name"] for g in r["goals"]][0].startswith("straggler swapped")
