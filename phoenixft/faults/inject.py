@@ -26,7 +26,8 @@ KIND, what the worker holding rank R does when WHEN comes:
     slow      compute `factor` times slower from step T on (a slow GPU, a noisy
               neighbour): after its microbatches, before the step's all-reduce, it waits
               (factor - 1) x the time they took; it needs step=T:factor=F (F > 1), and
-              only this worker is slow (a spare taking its rank is not)
+              only this worker is slow (a spare taking its rank is not); with :every=P
+              it is slow on one step in P only (steps T, T+P, ...: an intermittent one)
 
 WHEN:
     step=T                  as it starts step T
@@ -62,7 +63,7 @@ KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot", "sl
 # damage: `garbles`, `rots`), instead of at a step's start or phase
 LANDS_AT = {"garble": "received", "rot": "written"}
 PHASES = ("start", "backward", "reduce", "update", "snapshot", "replicate", "commit")
-_INT_KEYS = ("rank", "step", "gen", "microbatch")
+_INT_KEYS = ("rank", "step", "gen", "microbatch", "every")
 
 
 class InjectSpecError(ValueError):
@@ -82,10 +83,11 @@ class InjectSpec:
     microbatch: int | None = None
     phase: str | None = None  # None: "start" (or the microbatch, or the recovery)
     factor: float | None = None  # slow: how many times slower its compute becomes
+    every: int | None = None  # slow: on one step in `every` only (None: every step)
 
     def __str__(self) -> str:
         parts = [self.kind, f"rank={self.rank}"]
-        for k in ("step", "gen", "microbatch", "phase", "factor"):
+        for k in ("step", "gen", "microbatch", "phase", "factor", "every"):
             v = getattr(self, k)
             if v is not None:
                 parts.append(f"{k}={v}")
@@ -123,7 +125,8 @@ def parse_spec(text: str) -> InjectSpec:
             values[key] = int(val)
         except ValueError:
             raise InjectSpecError(f"{key} must be an integer in --inject, got {val!r}") from None
-        lowest = 1 if key in ("step", "gen") else 0  # steps count from 1; gen 0 has no recovery
+        # steps count from 1; gen 0 has no recovery; every=1 would be plain slow
+        lowest = {"step": 1, "gen": 1, "every": 2}.get(key, 0)
         if values[key] < lowest:
             raise InjectSpecError(f"{key} must be >= {lowest} in --inject, got {val!r}")
     if "rank" not in values:
@@ -137,6 +140,8 @@ def parse_spec(text: str) -> InjectSpec:
     if kind in LANDS_AT and ("step" not in values or "microbatch" in values or "phase" in values):
         raise InjectSpecError(f"{kind} takes step=T only (it lands when snapshot T is "
                               f"{LANDS_AT[kind]}), got {text!r}")
+    if "every" in values and kind != "slow":
+        raise InjectSpecError(f"every=P goes with slow only, in --inject, got {text!r}")
     if ("factor" in values) != (kind == "slow"):
         raise InjectSpecError(f"factor=F goes with slow, and slow needs step=T:factor=F, in "
                               f"--inject, got {text!r}")
@@ -168,7 +173,8 @@ class WorkerHooks:
     settle: Callable[[], None] | None = None
     damage: Callable[[str], None] | None = None
     agent_pid: int | None = None
-    slow: Callable[[float], None] | None = None  # `slow`: compute this many times slower
+    # `slow`: compute `factor` times slower from step T, on one step in `every` (or all)
+    slow: Callable[[InjectSpec], None] | None = None
 
 
 class Injector:
@@ -223,7 +229,7 @@ class Injector:
         if s.kind == "slow":
             if self.hooks.slow is None:
                 raise InjectSpecError(f"--inject {s} needs a session to slow down")
-            self.hooks.slow(s.factor)
+            self.hooks.slow(s)
             return
         if s.kind == "stop":
             os.kill(me, signal.SIGSTOP)

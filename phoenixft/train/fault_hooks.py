@@ -21,7 +21,7 @@ from phoenixft.observe.events import EventLog
 def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: EventLog,
                  agent_pid: int | None, where: Callable[[], dict],
                  before_fault: Callable[[], None], settle: Callable[[], None],
-                 slow: Callable[[float], None] | None = None) -> WorkerHooks:
+                 slow: Callable | None = None) -> WorkerHooks:
     """The injector's hooks for one worker. `where()` names its place now (rank, gen,
     world_size); `before_fault` runs before a fault lands (whatever must reach the store
     while the worker still lives); `settle` waits until the previous step committed."""

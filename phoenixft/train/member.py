@@ -80,13 +80,13 @@ class Member:
         # interrupts the collectives inside this worker's failure unit (an HSDP replica
         # group: `StateLayout.in_unit`) only when a new generation changes the unit
         self.unit_interrupt = Interrupt()
-        self.slow_factor = 1.0  # an injected `slow` fault: compute this many times slower
+        self._slow = None  # an injected `slow` fault that fired on this worker (`slowdown`)
         self._ran_plan: Plan | None = None  # the plan of the generation joined last
         self.injector = Injector(parse_env(cfg.inject), member_hooks(
             store=store, wid=self.wid, shm_dir=cfg.shm_dir, events=events,
             agent_pid=cfg.agent_pid, before_fault=self.tell_passes,
             settle=self._previous_step_committed,
-            slow=lambda f: setattr(self, "slow_factor", f),
+            slow=lambda spec: setattr(self, "_slow", spec),
             where=lambda: {"rank": self.rank, "gen": self.generation,
                            "world_size": self.world_size}))
         self.tier = FsspecTier(cfg.persistence.url) if cfg.persistence.url else None
@@ -170,6 +170,13 @@ class Member:
                 self.events.emit("join_failed", gen=plan.generation, error=str(exc))
                 self._bury_groups()
                 plan = self.await_plan(plan.generation + 1, self.cfg.timeouts.join_timeout_s)
+
+    def slowdown(self, step: int) -> float:
+        """How many times slower this worker computes step `step` (an injected `slow`)."""
+        s = self._slow
+        if s is None or step < s.step or (s.every and (step - s.step) % s.every):
+            return 1.0
+        return s.factor
 
     def _leave_unit(self, plan: Plan) -> None:
         """Generation `plan` goes on without this worker's replica group (a member of it

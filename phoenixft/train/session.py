@@ -307,7 +307,7 @@ class Session:
         g = state.grad[:lay.total]
         state.layout.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
-        g[lay.times.start + self.rank] = self._stragglers.compute_s(self.member.slow_factor)
+        g[lay.times.start + self.rank] = self._stragglers.compute_s(self.member.slowdown(st.index))
         if state.layout.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)

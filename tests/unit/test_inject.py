@@ -34,7 +34,9 @@ def test_inject_specs():
                      ("slow:rank=0:step=2:factor=1", "finite number > 1"),
                      ("slow:rank=0:step=2:factor=nan", "finite number > 1"),
                      ("slow:rank=0:step=2:factor=x", "factor must be a number"),
-                     ("kill:rank=0:step=2:factor=3", "factor=F goes with slow")]:
+                     ("kill:rank=0:step=2:factor=3", "factor=F goes with slow"),
+                     ("slow:rank=0:step=2:factor=3:every=1", "every must be >= 2"),
+                     ("kill:rank=0:step=2:every=3", "every=P goes with slow only")]:
         with pytest.raises(InjectSpecError, match=msg):
             parse_spec(bad)
 
@@ -117,5 +119,6 @@ def test_a_slow_fault_slows_its_worker_and_it_carries_on():
     inj.at_step(1, 4, "reduce")
     assert slowed == []
     inj.at_step(1, 4)  # no signal: the process goes on, slower
-    assert slowed == [3.0]
+    assert slowed == [s]
+    assert parse_spec("slow:rank=0:step=2:factor=4:every=3").every == 3
 
