@@ -99,10 +99,13 @@ class Story:
         if ev == "generation":
             return self._generation(e)
         if ev == "straggler" and self._once(("straggler", e.get("wid"), e.get("gen"))):
+            then = {"swap": "a spare takes its rank at the next committed step, if there is one",
+                    "rebalance": "from the next step it gets a share of the microbatches in "
+                                 "proportion to its speed"}.get(e.get("action"), "reported only")
             return [Line(f"phoenixft: rank {e.get('rank')} ({e.get('wid')}) is a straggler: its "
                          f"compute per step is {e.get('ratio')}x the other ranks' median over "
                          f"the last {e.get('window')} steps (step {e.get('step')}; --straggler "
-                         f"{e.get('action')}: reported only)", failure=True)]
+                         f"{e.get('action')}: {then})", failure=True)]
         if ev == "straggler_swapped":
             return [Line(f"phoenixft: straggler {e.get('wid')} (rank {e.get('rank')}, "
                          f"{e.get('ratio')}x) swapped for spare {e.get('spare')} at the next "

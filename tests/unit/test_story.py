@@ -97,3 +97,16 @@ def test_a_grow_is_told_without_a_detection_time():
                              "resharded_2_to_4")
     assert "after detection" not in ln.text and "?" not in ln.text
     assert ln.text.startswith("phoenixft: generation 2 training again: restored step 4 from ")
+
+
+def test_a_straggler_is_told_with_what_its_action_does():
+    from phoenixft.observe.story import Story
+    e = {"event": "straggler", "rank": 1, "wid": "n0w1", "ratio": 2.3, "window": 20,
+         "step": 20, "gen": 0}
+    told = {a: Story().tell({**e, "action": a})[0].text for a in ("report", "swap", "rebalance")}
+    assert told["report"].endswith("--straggler report: reported only)")
+    assert "a spare takes its rank at the next committed step" in told["swap"]
+    assert "in proportion to its speed" in told["rebalance"]
+    assert told["report"].startswith("phoenixft: rank 1 (n0w1) is a straggler: its compute "
+                                     "per step is 2.3x the other ranks' median over the last "
+                                     "20 steps")
