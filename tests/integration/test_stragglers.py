@@ -1,20 +1,18 @@
 """Stragglers under `phoenixft run`: a rank made 4x slower from a step on (`slow:` fault)
 is named within its window, once (--straggler report); with --straggler swap and a spare
 it is swapped at the next committed step and fenced, nothing rolled back (final state bit
-for bit the failure-free run's); a failure-free run of 300 steps beside a noisy neighbour
-(a busy process the test starts and stops by PID, competing for the 2 cores) names
-nobody."""
+for bit the failure-free run's); the failure-free references name nobody. (300
+failure-free steps beside a busy process are `phoenixft bench consensus`'s `noisy` mode:
+a busy process here would slow every other test the suite runs beside it.)"""
 
 from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 
 import pytest
 
-from tests.support.jobs import kill_tree, run
+from tests.support.jobs import run
 
 pytestmark = [pytest.mark.integration]
 
@@ -35,25 +33,13 @@ def test_a_rank_made_four_times_slower_is_named_within_its_window(tmp_path):
     assert not job.summary["failures"]  # reported, nothing else done
 
 
-@pytest.mark.timeout(300)
-def test_no_straggler_is_named_in_300_failure_free_steps_beside_a_noisy_neighbour(tmp_path):
-    noisy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        job = run(tmp_path, "--nproc", "3", steps=300, timeout=280,
-                  script_args=("--data", "ids"))
-    finally:
-        kill_tree(noisy.pid)
-    assert job.rc == 0, job.out[-3000:]
-    assert job.summary["final_step"] == 300
-    assert job.of("straggler") == []
-
-
 @pytest.mark.timeout(240)
 def test_a_straggler_is_swapped_for_a_spare_with_nothing_rolled_back(tmp_path, tmp_path_factory):
     args = ("--nproc", "3", "--spares", "1", "--straggler", "swap", "--straggler-window", "6")
     ref = run(tmp_path_factory.mktemp("straggler-ref"), *args, steps=24,
               script_args=("--data", "ids"))
     assert ref.rc == 0, ref.out[-3000:]
+    assert ref.of("straggler") == []
     job = run(tmp_path, *args, "--inject", "slow:rank=1:step=5:factor=4", steps=24,
               script_args=("--data", "ids"))
     assert job.rc == 0, job.out[-3000:]
@@ -106,6 +92,7 @@ def test_rebalance_gives_a_straggler_fewer_microbatches_with_the_same_gradients(
               "--inject", "slow:rank=1:step=5:factor=8", steps=30, script_args=script)
     for j in (ref, even, job):
         assert j.rc == 0, j.out[-3000:]
+    assert ref.of("straggler") == []
     # (once rebalanced, it may be named again when noise lifts it over the ratio: the
     # weights, set once per generation, stay)
     found = job.of("straggler")[0]
