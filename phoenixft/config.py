@@ -2,10 +2,11 @@
 
 `phoenixft run` builds an `AgentConfig` (launch/config.py) whose branches are the
 dataclasses below; the agent hands the branches a worker needs (`Timeouts`, `Snapshots`,
-`Persistence`, `Policy`, `Stragglers`) to every worker whole, as JSON, and the worker's `SessionConfig`
-(train/config.py) is built from that JSON with the same classes, so each setting is
-declared, defaulted and checked in exactly one place. The run CLI is built from one
-declaration per option (launch/options.py) that names the setting's path in this tree.
+`Persistence`, `Policy`, `Stragglers`, `Fingerprints`) to every worker whole, as JSON,
+and the worker's `SessionConfig` (train/config.py) is built from that JSON with the same
+classes, so each setting is declared, defaulted and checked in exactly one place. The run
+CLI is built from one declaration per option (launch/options.py) that names the setting's
+path in this tree.
 
 Every dataclass checks its own fields when it is built and raises `ConfigError`. An
 error names settings by their path in braces (`{persistence.every} must be >= 1`): `str`
@@ -153,6 +154,19 @@ class Stragglers:
         if not (isinstance(self.ratio, (int, float)) and math.isfinite(self.ratio)
                 and self.ratio > 1):
             raise ConfigError(f"{{ratio}} must be a finite number > 1, got {self.ratio}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Fingerprints:
+    """Silent data corruption found by consensus (train/consensus.py): every `every`
+    steps each rank digests the step's reduced gradients, which every data-parallel rank
+    must hold bit for bit, and a strict majority names the rank that differs. 0: off."""
+
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ConfigError(f"{{every}} must be an integer >= 0 (0: off), got {self.every}")
 
 
 def build(cls: type, data: dict[str, Any]) -> Any:

@@ -32,6 +32,7 @@ class ReportKind(str, enum.Enum):
     ERROR = "error"  # agent: it exited after the user's script raised (the traceback)
     FATAL = "fatal"  # worker: recovery is impossible (no copy left of some state)
     DAMAGED = "damaged"  # worker: a same-node peer's own snapshot is damaged in memory
+    CORRUPT = "corrupt"  # worker: the step's fingerprint vote outvoted this worker (SDC)
     COLLECTIVE = "collective"  # worker: a collective failed (informational)
 
     def __str__(self) -> str:

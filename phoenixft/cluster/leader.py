@@ -222,6 +222,10 @@ class Leader:
             if rep["kind"] == ReportKind.DAMAGED:  # its snapshot in shm: replaced, fenced
                 new.append(self._fence(w, ReportKind.DAMAGED.value, rep["detail"], rep["t"], now))
                 continue
+            if rep["kind"] == ReportKind.CORRUPT:  # outvoted: replaced, fenced, never back
+                new.append(self._fence(w, ReportKind.CORRUPT.value, rep["detail"], rep["t"], now))
+                self.quarantined.append(w.wid)
+                continue
             detail = rep["detail"] + (" before training finished" if rep.get("rc") == 0 else "")
             w.state, w.exit_detail = WorkerState.DEAD, detail
             self.monitor.forget(w.wid)
@@ -263,7 +267,7 @@ class Leader:
             self._reports_seen += 1
             rep = kv.get_json(self.store, key)
             if rep.get("kind") in (ReportKind.EXIT, ReportKind.ERROR, ReportKind.FATAL,
-                                   ReportKind.DAMAGED):
+                                   ReportKind.DAMAGED, ReportKind.CORRUPT):
                 out.append(rep)
         return out
 

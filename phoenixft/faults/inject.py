@@ -23,6 +23,10 @@ KIND, what the worker holding rank R does when WHEN comes:
               (before a same-node holder copies it), as bad memory would, and carry on:
               a holder that finds it damaged reports the rank, which is then replaced
               like a dead one (step T never commits); only with step=T
+    flip      flip one bit of its reduced gradients of step T, right after the step's
+              all-reduce, and carry on (silent data corruption: bad memory, a faulty
+              core); only with step=T. The ranks' fingerprint vote must name it
+              (`--fingerprint-every`, data parallel)
     slow      compute `factor` times slower from step T on (a slow GPU, a noisy
               neighbour): after its microbatches, before the step's all-reduce, it waits
               (factor - 1) x the time they took; it needs step=T:factor=F (F > 1), and
@@ -58,10 +62,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot", "slow")
+KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot", "slow", "flip")
 # kinds that land inside the snapshot thread, at a point of their own (the caller does the
 # damage: `garbles`, `rots`), instead of at a step's start or phase
-LANDS_AT = {"garble": "received", "rot": "written"}
+LANDS_AT = {"garble": "received", "rot": "written", "flip": "reduced"}
 PHASES = ("start", "backward", "reduce", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch", "every")
 
@@ -258,6 +262,11 @@ class Injector:
         if not any(s.kind == kind for s in self.specs):
             return False
         return self._fire({"rank": rank, "step": step, "at": LANDS_AT[kind]})
+
+    def flips(self, rank: int, step: int) -> bool:
+        """The session, step `step` all-reduced: True when a flip spec fires now (the
+        caller then flips a bit of its reduced gradients)."""
+        return self._lands(rank, step, "flip")
 
     def at_recovery(self, rank: int, gen: int) -> None:
         if self.specs:

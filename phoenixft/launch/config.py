@@ -14,6 +14,7 @@ from pathlib import Path
 
 from phoenixft.config import (
     ConfigError,
+    Fingerprints,
     Persistence,
     Policy,
     Snapshots,
@@ -134,6 +135,7 @@ class AgentConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     snapshots: Snapshots = field(default_factory=Snapshots)
     stragglers: Stragglers = field(default_factory=Stragglers)
+    fingerprints: Fingerprints = field(default_factory=Fingerprints)
     persistence: Persistence = field(default_factory=Persistence)
     policy: Policy = Policy.CONSTANT  # microbatches per step after a shrink
     min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
@@ -187,7 +189,8 @@ class AgentConfig:
         """What every worker's SessionConfig takes over whole (as JSON)."""
         return {"timeouts": to_dict(self.timeouts), "snapshots": to_dict(self.snapshots),
                 "persistence": to_dict(self.persistence), "policy": self.policy.value,
-                "stragglers": to_dict(self.stragglers)}
+                "stragglers": to_dict(self.stragglers),
+                "fingerprints": to_dict(self.fingerprints)}
 
     @property
     def cadence(self) -> tuple[int | None, float | None]:

@@ -98,6 +98,10 @@ OPTIONS = (
               "or more (default 2), as the median over --straggler-window steps"),
     _opt("--straggler-window", path="stragglers.window", type=int, metavar="N",
          help="steps a straggler's median is taken over (default 20)"),
+    _opt("--fingerprint-every", path="fingerprints.every", type=int, metavar="K",
+         help="every K steps the ranks vote on a digest of the step's reduced gradients "
+              "(data parallel); a rank outvoted by a strict majority is replaced like a dead "
+              "one, before the step's update (default 1; 0: off)"),
     _opt("--respawn", path="respawn", type=int,
          help="replacement workers this agent may start; they grow the job back"),
     _opt("--persist", path="persistence.url", metavar="URL",

@@ -58,13 +58,15 @@ def number(x: float | None) -> str:
 def _cause(kind: str, detail: str) -> str:
     if kind == "hang":
         return "hung: its heartbeat went silent"
+    if kind == "corrupt":
+        return f"silent data corruption: {detail}"
     if kind == "damaged":
         return f"its snapshot is damaged in memory ({detail})"
     return detail.splitlines()[0] if detail else kind
 
 
 _SEEN_BY = {"exit": "process exit", "error": "process exit", "hang": "heartbeat deadline",
-            "damaged": "its replica holder's check"}
+            "damaged": "its replica holder's check", "corrupt": "the ranks' fingerprint vote"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,15 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
-from phoenixft.config import Persistence, Policy, Snapshots, Stragglers, Timeouts, build
+from phoenixft.config import (
+    Fingerprints,
+    Persistence,
+    Policy,
+    Snapshots,
+    Stragglers,
+    Timeouts,
+    build,
+)
 
 
 @dataclass(kw_only=True)
@@ -30,6 +38,7 @@ class SessionConfig:
     persistence: Persistence = field(default_factory=Persistence)
     policy: Policy = Policy.CONSTANT
     stragglers: Stragglers = field(default_factory=Stragglers)
+    fingerprints: Fingerprints = field(default_factory=Fingerprints)
 
     def __post_init__(self) -> None:
         self.policy = Policy(self.policy)

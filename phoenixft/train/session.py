@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,11 +31,11 @@ from torch import nn
 
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatSender
-from phoenixft.cluster.keys import Keys
+from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.membership import Plan
 from phoenixft.comm.collectives import CommFailure
 from phoenixft.observe.events import EventLog
-from phoenixft.train import model_io, quota
+from phoenixft.train import consensus, model_io, quota
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.flat_layout import FlatZero1
@@ -84,6 +85,7 @@ class Session:
         self._current: Step | None = None  # the step the user's loop body is in
         self._grow_requested = False
         self._stragglers = StragglerReporter(self.cfg.stragglers, self.events)
+        self._vote_s = self._digest_s = 0.0  # the last fingerprint vote's (0: none this step)
         self.final_digest: str | None = None
         self._heartbeat = HeartbeatSender(self.member.connect, self.wid,
                                           self.cfg.timeouts.heartbeat_interval_s).start()
@@ -273,6 +275,35 @@ class Session:
         self.events.emit(event, rank=self.rank, gen=self.generation, **fields)
 
     # -- the step -------------------------------------------------------------------
+    def _vote(self, st: Step, grads: torch.Tensor) -> None:
+        """Every `--fingerprint-every` steps (data parallel), before the update: the ranks
+        vote on a digest of the reduced gradients (`consensus.py`). Outvoted ranks are
+        reported (by the lowest rank of the majority) and the step is abandoned like one
+        whose peer died: the leader replaces them and the others keep their microbatches."""
+        self._vote_s = self._digest_s = 0.0
+        every = self.cfg.fingerprints.every
+        if not every or st.index % every or self.world_size < 2 or \
+                not isinstance(self.state.layout, FlatZero1):
+            return
+        t0 = time.perf_counter()
+        mine = consensus.digest(grads)
+        self._digest_s = time.perf_counter() - t0
+        bad = consensus.vote(self.member.ops, self.rank, self.world_size, mine,
+                             f"fingerprint vote (step {st.index})")
+        # on the critical path (the step event has both): the digest, and the digest plus
+        # the vote's all-reduce, which includes waiting for the slowest rank
+        self._vote_s = time.perf_counter() - t0
+        if not bad:
+            return
+        members = self.member.plan.members
+        if self.rank == min(r for r in range(self.world_size) if r not in bad):
+            self.events.emit("fingerprint_mismatch", rank=self.rank, gen=self.generation,
+                             step=st.index, outvoted=bad, wids=[members[r] for r in bad])
+            for r in bad:
+                self.member.report(ReportKind.CORRUPT, f"rank {r}'s reduced gradients of step "
+                                   f"{st.index} differ from the majority's", wid=members[r])
+        raise consensus.Outvoted(f"step {st.index}: the fingerprint vote outvoted ranks {bad}")
+
     def _plan(self, m: int) -> list[list[int]]:
         """The step's microbatch ids per rank: the layout's plan, or with `--straggler
         rebalance` once a straggler was found, weighted by the ranks' speeds."""
@@ -324,6 +355,10 @@ class Session:
         if int(g[lay.count]) != st.m or any(c != 1.0 for c in counts):
             raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
                                f"cover each of the {st.m} microbatches exactly once")
+        if self.member.injector.flips(self.rank, st.index):  # an injected `flip`
+            b = g[lay.grads].view(torch.uint8)
+            b[b.numel() // 2] ^= 0x10
+        self._vote(st, g[lay.grads])
         self._grow_requested = bool(g[lay.grow] > 0)
         swap = self._stragglers.observe(rank=self.rank, generation=self.generation,
                                         members=self.member.plan.members, step=st.index,
@@ -374,7 +409,8 @@ class Session:
                  str(state.step)])
             self.events.emit("step", step=state.step, loss=st.loss, gen=self.generation,
                              world_size=self.world_size,
-                             compute_s=[round(t, 4) for t in self._stragglers.last_times])
+                             compute_s=[round(t, 4) for t in self._stragglers.last_times],
+                             vote_s=round(self._vote_s, 6), digest_s=round(self._digest_s, 6))
         self.member.snapshot(state)
 
     def _finish(self) -> None:

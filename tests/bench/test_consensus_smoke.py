@@ -21,11 +21,11 @@ def test_consensus_smoke(tmp_path):
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     rows = r["rows"]
-    assert list(rows) == ["clean", "slow", "swap", "rebalance", "noisy"]
+    assert list(rows) == ["clean", "nofp", "slow", "swap", "rebalance", "noisy"]
     for mode in ("slow", "swap", "rebalance"):
         assert rows[mode]["detected_after_steps"] is not None, mode
         assert rows[mode]["steps"] == 30 and rows[mode]["failures"] == 0
     assert rows["swap"]["swapped"] == ["n0w1"] and rows["slow"]["swapped"] == []
     assert rows["clean"]["vs_clean"] == 1.0
-    assert r["fingerprints"] == "not built yet"
-    assert [g["name"] for g in r["goals"]][0].startswith("straggler swapped")
+    assert 0 < r["fingerprint_share_of_step"] < 1
+    assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprint", "straggler", "false"]

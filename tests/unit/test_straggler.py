@@ -29,3 +29,17 @@ def test_a_rank_is_flagged_again_only_after_it_recovered():
     hits = [i for i, t in enumerate(seq) if w.observe([1.0, t])]
     assert len(hits) == 2 and hits[0] < 6 <= 12 <= hits[1]
     assert w.observe([1.0]) == []  # a generation of one rank has nothing to compare
+
+
+def test_a_fingerprint_changes_with_any_single_flipped_bit():
+    import torch
+
+    from phoenixft.train.consensus import digest
+    g = torch.randn(1000)
+    d = digest(g)
+    b = g.view(torch.uint8)
+    for i, bit in ((0, 0), (1999, 7), (3999, 3)):
+        b[i] ^= 1 << bit
+        assert digest(g) != d
+        b[i] ^= 1 << bit
+    assert digest(g) == d
