@@ -52,18 +52,19 @@ def same_result(job, ref) -> None:
 @pytest.mark.timeout(300)
 def test_a_worker_and_its_replica_holder_lost_together_restore_from_storage(
         tmp_path, tmp_path_factory):
-    """Rank 1 deletes the node's shared memory and dies as rank 0 (which holds its replica)
-    dies too: no copy is left in memory, so both spares restore from base + deltas.
+    """Rank 1 deletes the node's shared memory and dies, and rank 0 (which holds its
+    replica) dies too before anyone restored: no copy is left in memory, so both spares
+    restore from base + deltas.
 
-    Both faults strike just before step 14's gradient all-reduce, a point each rank
-    reaches on its own: at the start of step 14, rank 0 could die while rank 1 was still
-    receiving step 13's parameters, and then rank 1 recovered with rank 0's spare from
-    memory before its own fault fired (seen once in a full run)."""
+    Rank 0 dies while it recovers into generation 1 (its groups formed, nothing restored
+    yet), an order the faults themselves fix. With both faults at step 14's reduce, each
+    rank reaching it on its own, rank 0's spare sometimes restored from memory before a
+    rank 1 running behind (2 loaded cores) deleted it (seen in a full run)."""
     ref = failure_free(tmp_path_factory, 2, STEPS)
     job = run(tmp_path / "run", "--nproc", "2", "--spares", "2", "--persist",
               str(tmp_path / "ckpt"), "--persist-every", "4", *PER_STEP,
               "--inject", "shm:rank=1:step=14:phase=reduce",
-              "--inject", "kill:rank=0:step=14:phase=reduce", steps=STEPS, timeout=240)
+              "--inject", "kill:rank=0:gen=1", steps=STEPS, timeout=240)
     same_result(job, ref)
     sources = [r["source"] for r in job.summary["recoveries"]]
     assert sources and set(sources) == {"persistent"}, job.summary["recoveries"]
