@@ -1,8 +1,11 @@
-"""Figures both torchft benchmarks (`bench torchft`, and its `--hsdp` case) read from
-their runs: torchft's committed step times and what a kill cost it, and the median step
-of a failure-free torchrun reference."""
+"""What both torchft benchmarks (`bench torchft`, and its `--hsdp` case) share: the pair
+of runs per system (failure-free, then the same kill), torchft's committed step times and
+what a kill cost it, and the median step of a failure-free torchrun reference."""
 
 from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
 
 from phoenixft.bench.goodput_jobs import TorchrunJob
 from phoenixft.bench.harness import median
@@ -52,3 +55,28 @@ def plain_step_s(job: TorchrunJob, what: str) -> float:
         raise RuntimeError(f"{what} run failed ({rc}); see {job.run_dir / 'torchrun.log'}")
     return median(step_times(from_events(read_events(job.run_dir / "events.jsonl"),
                                          epoch="attempt"), skip=5))
+
+
+def run_pair(args: argparse.Namespace, phoenix: Callable[[str, list[str]], dict],
+             torchft: Callable[[str, int | None], object], *, kill_rank: int,
+             label: str = "") -> tuple[float, float, dict, object]:
+    """Both systems failure-free (or, with --no-free-runs, their steps before the kill),
+    then both with rank `kill_rank` killed at --kill-step. `phoenix(name, inject)` runs
+    phoenixft's job, `torchft(name, kill_step)` torchft's; returns (phoenixft's median
+    step, torchft's, phoenixft's kill job, torchft's kill run)."""
+    k, tag = args.kill_step, label.replace(" ", "-").lower()  # " HSDP": runs *-hsdp-*
+    if args.free_runs:
+        print(f"phoenixft{label} failure-free, torchft{label} failure-free", flush=True)
+        px_free = phoenix(f"phoenixft{tag}-free", [])["events"]
+        tf_free = torchft(f"torchft{tag}-free", None).events
+    print(f"phoenixft{label} and torchft{label}, rank {kill_rank} killed at step {k}", flush=True)
+    px_kill = phoenix(f"phoenixft{tag}-kill", [f"kill:rank={kill_rank}:step={k}"])
+    tf_kill = torchft(f"torchft{tag}-kill", k)
+    if not args.free_runs:  # the steps before the kill
+        px_free = [e for e in px_kill["events"] if e["event"] != "step" or e["step"] < k]
+        tf_free = [e for e in tf_kill.events if e["event"] != "step" or e["step"] < k]
+    # warm-up steps left out (the spare and the lighthouse start beside the first steps)
+    skip = 5 if args.free_runs else min(5, max(1, k // 3))
+    return (median(step_times(from_events(px_free), skip=skip)),
+            median(torchft_step_times(tf_free, skip=skip)), px_kill, tf_kill)
+

@@ -22,11 +22,10 @@ import json
 from pathlib import Path
 
 from phoenixft.bench.goodput_jobs import TorchrunJob, Workload
-from phoenixft.bench.harness import FSDP, FSDP_BASELINE, median, run_job
+from phoenixft.bench.harness import FSDP, FSDP_BASELINE, run_job
 from phoenixft.bench.recovery import measure_events
-from phoenixft.bench.torchft_figures import plain_step_s, torchft_fault, torchft_step_times
+from phoenixft.bench.torchft_figures import plain_step_s, run_pair, torchft_fault
 from phoenixft.bench.torchft_run import TorchftHsdpRun
-from phoenixft.observe.steps import from_events, step_times
 
 
 def _plain_step_s(root: Path, args: argparse.Namespace, work: Workload) -> float:
@@ -85,21 +84,8 @@ def runs(args: argparse.Namespace, root: Path) -> dict:
         run.events = run.run()
         return run
 
-    k = args.kill_step
-    if args.free_runs:
-        print("phoenixft HSDP failure-free, torchft HSDP failure-free", flush=True)
-        px_free = phoenix("phoenixft-hsdp-free", [])["events"]
-        tf_free = torchft("torchft-hsdp-free", None).events
-    print(f"phoenixft HSDP and torchft HSDP, rank {world - 1} (group 1) killed at step {k}",
-          flush=True)
-    px_kill = phoenix("phoenixft-hsdp-kill", [f"kill:rank={world - 1}:step={k}"])
-    tf_kill = torchft("torchft-hsdp-kill", k)
-    if not args.free_runs:
-        px_free = [e for e in px_kill["events"] if e["event"] != "step" or e["step"] < k]
-        tf_free = [e for e in tf_kill.events if e["event"] != "step" or e["step"] < k]
-    skip = 5 if args.free_runs else min(5, max(1, k // 3))
-    px_step = median(step_times(from_events(px_free), skip=skip))
-    tf_step = median(torchft_step_times(tf_free, skip=skip))
+    px_step, tf_step, px_kill, tf_kill = run_pair(args, phoenix, torchft, kill_rank=world - 1,
+                                                  label=" HSDP")
     return {"layout": f"hsdp 2x{s}", "microbatches": m, "ddp_step_s": round(plain, 4),
             "reference": f"plain torchrun, FSDP2 HSDP (2, {s}) mesh",
             "processes": f"2 groups x {s} ranks x 1 torch thread each (+ {s} respawned for "

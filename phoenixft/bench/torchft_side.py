@@ -35,14 +35,13 @@ from rich.console import Console
 from rich.table import Table
 
 from phoenixft.bench.goodput_jobs import TorchrunJob, Workload
-from phoenixft.bench.harness import ROOT, median, run_job
+from phoenixft.bench.harness import ROOT, run_job
 from phoenixft.bench.options import BenchOptions
 from phoenixft.bench.recovery import measure_events
 from phoenixft.bench.runner import command
-from phoenixft.bench.torchft_figures import plain_step_s, torchft_fault, torchft_step_times
+from phoenixft.bench.torchft_figures import plain_step_s, run_pair, torchft_fault
 from phoenixft.bench.torchft_run import TorchftRun
 from phoenixft.observe.goals import Goal, as_dicts, print_goals
-from phoenixft.observe.steps import from_events, step_times
 
 
 def default_python() -> str:
@@ -115,33 +114,6 @@ def _ddp_step_s(root: Path, work: Workload) -> float:
                                     ckpt_every=10**9), "plain DDP")
 
 
-def _runs(args: argparse.Namespace, root: Path, work: Workload) -> tuple[list, list, dict, TorchftRun]:
-    """Both systems failure-free (or, with --no-free-runs, their steps before the kill),
-    then both with the same kill; the failure-free events and the kill runs."""
-    def phoenix(name: str, inject: list[str]) -> dict:
-        return run_job(root / name, nproc=2, spares=1, inject=inject,
-                       timeouts={"heartbeat_timeout_s": args.heartbeat_timeout},
-                       script_args=[*work.script_args(), "--data", "ids"])
-
-    def torchft(name: str, kill: int | None) -> TorchftRun:
-        run = TorchftRun(args.python, root / name, work, kill_step=kill,
-                         heartbeat_timeout_s=args.heartbeat_timeout)
-        run.events = run.run()
-        return run
-
-    if args.free_runs:
-        print("phoenixft failure-free, torchft failure-free", flush=True)
-        px_free = phoenix("phoenixft-free", [])["events"]
-        tf_free = torchft("torchft-free", None).events
-    print(f"phoenixft with a kill at step {args.kill_step}, torchft with the same kill", flush=True)
-    px_kill = phoenix("phoenixft-kill", [f"kill:rank=1:step={args.kill_step}"])
-    tf_kill = torchft("torchft-kill", args.kill_step)
-    if not args.free_runs:  # the steps before the kill
-        px_free = [e for e in px_kill["events"] if e["event"] != "step" or e["step"] < args.kill_step]
-        tf_free = [e for e in tf_kill.events if e["event"] != "step" or e["step"] < args.kill_step]
-    return px_free, tf_free, px_kill, tf_kill
-
-
 def measure(opts: BenchOptions) -> dict:
     """Plain DDP, then both systems failure-free and with the same SIGKILL."""
     args = opts.own
@@ -154,11 +126,18 @@ def measure(opts: BenchOptions) -> dict:
         return _hsdp(args, root, version, t0)
     print(f"torchft {version}; plain DDP (failure-free reference)", flush=True)
     ddp_step = _ddp_step_s(root, work)
-    px_free, tf_free, px_kill, tf_kill = _runs(args, root, work)
-    # warm-up steps left out (the spare and the lighthouse start beside the first steps)
-    skip = 5 if args.free_runs else min(5, max(1, args.kill_step // 3))
-    px_step = median(step_times(from_events(px_free), skip=skip))
-    tf_step = median(torchft_step_times(tf_free, skip=skip))
+    def phoenix(name: str, inject: list[str]) -> dict:
+        return run_job(root / name, nproc=2, spares=1, inject=inject,
+                       timeouts={"heartbeat_timeout_s": args.heartbeat_timeout},
+                       script_args=[*work.script_args(), "--data", "ids"])
+
+    def torchft(name: str, kill: int | None) -> TorchftRun:
+        run = TorchftRun(args.python, root / name, work, kill_step=kill,
+                         heartbeat_timeout_s=args.heartbeat_timeout)
+        run.events = run.run()
+        return run
+
+    px_step, tf_step, px_kill, tf_kill = run_pair(args, phoenix, torchft, kill_rank=1)
     rows = {
         "phoenixft": {"step_s": round(px_step, 4), "step_ratio_vs_ddp": round(px_step / ddp_step, 4),
                       **phoenix_fault(px_kill["events"])},
