@@ -119,7 +119,8 @@ class Keys:
         return f"fence/{wid}"
 
     @staticmethod
-    def grow(g: int) -> str:  # the leader: generation g should admit waiting spares
+    def grow(g: int) -> str:  # the leader: generation g stops at a committed step (to admit
+        # waiting spares, or to swap a straggler)
         return f"grow/{g}"
 
     @staticmethod

@@ -246,10 +246,22 @@ class Leader:
                ) -> Failure:
         """A worker that may still run but must not (hung, or its snapshot damaged): its
         agent SIGKILLs it before anyone relies on its absence."""
+        self._stop_worker(w, detail)
+        return Failure(w.wid, self.plan.rank_of(w.wid), kind, detail, t_fail, now)
+
+    def _stop_worker(self, w: WorkerInfo, detail: str) -> None:
+        """Fence `w`: its agent SIGKILLs it; the leader stops watching it."""
         w.state, w.exit_detail = WorkerState.FENCED, detail
         self.monitor.forget(w.wid)
         self.store.set(Keys.fence(w.wid), "1")
-        return Failure(w.wid, self.plan.rank_of(w.wid), kind, detail, t_fail, now)
+
+    def _held(self, g: int) -> bool:
+        """Ask the members of generation g to stop at their next committed step (the
+        step's all-reduce carries the request); True once they have."""
+        if not self.store.check([Keys.grow(g)]):
+            self.store.set(Keys.grow(g), "1")
+            return False
+        return self.store.check([Keys.grow_ready(g)])
 
     def _fail_time(self, wid: str, fallback: float) -> float:
         key = Keys.failing(wid)
@@ -335,21 +347,15 @@ class Leader:
             self.events.emit("straggler_kept", wid=wid, rank=r, gen=g,
                              reason="no spare to swap it for")
             return False
-        if not self.store.check([Keys.grow(g)]):
-            self.store.set(Keys.grow(g), "1")  # (the members stop at a committed step)
-            return True
-        if not self.store.check([Keys.grow_ready(g)]):
+        if not self._held(g):
             return True
         spare = sorted(spares, key=lambda s: (s.node != plan.nodes[r], s.wid))[0]
         members, nodes = dict(plan.members), dict(plan.nodes)
         members[r], nodes[r] = spare.wid, spare.node
         self._swaps_done.add(g)
         self.workers[spare.wid].state = WorkerState.RUNNING
-        w = self.workers[wid]
-        w.state, w.exit_detail = WorkerState.FENCED, f"straggler ({found['ratio']}x)"
-        self.monitor.forget(wid)
-        self.store.set(Keys.fence(wid), "1")  # its agent stops it; it is never re-admitted
-        self.quarantined.append(wid)
+        self._stop_worker(self.workers[wid], f"straggler ({found['ratio']}x)")
+        self.quarantined.append(wid)  # never re-admitted
         self.events.emit("straggler_swapped", wid=wid, rank=r, gen=g, spare=spare.wid,
                          ratio=found["ratio"], step=found["step"])
         self._publish(Plan(generation=g + 1, members=members, nodes=nodes, replaced={r: wid},
@@ -362,23 +368,21 @@ class Leader:
         """A spare is waiting while the job runs below its starting size: ask the members
         to stop at the next committed step, then admit the spare (`policy.grow`)."""
         plan, unit = self.plan, kv.get_int(self.store, Keys.UNIT, 1)
-        progress = kv.get_int(self.store, Keys.PROGRESS, 0)
-        if self.store.check([Keys.grow(plan.generation)]):
-            if not self.store.check([Keys.grow_ready(plan.generation)]):
-                return
-            # the members stopped at a committed step for this: a plan must follow, even
-            # if the spares went away meanwhile (then the same members go on)
-            nxt = policy.grow(plan, [policy.Spare(w.wid, w.node) for w in self._spares()],
-                              target_world=self.target_world, progress=progress, unit=unit)
-            if nxt is None:
-                self._publish(Plan(generation=plan.generation + 1, members=dict(plan.members),
-                                   nodes=dict(plan.nodes), progress=progress,
-                                   reason="grow: the spares left before they were admitted"))
-                return
-        elif plan.world_size + unit > self.target_world or len(self._spares()) < unit:
+        asked = self.store.check([Keys.grow(plan.generation)])
+        if not asked and (plan.world_size + unit > self.target_world
+                          or len(self._spares()) < unit):
             return  # (a replica group comes back whole)
-        else:
-            self.store.set(Keys.grow(plan.generation), "1")
+        if not self._held(plan.generation):
+            return
+        # the members stopped at a committed step for this: a plan must follow, even if
+        # the spares went away meanwhile (then the same members go on)
+        progress = kv.get_int(self.store, Keys.PROGRESS, 0)
+        nxt = policy.grow(plan, [policy.Spare(w.wid, w.node) for w in self._spares()],
+                          target_world=self.target_world, progress=progress, unit=unit)
+        if nxt is None:
+            self._publish(Plan(generation=plan.generation + 1, members=dict(plan.members),
+                               nodes=dict(plan.nodes), progress=progress,
+                               reason="grow: the spares left before they were admitted"))
             return
         for wid in nxt.taken:
             self.workers[wid].state = WorkerState.RUNNING
