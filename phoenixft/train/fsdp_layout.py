@@ -189,21 +189,14 @@ class Fsdp2Layout(StateLayout):
         # M/D microbatches each runs: (1/D) of the sum; the mean over M is D/M of it
         # (FSDP2's own divide factor would need PREMUL_SUM, which gloo lacks). M == D:
         # FSDP2's own average, bit for bit that of a plain FSDP2 script.
-        d = self._check_microbatches(microbatches, self.group.size(),
-                                     "to resume onto other shapes, of their data-parallel "
-                                     "sizes too")
-        self._grad_scale = None if microbatches == d else d / microbatches
-
-    def _check_microbatches(self, m: int, world_size: int, also: str) -> int:
-        """The data-parallel ranks D of `world_size`, or an error if M is not a multiple."""
-        d = self.data_ranks(world_size)
-        if m % d:
+        d = self.data_ranks(self.group.size())
+        if microbatches % d:
             raise ValueError(
-                f"{m} microbatches a step cannot be shared evenly by {d} data-parallel "
-                f"ranks: FSDP2's collectives need every rank to run as many forward and "
-                f"backward passes as the others. Choose microbatches= a multiple of {d} "
-                f"(and, {also})")
-        return d
+                f"{microbatches} microbatches a step cannot be shared evenly by {d} "
+                f"data-parallel ranks: FSDP2's collectives need every rank to run as many "
+                f"forward and backward passes as the others. Choose microbatches= a multiple "
+                f"of {d} (and, to resume onto other shapes, of their data-parallel sizes too)")
+        self._grad_scale = None if microbatches == d else d / microbatches
 
     def failure(self) -> CommFailure | None:
         return next((g.failure for g in self._all_groups() if g.failure is not None), None)

@@ -282,8 +282,9 @@ class Session:
         whose peer died: the leader replaces them and the others keep their microbatches."""
         self._vote_s = self._digest_s = 0.0
         every = self.cfg.fingerprints.every
+        # (local_gradients: the step's all-reduce is where the ranks' gradients meet)
         if not every or st.index % every or self.world_size < 2 or \
-                not isinstance(self.state.layout, FlatZero1):
+                not self.state.layout.local_gradients:
             return
         t0 = time.perf_counter()
         mine = consensus.digest(grads)
