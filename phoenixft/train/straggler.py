@@ -13,12 +13,23 @@ generation: a new membership renumbers the ranks.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections import deque
 
 from phoenixft.config import Stragglers
 from phoenixft.observe.events import EventLog
+
+
+def _median_without(order: list[float], i: int) -> float:
+    """The median of sorted `order` with its element `i` left out (O(1): every step
+    computes one per rank, and a job may have thousands of ranks)."""
+    m = len(order) - 1
+
+    def at(k: int) -> float:
+        return order[k] if k < i else order[k + 1]
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
 
 class StragglerWatch:
@@ -32,8 +43,9 @@ class StragglerWatch:
         with the median ratio that flagged it."""
         if len(times) < 2 or len(times) != len(self._ratios):
             return []
+        order = sorted(times)  # once per step: each rank's "others" is it less one value
         for r, t in enumerate(times):
-            others = statistics.median(times[:r] + times[r + 1:])
+            others = _median_without(order, bisect.bisect_left(order, t))
             if others > 0:
                 self._ratios[r].append(t / others)
         found = []

@@ -43,3 +43,19 @@ def test_a_fingerprint_changes_with_any_single_flipped_bit():
         assert digest(g) != d
         b[i] ^= 1 << bit
     assert digest(g) == d
+
+
+def test_the_median_of_the_other_ranks_is_statistics_median_of_them():
+    import bisect
+    import random
+    import statistics
+
+    from phoenixft.train.straggler import _median_without
+    rng = random.Random(0)
+    for n in range(2, 10):
+        for _ in range(200):
+            t = [rng.choice([0.1, 0.2, 0.3, rng.random()]) for _ in range(n)]
+            order = sorted(t)
+            for r, x in enumerate(t):
+                assert _median_without(order, bisect.bisect_left(order, x)) == \
+                    statistics.median(t[:r] + t[r + 1:])
