@@ -83,6 +83,7 @@ class LeaderConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)  # heartbeat and start-up deadlines
     min_world: int | None = None  # shrink down to this many ranks when no spare is left
     injects: list[str] = field(default_factory=list)  # fault specs that must fire
+    swap_stragglers: bool = False  # --straggler swap: rank 0 may ask for a straggler's swap
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -118,6 +119,7 @@ class Leader:
         self.failures: list[Failure] = []
         self.quarantined: list[str] = []  # workers swapped out as stragglers: never back
         self._swaps_done: set[int] = set()  # generations whose straggler was decided
+        self._held_gens: set[int] = set()  # generations asked to stop at a committed step
         self.problems: list[str] = []
         self.fatal: str | None = None
         self.target_world = 0
@@ -258,6 +260,7 @@ class Leader:
     def _held(self, g: int) -> bool:
         """Ask the members of generation g to stop at their next committed step (the
         step's all-reduce carries the request); True once they have."""
+        self._held_gens.add(g)
         if not self.store.check([Keys.grow(g)]):
             self.store.set(Keys.grow(g), "1")
             return False
@@ -335,7 +338,7 @@ class Leader:
         first) and fence it; nothing is rolled back. True while a swap is under way."""
         plan = self.plan
         g, key = plan.generation, Keys.straggler(plan.generation)
-        if not self.store.check([key]) or g in self._swaps_done:
+        if not self.cfg.swap_stragglers or g in self._swaps_done or not self.store.check([key]):
             return False
         found, spares = kv.get_json(self.store, key), self._spares()
         wid, r = found["wid"], found["rank"]
@@ -367,10 +370,13 @@ class Leader:
     def _grow(self) -> None:
         """A spare is waiting while the job runs below its starting size: ask the members
         to stop at the next committed step, then admit the spare (`policy.grow`)."""
-        plan, unit = self.plan, kv.get_int(self.store, Keys.UNIT, 1)
-        asked = self.store.check([Keys.grow(plan.generation)])
-        if not asked and (plan.world_size + unit > self.target_world
-                          or len(self._spares()) < unit):
+        plan = self.plan
+        held = plan.generation in self._held_gens  # (a swap may have held them too)
+        if not held and plan.world_size >= self.target_world:
+            return  # nothing to admit, nobody held: no store round trip per tick
+        unit = kv.get_int(self.store, Keys.UNIT, 1)
+        if not held and (plan.world_size + unit > self.target_world
+                         or len(self._spares()) < unit):
             return  # (a replica group comes back whole)
         if not self._held(plan.generation):
             return
@@ -449,6 +455,8 @@ class Leader:
             g += 1
         self.plan = Plan.from_json(self.store.get(Keys.plan(g))) if self.store.check(
             [Keys.plan(g)]) else None
+        if self.store.check([Keys.grow(g)]):  # the last leader held the members: a plan follows
+            self._held_gens.add(g)
         for w in self.workers.values():
             if w.state in (*ALIVE, WorkerState.LEAVING):
                 self.monitor.watch(w.wid)

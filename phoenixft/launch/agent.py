@@ -115,7 +115,8 @@ class Agent:
         cfg = self.cfg
         return Leader(store, self.events, self.run_dir,
                       LeaderConfig(nnodes=cfg.nnodes, timeouts=cfg.timeouts,
-                                   min_world=cfg.min_nproc, injects=[str(s) for s in cfg.inject]))
+                                   min_world=cfg.min_nproc, injects=[str(s) for s in cfg.inject],
+                                   swap_stragglers=cfg.stragglers.action == "swap"))
 
     def _lead_or_follow(self, store) -> None:
         """Every tick with an external store: renew our lease, or take the lead over from
