@@ -90,6 +90,7 @@ class Snapshotter:
                  on_degraded: Callable[[str], None] | None = None,
                  on_damaged_source: Callable[[int, str], None] | None = None,
                  after_copy: Callable[[int], None] | None = None,
+                 on_copied: Callable[[int, dict], None] | None = None,
                  garble: Callable[[int], bool] | None = None,
                  rot: Callable[[int], bool] | None = None) -> None:
         self.shm_dir = Path(shm_dir)
@@ -113,6 +114,8 @@ class Snapshotter:
         self._fault = fault or (lambda step, phase: None)  # fault-injection points
         self._on_degraded = on_degraded or (lambda detail: None)
         self._after_copy = after_copy or (lambda step: None)  # e.g. the persister's offer
+        # (step, tensors): the copy is done and the tensors still unchanged (the seal)
+        self._on_copied = on_copied or (lambda step, tensors: None)
         # (src rank, why): a same-node peer's own slot is damaged; the peer is to be replaced
         self._on_damaged_source = on_damaged_source or (lambda src, detail: None)
         # fault injection: True when the replicas of this step (received from another node
@@ -283,6 +286,7 @@ class Snapshotter:
         slot.begin_write(step)
         digest = self._copy(slot, layout, tensors, ready, halfway=lambda: self._fault(step, "snapshot"))
         slot.finish_write(step, layout, dict(header, generation=self.generation), digest)
+        self._on_copied(step, tensors)
         then(step)
         with self._cond:
             self._copied_step = step

@@ -23,10 +23,14 @@ KIND, what the worker holding rank R does when WHEN comes:
               (before a same-node holder copies it), as bad memory would, and carry on:
               a holder that finds it damaged reports the rank, which is then replaced
               like a dead one (step T never commits); only with step=T
-    flip      flip one bit of its reduced gradients of step T, right after the step's
-              all-reduce, and carry on (silent data corruption: bad memory, a faulty
-              core); only with step=T. The ranks' fingerprint vote must name it
-              (`--fingerprint-every`, data parallel)
+    flip      flip one bit of its state at step T and carry on (silent data corruption:
+              bad memory, a faulty core); only with step=T, and :where=W says which state
+              (default grad): grad, its reduced gradients of step T right after the
+              step's all-reduce; param, its parameters right after step T's update (the
+              full copy its forward passes use); optim, its optimizer state (the first
+              per-element state tensor, e.g. Adam's exp_avg) once snapshot T is copied.
+              The ranks' fingerprint vote must name grad and param flips, the rank's own
+              seal an optim flip (`--fingerprint-every`, data parallel)
     slow      compute `factor` times slower from step T on (a slow GPU, a noisy
               neighbour): after its microbatches, before the step's all-reduce, it waits
               (factor - 1) x the time they took; it needs step=T:factor=F (F > 1), and
@@ -68,6 +72,7 @@ KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot", "sl
 LANDS_AT = {"garble": "received", "rot": "written", "flip": "reduced"}
 PHASES = ("start", "backward", "reduce", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch", "every")
+FLIP_WHERE = ("grad", "param", "optim")
 
 
 class InjectSpecError(ValueError):
@@ -88,10 +93,11 @@ class InjectSpec:
     phase: str | None = None  # None: "start" (or the microbatch, or the recovery)
     factor: float | None = None  # slow: how many times slower its compute becomes
     every: int | None = None  # slow: on one step in `every` only (None: every step)
+    where: str | None = None  # flip: which state (FLIP_WHERE)
 
     def __str__(self) -> str:
         parts = [self.kind, f"rank={self.rank}"]
-        for k in ("step", "gen", "microbatch", "phase", "factor", "every"):
+        for k in ("step", "gen", "microbatch", "phase", "factor", "every", "where"):
             v = getattr(self, k)
             if v is not None:
                 parts.append(f"{k}={v}")
@@ -108,7 +114,7 @@ def parse_spec(text: str) -> InjectSpec:
     values: dict[str, int | str] = {}
     for f in fields[1:]:
         key, eq, val = f.partition("=")
-        if not eq or key not in (*_INT_KEYS, "phase", "factor") or key in values:
+        if not eq or key not in (*_INT_KEYS, "phase", "factor", "where") or key in values:
             raise InjectSpecError(f"bad field {f!r} in --inject; {usage}")
         if key == "factor":
             try:
@@ -118,6 +124,12 @@ def parse_spec(text: str) -> InjectSpec:
             if not 1 < values[key] < float("inf"):
                 raise InjectSpecError(f"factor must be a finite number > 1 in --inject (how "
                                       f"many times slower), got {val!r}")
+            continue
+        if key == "where":
+            if kind != "flip" or val not in FLIP_WHERE:
+                raise InjectSpecError(f"where=W goes with flip only, W one of "
+                                      f"{', '.join(FLIP_WHERE)}, in --inject, got {text!r}")
+            values[key] = val
             continue
         if key == "phase":
             if val not in PHASES:
@@ -154,6 +166,8 @@ def parse_spec(text: str) -> InjectSpec:
                               f"got {text!r}")
     if values.get("phase") == "start":
         del values["phase"]
+    if kind == "flip":
+        values.setdefault("where", "grad")
     return InjectSpec(kind=kind, **values)
 
 
@@ -211,7 +225,7 @@ class Injector:
         for s in self.specs:
             if LANDS_AT.get(s.kind) != point.get("at") or any(
                     getattr(s, k) != point.get(k) for k in ("rank", "step", "gen", "microbatch",
-                                                            "phase")):
+                                                            "phase", "where")):
                 continue
             if s.microbatch is not None and self.hooks.settle is not None:
                 self.hooks.settle()
@@ -258,15 +272,15 @@ class Injector:
         fires now (the caller then damages it)."""
         return self._lands(rank, step, "rot")
 
-    def _lands(self, rank: int, step: int, kind: str) -> bool:
+    def _lands(self, rank: int, step: int, kind: str, **point) -> bool:
         if not any(s.kind == kind for s in self.specs):
             return False
-        return self._fire({"rank": rank, "step": step, "at": LANDS_AT[kind]})
+        return self._fire({"rank": rank, "step": step, "at": LANDS_AT[kind], **point})
 
-    def flips(self, rank: int, step: int) -> bool:
-        """The session, step `step` all-reduced: True when a flip spec fires now (the
-        caller then flips a bit of its reduced gradients)."""
-        return self._lands(rank, step, "flip")
+    def flips(self, rank: int, step: int, where: str) -> bool:
+        """The session at the point of step `step` where a flip of `where` lands
+        (FLIP_WHERE): True when a flip spec fires now (the caller then flips the bit)."""
+        return self._lands(rank, step, "flip", where=where)
 
     def at_recovery(self, rank: int, gen: int) -> None:
         if self.specs:

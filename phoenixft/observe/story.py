@@ -66,7 +66,8 @@ def _cause(kind: str, detail: str) -> str:
 
 
 _SEEN_BY = {"exit": "process exit", "error": "process exit", "hang": "heartbeat deadline",
-            "damaged": "its replica holder's check", "corrupt": "the ranks' fingerprint vote"}
+            "damaged": "its replica holder's check",
+            "corrupt": "fingerprints (the ranks' vote, or its own seal)"}
 
 
 @dataclass(frozen=True, slots=True)

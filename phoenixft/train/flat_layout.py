@@ -76,6 +76,9 @@ class FlatZero1(StateLayout):
         self.opt.step(grads)  # its pre-hooks wait for the previous snapshot's copy
         ops.all_gather_into(self.flat.buf, self.opt.gathered(), what)
 
+    def replicated(self) -> torch.Tensor:
+        return self.flat.buf
+
     def start_from_rank0(self, ops: GroupOps) -> None:
         ops.broadcast(self.flat.buf, 0, "initial parameter broadcast")
         self.opt.reload_shard_from_params()

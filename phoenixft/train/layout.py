@@ -37,6 +37,9 @@ Guarantees every implementation gives, and the rules for calling it:
 - `local_gradients`: a rank's accumulated gradients are its own until the step's
   all-reduce (true for the flat layout). Only then can a recovery keep the microbatches a
   survivor finished, or a spare compute the dead rank's ahead of joining.
+- `replicated()`: state every rank holds bit for bit between updates (the flat layout's
+  parameters): the fingerprint vote digests it with the reduced gradients
+  (`consensus.py`). The seal covers `unique_tensors()`.
 - `mesh_groups(rank, world_size)`: process groups over subsets of the generation's ranks
   the layout needs besides the training group (a tensor-parallel mesh's rows and
   columns): name -> (this rank's place in it, its size). They are built with the
@@ -132,6 +135,11 @@ class StateLayout(ABC):
     def can_move(self) -> bool:
         """Whether this worker, once laid out, can take another rank."""
         return True
+
+    def replicated(self) -> torch.Tensor | None:
+        """State every rank of the generation holds bit for bit between updates (the flat
+        layout's full parameters), which the fingerprint vote digests; None: none."""
+        return None
 
     def bind(self, ops: GroupOps, generation: int, microbatches: int,
              groups: dict[str, GroupOps]) -> None:

@@ -53,6 +53,7 @@ from phoenixft.observe.events import EventLog
 from phoenixft.train import protection, quota, recovery
 from phoenixft.train.ahead import local_step_of_every_rank
 from phoenixft.train.config import SessionConfig
+from phoenixft.train.consensus import Seal
 from phoenixft.train.fault_hooks import member_hooks
 from phoenixft.train.group_builds import GroupBuilds
 from phoenixft.train.lifecycle import JobAborted
@@ -101,6 +102,7 @@ class Member:
         self.world_size = 0
         self.ops: GroupOps | None = None
         self.snap: Snapshotter | None = None
+        self.seal = Seal()  # this rank's unique state, hashed once each snapshot is copied
         self._rep_pg = None
         self._mesh_ops: dict[str, GroupOps] = {}  # the layout's mesh groups (`mesh_groups`)
         self._layout = None  # the rank's StateLayout, once `start` is given it
@@ -399,7 +401,8 @@ class Member:
             self.cfg, plan=plan, rank=self.rank, rep_pg=self._rep_pg, connect=self.connect,
             interrupt=self.interrupt, injector=self.injector, events=self.events,
             on_damaged_source=lambda src, detail: self._report_damaged(plan, src, detail),
-            persister=self.persister)
+            persister=self.persister, on_copied=self.seal.record)
+        self.seal.reset()  # (a restore may have replaced the state the last seal hashed)
         if fresh:
             self.snapshot(state)
 
@@ -473,6 +476,7 @@ class Member:
             self.events.emit("snapshot_size", bytes_per_slot=nbytes, slots=2, copies=copies,
                              host_bytes_per_rank=2 * copies * nbytes)
         state.snap_from = (self.generation, self.world_size)  # who wrote snapshot state.step
+        self.seal.arm(state.layout.unique_tensors())
         self.snap.begin(state.step, tensors, header)
 
     # -- plumbing ----------------------------------------------------------------------

@@ -49,7 +49,8 @@ def start_snapshotter(cfg: SessionConfig, *, plan: Plan, rank: int, rep_pg,
                       connect: Callable[[], dist.Store], interrupt: Interrupt,
                       injector: Injector, events: EventLog,
                       on_damaged_source: Callable[[int, str], None],
-                      persister: Persister | None) -> Snapshotter:
+                      persister: Persister | None,
+                      on_copied: Callable[[int, dict], None] | None = None) -> Snapshotter:
     """This generation's snapshot thread for `rank`: its replica holders and sources,
     fault points, and the persister fed after each copy."""
     g, hs = plan.generation, holders(plan, cfg.snapshots.replicas)
@@ -68,5 +69,6 @@ def start_snapshotter(cfg: SessionConfig, *, plan: Plan, rank: int, rep_pg,
                                                detail=detail),
         on_damaged_source=on_damaged_source,
         after_copy=persister.offer if persister is not None else None,
+        on_copied=on_copied,
         garble=lambda step: injector.garbles(rank, step),
         rot=lambda step: injector.rots(rank, step))

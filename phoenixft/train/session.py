@@ -86,6 +86,7 @@ class Session:
         self._grow_requested = False
         self._stragglers = StragglerReporter(self.cfg.stragglers, self.events)
         self._vote_s = self._digest_s = 0.0  # the last fingerprint vote's (0: none this step)
+        self._seal_s = 0.0  # this step's seal check (0: none)
         self.final_digest: str | None = None
         self._heartbeat = HeartbeatSender(self.member.connect, self.wid,
                                           self.cfg.timeouts.heartbeat_interval_s).start()
@@ -275,35 +276,95 @@ class Session:
         self.events.emit(event, rank=self.rank, gen=self.generation, **fields)
 
     # -- the step -------------------------------------------------------------------
-    def _vote(self, st: Step, grads: torch.Tensor) -> None:
+    def _seal_broken(self) -> float:
+        """With fingerprints and snapshots on: which of this rank's unique tensors (its
+        optimizer shard) changed since its last snapshot was copied and sealed
+        (`consensus.Seal`), as a bit mask over their sorted names (0: none); checked
+        before the step's all-reduce, every step (the state is about to be used). Waits
+        for that copy, as the optimizer's pre-hook would."""
+        member, state = self.member, self.state
+        self._seal_s = 0.0
+        if not self.cfg.fingerprints.every or member.snap is None:
+            return 0.0
+        member.snap.wait_copied()
+        t0 = time.perf_counter()
+        changed = member.seal.check(state.step, state.layout.unique_tensors())
+        if changed is None:
+            return 0.0
+        self._seal_s = time.perf_counter() - t0
+        names = sorted(state.layout.unique_tensors())
+        return float(sum(1 << min(names.index(n), 23) for n in set(changed)))
+
+    def _vote(self, st: Step, grads: torch.Tensor, broken: dict[int, int]) -> None:
         """Every `--fingerprint-every` steps (data parallel), before the update: the ranks
-        vote on a digest of the reduced gradients (`consensus.py`). Outvoted ranks are
-        reported (by the lowest rank of the majority) and the step is abandoned like one
-        whose peer died: the leader replaces them and the others keep their microbatches."""
+        vote on digests of the reduced gradients and of the parameters (`consensus.py`).
+        Outvoted ranks, and `broken` ones (rank -> the mask of what its own seal found
+        changed), are reported (by the
+        lowest other rank) and the step is abandoned like one whose peer died: the leader
+        replaces them and the others keep their microbatches."""
         self._vote_s = self._digest_s = 0.0
+        prior = st.index - 1
+        names = sorted(self.state.layout.unique_tensors()) if broken else []
+        bad = {r: f"rank {r}'s optimizer state changed in memory after snapshot {prior} "
+                  f"was copied ({', '.join(n for i, n in enumerate(names) if mask >> i & 1)})"
+               for r, mask in broken.items()}
         every = self.cfg.fingerprints.every
         # (local_gradients: the step's all-reduce is where the ranks' gradients meet)
-        if not every or st.index % every or self.world_size < 2 or \
-                not self.state.layout.local_gradients:
-            return
-        t0 = time.perf_counter()
-        mine = consensus.digest(grads)
-        self._digest_s = time.perf_counter() - t0
-        bad = consensus.vote(self.member.ops, self.rank, self.world_size, mine,
-                             f"fingerprint vote (step {st.index})")
-        # on the critical path (the step event has both): the digest, and the digest plus
-        # the vote's all-reduce, which includes waiting for the slowest rank
-        self._vote_s = time.perf_counter() - t0
+        if every and not st.index % every and self.world_size >= 2 and \
+                self.state.layout.local_gradients:
+            t0 = time.perf_counter()
+            parts = {"reduced gradients": grads}
+            params = self.state.layout.replicated()
+            if params is not None:
+                parts[f"parameters after step {prior}"] = params
+            mine = [consensus.digest(t) for t in parts.values()]
+            self._digest_s = time.perf_counter() - t0
+            out = consensus.vote(self.member.ops, self.rank, self.world_size, mine,
+                                 f"fingerprint vote (step {st.index})")
+            # on the critical path (the step event has both): the digests, and the digests
+            # plus the vote's all-reduce, which includes waiting for the slowest rank
+            self._vote_s = time.perf_counter() - t0
+            names = list(parts)
+            for i, ranks in out.items():
+                for r in ranks:
+                    bad.setdefault(r, f"rank {r}'s {names[i]} (step {st.index}) differ from "
+                                      "the majority's")
         if not bad:
             return
         members = self.member.plan.members
-        if self.rank == min(r for r in range(self.world_size) if r not in bad):
+        healthy = [r for r in range(self.world_size) if r not in bad]
+        if self.rank == min(healthy or bad):
+            outvoted = sorted(bad)
             self.events.emit("fingerprint_mismatch", rank=self.rank, gen=self.generation,
-                             step=st.index, outvoted=bad, wids=[members[r] for r in bad])
-            for r in bad:
-                self.member.report(ReportKind.CORRUPT, f"rank {r}'s reduced gradients of step "
-                                   f"{st.index} differ from the majority's", wid=members[r])
-        raise consensus.Outvoted(f"step {st.index}: the fingerprint vote outvoted ranks {bad}")
+                             step=st.index, outvoted=outvoted,
+                             wids=[members[r] for r in outvoted],
+                             found=[bad[r] for r in outvoted])
+            for r in outvoted:
+                self.member.report(ReportKind.CORRUPT, bad[r], wid=members[r])
+        raise consensus.Outvoted(f"step {st.index}: {'; '.join(bad.values())}")
+
+    def _flip(self, st: Step, where: str, grads: torch.Tensor | None = None) -> None:
+        """An injected `flip:...:where=W` lands here when it fires (step `st`): one bit of
+        this rank's reduced gradients (`grads`), parameters or optimizer state."""
+        if not self.member.injector.flips(self.rank, st.index, where):
+            return
+        lay = self.state.layout
+        if where == "grad":
+            t = grads
+        elif where == "param":
+            t = lay.replicated()
+            if t is None:
+                t = next(p for p in self.state.model.parameters() if p.numel())
+        else:
+            if self.member.snap is not None:
+                self.member.snap.wait_copied()  # at rest: after snapshot T's copy
+            t = next((v for k, v in lay.unique_tensors().items()
+                      if k.startswith("opt.") and v.dim() > 0), None)
+            if t is None:
+                raise RuntimeError(f"flip:where=optim at step {st.index}: the optimizer "
+                                   "has no per-element state to flip (SGD without momentum)")
+        b = t.detach().view(-1).view(torch.uint8)
+        b[b.numel() // 2] ^= 0x10
 
     def _plan(self, m: int) -> list[list[int]]:
         """The step's microbatch ids per rank: the layout's plan, or with `--straggler
@@ -340,6 +401,7 @@ class Session:
         state.layout.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
         g[lay.times.start + self.rank] = self._stragglers.compute_s(self.member.slowdown(st.index))
+        g[lay.broken.start + self.rank] = self._seal_broken()
         if state.layout.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
@@ -356,10 +418,9 @@ class Session:
         if int(g[lay.count]) != st.m or any(c != 1.0 for c in counts):
             raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
                                f"cover each of the {st.m} microbatches exactly once")
-        if self.member.injector.flips(self.rank, st.index):  # an injected `flip`
-            b = g[lay.grads].view(torch.uint8)
-            b[b.numel() // 2] ^= 0x10
-        self._vote(st, g[lay.grads])
+        self._flip(st, "grad", g[lay.grads])
+        broken = {r: int(b) for r, b in enumerate(g[lay.broken].tolist()) if b}
+        self._vote(st, g[lay.grads], broken)
         self._grow_requested = bool(g[lay.grow] > 0)
         swap = self._stragglers.observe(rank=self.rank, generation=self.generation,
                                         members=self.member.plan.members, step=st.index,
@@ -400,6 +461,7 @@ class Session:
         st.phase = StepPhase.UPDATE
         self.member.injector.at_step(self.rank, st.index, "update")
         state.layout.update(st.grads, ops, f"parameter all-gather (step {st.index})")
+        self._flip(st, "param")
         state.zero_grad()
         state.step = st.index
         if self.rank == 0:
@@ -411,8 +473,10 @@ class Session:
             self.events.emit("step", step=state.step, loss=st.loss, gen=self.generation,
                              world_size=self.world_size,
                              compute_s=[round(t, 4) for t in self._stragglers.last_times],
-                             vote_s=round(self._vote_s, 6), digest_s=round(self._digest_s, 6))
+                             vote_s=round(self._vote_s, 6), digest_s=round(self._digest_s, 6),
+                             seal_s=round(self._seal_s, 6))
         self.member.snapshot(state)
+        self._flip(st, "optim")
 
     def _finish(self) -> None:
         member = self.member

@@ -1,9 +1,12 @@
 """Silent data corruption under `phoenixft run` (data parallel, --fingerprint-every 1, the
-default): a bit flipped in rank 2's reduced gradients of step 5 (`flip:` fault, the
-process carries on) is found by the ranks' vote before the update, rank 2 is named,
-fenced and replaced by the spare, the others keep their microbatches, and the job ends
-bit for bit as the failure-free run. With 2 ranks nobody can be outvoted: the job stops
-before the update with its last committed step intact, never with a zero exit."""
+default): a bit flipped in rank 2's state at step 5 (`flip:` fault, the process carries
+on) is found before it reaches an update: its reduced gradients of step 5 and its
+parameters after step 5 by the ranks' vote, its optimizer state (held by no other rank)
+by its own seal of snapshot 5. Rank 2 is named, fenced and replaced by the spare, which
+restores snapshot 4 or 5 (taken before the flip) from its replica; the others keep their
+microbatches, and the job ends bit for bit as the failure-free run. With 2 ranks nobody
+can be outvoted: the job stops before the update with its last committed step intact,
+never with a zero exit."""
 
 from __future__ import annotations
 
@@ -15,25 +18,41 @@ pytestmark = [pytest.mark.integration]
 STEPS = 12
 
 
-@pytest.mark.timeout(240)
-def test_a_flipped_gradient_bit_is_outvoted_and_its_rank_swapped(tmp_path, tmp_path_factory):
-    args = ("--nproc", "4", "--spares", "1")
-    ref = run(tmp_path_factory.mktemp("sdc-ref"), *args, steps=STEPS, script_args=("--data", "ids"))
+# where the bit flips -> (the step whose vote finds it, the restored step, what it names)
+FOUND = {"grad": (5, 4, "rank 2's reduced gradients (step 5) differ from the majority's"),
+         "param": (6, 5, "rank 2's parameters after step 5 (step 6) differ from the majority's"),
+         "optim": (6, 5, "rank 2's optimizer state changed in memory after snapshot 5 was "
+                         "copied (opt.exp_avg)")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = run(tmp_path_factory.mktemp("sdc-ref"), "--nproc", "4", "--spares", "1",
+              steps=STEPS, script_args=("--data", "ids"))
     assert ref.rc == 0, ref.out[-3000:]
     assert ref.of("fingerprint_mismatch") == [] and ref.summary["quarantined"] == []
-    job = run(tmp_path, *args, "--inject", "flip:rank=2:step=5", steps=STEPS,
+    return ref
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where", ["grad", "param", "optim"])
+def test_a_flipped_bit_is_found_and_its_rank_swapped(tmp_path, reference, where):
+    job = run(tmp_path, "--nproc", "4", "--spares", "1",
+              "--inject", f"flip:rank=2:step=5:where={where}", steps=STEPS,
               script_args=("--data", "ids"))
     assert job.rc == 0, job.out[-3000:]
+    step, restored, found = FOUND[where]
     [vote] = job.of("fingerprint_mismatch")
-    assert (vote["step"], vote["outvoted"], vote["wids"]) == (5, [2], ["n0w2"])
+    assert (vote["step"], vote["outvoted"], vote["wids"]) == (step, [2], ["n0w2"])
+    assert vote["found"] == [found]
     [f] = job.summary["failures"]
     assert (f["wid"], f["kind"]) == ("n0w2", "corrupt")
     assert job.summary["quarantined"] == ["n0w2"]
     [rec] = job.summary["recoveries"]
-    assert rec["replacement"] == "n0w4" and rec["restore_step"] == 4
-    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
-    assert job.summary["losses"] == ref.summary["losses"]
-    assert "silent data corruption: rank 2's reduced gradients of step 5" in job.out
+    assert rec["replacement"] == "n0w4" and rec["restore_step"] == restored
+    assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
+    assert job.summary["losses"] == reference.summary["losses"]
+    assert f"silent data corruption: {found}" in job.out
 
 
 @pytest.mark.timeout(200)

@@ -122,3 +122,22 @@ def test_a_slow_fault_slows_its_worker_and_it_carries_on():
     assert slowed == [s]
     assert parse_spec("slow:rank=0:step=2:factor=4:every=3").every == 3
 
+
+
+def test_a_flip_lands_only_where_it_says():
+    """flip:...:where=W (default grad) fires at its own state's point of step T only."""
+    assert str(parse_spec("flip:rank=1:step=3")) == "flip:rank=1:step=3:where=grad"
+    for bad, msg in [("flip:rank=1:step=3:where=disk", "where=W goes with flip only"),
+                     ("kill:rank=1:step=3:where=grad", "where=W goes with flip only"),
+                     ("flip:rank=1:step=3:phase=reduce", "flip takes step=T only")]:
+        with pytest.raises(InjectSpecError, match=msg):
+            parse_spec(bad)
+    claimed: set[str] = set()
+    inj = Injector(parse_env("flip:rank=1:step=4:where=optim;flip:rank=1:step=4"),
+                   WorkerHooks(claim=lambda s: not (s in claimed or claimed.add(s))))
+    inj.at_step(1, 4)
+    assert not claimed
+    assert not inj.flips(1, 4, "param") and not inj.flips(0, 4, "optim")
+    assert inj.flips(1, 4, "optim") and not inj.flips(1, 4, "optim")
+    assert inj.flips(1, 4, "grad")
+    assert claimed == {"flip:rank=1:step=4:where=optim", "flip:rank=1:step=4:where=grad"}

@@ -1,0 +1,41 @@
+"""Fingerprints (`train/consensus.py`): the digest sees any single flipped bit, and the
+seal names the unique tensors that changed after a snapshot was sealed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phoenixft.train.consensus import Seal, digest, int_sum
+
+
+@pytest.mark.parametrize("fn", [digest, int_sum])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fingerprint_changes_with_any_single_flipped_bit(fn, dtype):
+    g = torch.randn(1000).to(dtype)
+    d = fn(g)
+    b = g.view(torch.uint8)
+    for i in range(0, b.numel(), 97):
+        for bit in (0, 3, 7):
+            b[i] ^= 1 << bit
+            assert fn(g) != d, (i, bit)
+            b[i] ^= 1 << bit
+    assert fn(g) == d
+    assert 0 <= digest(g) < 2 ** 63  # fits the vote's int64 slots
+
+
+def test_the_seal_names_what_changed_after_its_snapshot_and_nothing_before():
+    state = {"param_shard": torch.randn(64), "opt.exp_avg": torch.randn(64),
+             "opt.step": torch.tensor(3.0)}
+    seal = Seal()
+    assert seal.check(3, state) is None  # nothing sealed yet
+    seal.arm(state)
+    seal.record(3, {**state, "rng.torch": torch.zeros(4)})  # (the rank-local part is not sealed)
+    assert seal.check(3, state) == []
+    assert seal.check(4, state) is None  # another step's snapshot: no seal for it
+    state["opt.exp_avg"].view(torch.uint8)[5] ^= 0x10
+    assert seal.check(3, state) == ["opt.exp_avg"]
+    seal.reset()  # a restore replaced the state
+    assert seal.check(3, state) is None
+    seal.record(3, state)  # a record after the reset (an old snapshot thread) seals nothing
+    assert seal.check(3, state) == []
