@@ -7,9 +7,12 @@ others'. With ZeRO-1 rank r updates its own shard from the reduced gradients and
 all-gather carries the result into every rank's parameters, after which the ranks agree
 again on wrong values: so the vote is before the update. Every `every` steps each rank
 digests both (`digest`), the digests ride in one tiny all-reduce (each rank its own
-slots), and a strict majority names the ranks that differ (`vote`). With no strict
-majority (two ranks, or a split vote) nobody can be named: the job stops before the
-update, its committed state intact.
+slots, `exchange`), and a strict majority names the ranks that differ (`outliers`).
+With no strict majority (two ranks, or a split vote) the step's collectives are
+replayed from what they were computed from (each rank's own gradients, the master
+shards) and digested again (`replayed`): a rank whose first copy differs from the value
+all now agree on is named. A replay that disagrees too stops the job before the update,
+its committed state intact.
 
 What a rank alone holds (with ZeRO-1 its master shard and optimizer moments) has no
 replica to vote with. The snapshot thread hashes it right after copying snapshot T
@@ -61,27 +64,50 @@ def int_sum(x: torch.Tensor) -> int:
     return sum(int(c.double().sum()) for c in ints.split(_CHUNK))
 
 
-def vote(ops: GroupOps, rank: int, world_size: int, mine: list[int],
-         what: str) -> dict[int, list[int]]:
-    """Every rank's digests (one all-reduce of `len(mine)` x world_size integers): for
-    each digest i, the ranks outside its strict majority (only the non-empty ones), or
-    NoMajority when one digest has none."""
+def exchange(ops: GroupOps, rank: int, world_size: int, mine: list[int],
+             what: str) -> list[list[int]]:
+    """Every rank's digests (one all-reduce of `len(mine)` x world_size integers, each
+    rank its own column): for each digest, the ranks' values in rank order."""
     slots = torch.zeros(len(mine), world_size, dtype=torch.int64)
     slots[:, rank] = torch.tensor(mine, dtype=torch.int64)
     ops.allreduce(slots, what)
+    return slots.tolist()
+
+
+def outliers(tally: list[list[int]]) -> dict[int, list[int]]:
+    """For each digest i whose ranks disagree, the ranks outside its strict majority, or
+    NoMajority when one digest has none."""
     out: dict[int, list[int]] = {}
-    for i, values in enumerate(slots.tolist()):
+    for i, values in enumerate(tally):
         value, n = Counter(values).most_common(1)[0]
-        if n == world_size:
+        if n == len(values):
             continue
-        if 2 * n <= world_size:
-            each = ", ".join(f"rank {r}: {v:#x}" for r, v in enumerate(values))
-            raise NoMajority(
-                f"the ranks' fingerprints disagree ({each}) and no strict majority says "
-                "which are right; the job stops before the update, its last committed step "
-                "intact (more data-parallel ranks give a majority)")
+        if 2 * n <= len(values):
+            raise NoMajority(f"no strict majority ({_each(values)})")
         out[i] = [r for r, v in enumerate(values) if v != value]
     return out
+
+
+def replayed(first: list[list[int]], again: list[list[int]]) -> dict[int, list[int]]:
+    """A replay (the step's collectives run again from the state they were computed from)
+    gave `again`: for each digest i, the ranks whose first value differs from the one
+    value every rank now agrees on; NoMajority when the replay disagrees too."""
+    out: dict[int, list[int]] = {}
+    for i, (values, now) in enumerate(zip(first, again)):
+        if len(set(now)) != 1:
+            raise NoMajority(
+                f"the ranks' fingerprints disagree ({_each(values)}), no strict majority says "
+                f"which are right, and a replay of the step's collectives disagrees too "
+                f"({_each(now)}); the job stops before the update, its last committed step "
+                "intact")
+        bad = [r for r, v in enumerate(values) if v != now[0]]
+        if bad:
+            out[i] = bad
+    return out
+
+
+def _each(values: list[int]) -> str:
+    return ", ".join(f"rank {r}: {v:#x}" for r, v in enumerate(values))
 
 
 class Seal:

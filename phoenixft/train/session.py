@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,13 +30,14 @@ from torch import nn
 
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatSender
-from phoenixft.cluster.keys import Keys, ReportKind
+from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
 from phoenixft.comm.collectives import CommFailure
 from phoenixft.observe.events import EventLog
-from phoenixft.train import consensus, model_io, quota
+from phoenixft.train import model_io, quota
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
+from phoenixft.train.fingerprints import Fingerprinter
 from phoenixft.train.flat_layout import FlatZero1
 from phoenixft.train.fsdp_layout import Fsdp2Layout, Parallelize
 from phoenixft.train.hsdp_layout import HsdpLayout
@@ -85,8 +85,7 @@ class Session:
         self._current: Step | None = None  # the step the user's loop body is in
         self._grow_requested = False
         self._stragglers = StragglerReporter(self.cfg.stragglers, self.events)
-        self._vote_s = self._digest_s = 0.0  # the last fingerprint vote's (0: none this step)
-        self._seal_s = 0.0  # this step's seal check (0: none)
+        self._fingerprints = Fingerprinter(self.cfg.fingerprints, self.member, self.events)
         self.final_digest: str | None = None
         self._heartbeat = HeartbeatSender(self.member.connect, self.wid,
                                           self.cfg.timeouts.heartbeat_interval_s).start()
@@ -276,73 +275,6 @@ class Session:
         self.events.emit(event, rank=self.rank, gen=self.generation, **fields)
 
     # -- the step -------------------------------------------------------------------
-    def _seal_broken(self) -> float:
-        """With fingerprints and snapshots on: which of this rank's unique tensors (its
-        optimizer shard) changed since its last snapshot was copied and sealed
-        (`consensus.Seal`), as a bit mask over their sorted names (0: none); checked
-        before the step's all-reduce, every step (the state is about to be used). Waits
-        for that copy, as the optimizer's pre-hook would."""
-        member, state = self.member, self.state
-        self._seal_s = 0.0
-        if not self.cfg.fingerprints.every or member.snap is None:
-            return 0.0
-        member.snap.wait_copied()
-        t0 = time.perf_counter()
-        changed = member.seal.check(state.step, state.layout.unique_tensors())
-        if changed is None:
-            return 0.0
-        self._seal_s = time.perf_counter() - t0
-        names = sorted(state.layout.unique_tensors())
-        return float(sum(1 << min(names.index(n), 23) for n in set(changed)))
-
-    def _vote(self, st: Step, grads: torch.Tensor, broken: dict[int, int]) -> None:
-        """Every `--fingerprint-every` steps (data parallel), before the update: the ranks
-        vote on digests of the reduced gradients and of the parameters (`consensus.py`).
-        Outvoted ranks, and `broken` ones (rank -> the mask of what its own seal found
-        changed), are reported (by the
-        lowest other rank) and the step is abandoned like one whose peer died: the leader
-        replaces them and the others keep their microbatches."""
-        self._vote_s = self._digest_s = 0.0
-        prior = st.index - 1
-        names = sorted(self.state.layout.unique_tensors()) if broken else []
-        bad = {r: f"rank {r}'s optimizer state changed in memory after snapshot {prior} "
-                  f"was copied ({', '.join(n for i, n in enumerate(names) if mask >> i & 1)})"
-               for r, mask in broken.items()}
-        every = self.cfg.fingerprints.every
-        # (local_gradients: the step's all-reduce is where the ranks' gradients meet)
-        if every and not st.index % every and self.world_size >= 2 and \
-                self.state.layout.local_gradients:
-            t0 = time.perf_counter()
-            parts = {"reduced gradients": grads}
-            params = self.state.layout.replicated()
-            if params is not None:
-                parts[f"parameters after step {prior}"] = params
-            mine = [consensus.digest(t) for t in parts.values()]
-            self._digest_s = time.perf_counter() - t0
-            out = consensus.vote(self.member.ops, self.rank, self.world_size, mine,
-                                 f"fingerprint vote (step {st.index})")
-            # on the critical path (the step event has both): the digests, and the digests
-            # plus the vote's all-reduce, which includes waiting for the slowest rank
-            self._vote_s = time.perf_counter() - t0
-            names = list(parts)
-            for i, ranks in out.items():
-                for r in ranks:
-                    bad.setdefault(r, f"rank {r}'s {names[i]} (step {st.index}) differ from "
-                                      "the majority's")
-        if not bad:
-            return
-        members = self.member.plan.members
-        healthy = [r for r in range(self.world_size) if r not in bad]
-        if self.rank == min(healthy or bad):
-            outvoted = sorted(bad)
-            self.events.emit("fingerprint_mismatch", rank=self.rank, gen=self.generation,
-                             step=st.index, outvoted=outvoted,
-                             wids=[members[r] for r in outvoted],
-                             found=[bad[r] for r in outvoted])
-            for r in outvoted:
-                self.member.report(ReportKind.CORRUPT, bad[r], wid=members[r])
-        raise consensus.Outvoted(f"step {st.index}: {'; '.join(bad.values())}")
-
     def _flip(self, st: Step, where: str, grads: torch.Tensor | None = None) -> None:
         """An injected `flip:...:where=W` lands here when it fires (step `st`): one bit of
         this rank's reduced gradients (`grads`), parameters or optimizer state."""
@@ -401,7 +333,7 @@ class Session:
         state.layout.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
         g[lay.times.start + self.rank] = self._stragglers.compute_s(self.member.slowdown(st.index))
-        g[lay.broken.start + self.rank] = self._seal_broken()
+        g[lay.broken.start + self.rank] = self._fingerprints.seal_mask(state)
         if state.layout.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
@@ -420,7 +352,7 @@ class Session:
                                f"cover each of the {st.m} microbatches exactly once")
         self._flip(st, "grad", g[lay.grads])
         broken = {r: int(b) for r, b in enumerate(g[lay.broken].tolist()) if b}
-        self._vote(st, g[lay.grads], broken)
+        self._fingerprints.vote(st.index, state, g[lay.grads], lay.total, broken)
         self._grow_requested = bool(g[lay.grow] > 0)
         swap = self._stragglers.observe(rank=self.rank, generation=self.generation,
                                         members=self.member.plan.members, step=st.index,
@@ -473,8 +405,7 @@ class Session:
             self.events.emit("step", step=state.step, loss=st.loss, gen=self.generation,
                              world_size=self.world_size,
                              compute_s=[round(t, 4) for t in self._stragglers.last_times],
-                             vote_s=round(self._vote_s, 6), digest_s=round(self._digest_s, 6),
-                             seal_s=round(self._seal_s, 6))
+                             **self._fingerprints.costs())
         self.member.snapshot(state)
         self._flip(st, "optim")
 

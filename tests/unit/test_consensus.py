@@ -39,3 +39,17 @@ def test_the_seal_names_what_changed_after_its_snapshot_and_nothing_before():
     assert seal.check(3, state) is None
     seal.record(3, state)  # a record after the reset (an old snapshot thread) seals nothing
     assert seal.check(3, state) == []
+
+
+def test_a_tally_names_the_minority_and_a_replay_decides_a_tie_or_stops():
+    from phoenixft.train.consensus import NoMajority, outliers, replayed
+    assert outliers([[7, 7, 7], [1, 1, 1]]) == {}
+    assert outliers([[7, 7, 9, 7], [1, 2, 1, 1]]) == {0: [2], 1: [1]}
+    with pytest.raises(NoMajority):
+        outliers([[7, 9]])
+    with pytest.raises(NoMajority):
+        outliers([[7, 7, 9, 9]])
+    assert replayed([[7, 9], [1, 1]], [[7, 7], [1, 1]]) == {0: [1]}
+    assert replayed([[7, 7, 9, 9]], [[9, 9, 9, 9]]) == {0: [0, 1]}
+    with pytest.raises(NoMajority, match="a replay of the step's collectives disagrees too"):
+        replayed([[7, 9]], [[7, 9]])
