@@ -117,7 +117,8 @@ class Leader:
         self.plan: Plan | None = None
         self.monitor = HeartbeatMonitor(store)
         self.failures: list[Failure] = []
-        self.quarantined: list[str] = []  # workers swapped out as stragglers: never back
+        # workers swapped out as stragglers or for silent data corruption: never back
+        self.quarantined: list[str] = []
         self._swaps_done: set[int] = set()  # generations whose straggler was decided
         self._held_gens: set[int] = set()  # generations asked to stop at a committed step
         self.problems: list[str] = []
@@ -464,7 +465,8 @@ class Leader:
 
     # -- reporting ------------------------------------------------------------------
     def status(self) -> dict:
-        return report.status(self.store, self.plan, self.workers, len(self.failures))
+        return report.status(self.store, self.plan, self.workers, len(self.failures),
+                             self.quarantined)
 
     def final_status(self) -> dict:
         """status.json once the job has ended: every agent stops its workers at the end,

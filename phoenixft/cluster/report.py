@@ -15,11 +15,14 @@ from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan, PlanKind
 
 
-def status(store: dist.Store, plan: Plan | None, workers: dict, failures: int) -> dict:
+def status(store: dist.Store, plan: Plan | None, workers: dict, failures: int,
+           quarantined: list[str] = ()) -> dict:
+    """The job now; `quarantined`: workers replaced as stragglers or for silent data
+    corruption, never re-admitted (their role says so)."""
     members = []
     rank_of = {w: r for r, w in plan.members.items()} if plan else {}
     for w in sorted(workers.values(), key=lambda w: (rank_of.get(w.wid, 1 << 30), w.wid)):
-        role = ("active" if w.wid in rank_of else
+        role = ("active" if w.wid in rank_of else "quarantined" if w.wid in quarantined else
                 "failed" if w.state in ("dead", "fenced") else "spare")  # WorkerState values
         members.append({"rank": rank_of.get(w.wid), "role": role,
                         "pid": w.pid, "state": w.state, "wid": w.wid, "node": w.node})
@@ -28,7 +31,8 @@ def status(store: dist.Store, plan: Plan | None, workers: dict, failures: int) -
             "world_size": plan.world_size if plan else 0,
             "step": kv.get_int(store, Keys.PROGRESS, 0),
             "committed_step": kv.get_int(store, Keys.COMMITTED, -1),
-            "members": members, "failures": failures, "updated": time.time()}
+            "members": members, "failures": failures, "quarantined": list(quarantined),
+            "updated": time.time()}
 
 
 def recoveries(store: dist.Store, last_generation: int, failures: list) -> list[dict]:

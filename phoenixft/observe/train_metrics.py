@@ -63,6 +63,9 @@ class TrainMetrics(CollectorRegistry):
         self.persisted = Gauge("phoenixft_train_persisted_step", "newest step durable in "
                                "persistent storage (-1: none)", registry=self)
         self.persisted.set(-1)
+        self.quarantined = Gauge("phoenixft_train_quarantined_workers", "workers replaced as "
+                                 "stragglers or for silent data corruption (never re-admitted)",
+                                 registry=self)
 
     def collect(self):
         self.refresh()
@@ -91,6 +94,7 @@ class TrainMetrics(CollectorRegistry):
             return
         if st.get("committed_step") is not None:
             self.committed.set(st["committed_step"])
+        self.quarantined.set(len(st.get("quarantined", [])))
         members = st.get("members", [])
         self.spares.set(sum(1 for m in members if m.get("role") == "spare"
                             and m.get("state") not in ("exited", "dead")))

@@ -10,8 +10,11 @@ differs from what the replay gave both is named and swapped alike."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from phoenixft.observe.train_metrics import TrainMetrics
 from tests.support.jobs import run
 
 pytestmark = [pytest.mark.integration]
@@ -53,6 +56,13 @@ def test_a_flipped_bit_is_found_and_its_rank_swapped(tmp_path, reference, where)
     assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
     assert job.summary["losses"] == reference.summary["losses"]
     assert f"silent data corruption: {found}" in job.out
+    # named where people look: status.json (`phoenixft status`) and the metrics
+    st = json.loads((tmp_path / "status.json").read_text())
+    assert st["quarantined"] == ["n0w2"]
+    assert [m["role"] for m in st["members"] if m["wid"] == "n0w2"] == ["quarantined"]
+    reg = TrainMetrics(tmp_path)
+    assert reg.get_sample_value("phoenixft_train_quarantined_workers") == 1
+    assert reg.get_sample_value("phoenixft_train_failures_total", {"kind": "corrupt"}) == 1
 
 
 @pytest.mark.timeout(240)
