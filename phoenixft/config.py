@@ -159,8 +159,10 @@ class Stragglers:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Fingerprints:
     """Silent data corruption found by consensus (train/consensus.py): every `every`
-    steps each rank digests the step's reduced gradients, which every data-parallel rank
-    must hold bit for bit, and a strict majority names the rank that differs. 0: off."""
+    steps each rank digests the step's reduced gradients and its parameters, which every
+    data-parallel rank must hold bit for bit, and a strict majority (or a replay of the
+    step's collectives) names the rank that differs; every step each rank checks its own
+    unique state against its last snapshot's seal. 0: off."""
 
     every: int = 1
 

@@ -99,8 +99,10 @@ OPTIONS = (
     _opt("--straggler-window", path="stragglers.window", type=int, metavar="N",
          help="steps a straggler's median is taken over (default 20)"),
     _opt("--fingerprint-every", path="fingerprints.every", type=int, metavar="K",
-         help="every K steps the ranks vote on a digest of the step's reduced gradients "
-              "(data parallel); a rank outvoted by a strict majority is replaced like a dead "
+         help="every K steps the ranks vote on digests of the step's reduced gradients "
+              "and their parameters (data parallel; no strict majority: the step's "
+              "collectives are replayed), and every step each rank checks its optimizer "
+              "shard against its last snapshot's seal; a rank found is replaced like a dead "
               "one, before the step's update (default 1; 0: off)"),
     _opt("--respawn", path="respawn", type=int,
          help="replacement workers this agent may start; they grow the job back"),
