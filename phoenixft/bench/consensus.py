@@ -11,13 +11,19 @@ torch thread, each mode its own process tree, one after another in one invocatio
 - swap:       the same with 1 warm spare and `--straggler swap`;
 - rebalance:  the same, no spare, `--straggler rebalance`;
 - noisy:      failure-free beside a noisy neighbour (a busy process this benchmark starts
-              and stops), for false alarms per 1,000 steps.
+              and stops), for false alarms per 1,000 steps;
+- k8:         failure-free with --fingerprint-every 8 (the vote's cost when it samples);
+- flip_grad, flip_param, flip_optim: 1 warm spare, one bit of rank 1's reduced
+              gradients / parameters / optimizer state flipped at step S (`flip:` fault):
+              steps until it is found, and whether the run still ends on `clean`'s digest.
 
 Throughput is steps per second from the first completed step to the last; each faulted
 mode against `clean` (goal with a spare: >= 0.9x). Detection latency: steps from the
-slow fault to the `straggler` event. The fingerprint vote's cost: its median seconds per
-step (timed inside rank 0's step, on the critical path) over the median step of `clean`,
-at the default --fingerprint-every 1 (goal <= 0.5%).
+slow fault to the `straggler` event, or from the flip to the `fingerprint_mismatch` event.
+The fingerprints' cost: rank 0's mean seconds per step in the seal check, the digests and
+the vote's all-reduce (timed inside its step, on the critical path; the all-reduce
+includes waiting for the slowest rank) over the median step of the same run, at the
+default --fingerprint-every 1 (goal <= 0.5%) and at 8.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from phoenixft.bench.options import BenchOptions
 from phoenixft.bench.runner import command
 from phoenixft.observe.goals import Goal, as_dicts, print_goals
 
-MODES = ("clean", "nofp", "slow", "swap", "rebalance", "noisy")
+MODES = ("clean", "nofp", "k8", "slow", "swap", "rebalance", "noisy", "flip_grad",
+         "flip_param", "flip_optim")
 GOAL_SWAP = 0.9
 GOAL_VOTE = 0.005
 
@@ -48,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "ref"])
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=300,
+                   help="steps of each run (the faults' one-time costs are paid once)")
     p.add_argument("--microbatches", type=int, default=12)
     p.add_argument("--slow-step", type=int, default=10, help="S: rank 1 is slow from here on")
     p.add_argument("--factor", type=float, default=4.0, help="F: how many times slower")
@@ -62,8 +70,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
     steps = args.noisy_steps if mode == "noisy" else args.steps
     cfg: dict = {"nproc": args.nproc, "stragglers": {"window": args.window}}
-    if mode == "nofp":
-        cfg["fingerprints"] = {"every": 0}
+    if mode in ("nofp", "k8"):
+        cfg["fingerprints"] = {"every": 0 if mode == "nofp" else 8}
+    if mode.startswith("flip_"):
+        cfg.update(spares=1, inject=[f"flip:rank=1:step={args.slow_step}:where={mode[5:]}"])
     if mode in ("slow", "swap", "rebalance"):
         cfg["inject"] = [f"slow:rank=1:step={args.slow_step}:factor={args.factor}"]
     if mode == "swap":
@@ -84,17 +94,19 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
     steps_ev = [e for e in s["events"] if e["event"] == "step"]
     first, last = steps_ev[0], steps_ev[-1]
     gaps = [b["t"] - a["t"] for a, b in zip(steps_ev, steps_ev[1:])]
-    votes = [e.get("vote_s", 0.0) for e in steps_ev[1:]]
-    digests = [e.get("digest_s", 0.0) for e in steps_ev[1:]]
+    votes = [e.get("vote_s", 0.0) + e.get("seal_s", 0.0) for e in steps_ev[1:]]
+    digests = [e.get("digest_s", 0.0) + e.get("seal_s", 0.0) for e in steps_ev[1:]]
     found = [e for e in s["events"] if e["event"] == "straggler"]
+    sdc = [e["step"] for e in s["events"] if e["event"] == "fingerprint_mismatch"]
     return {"mode": mode, "steps": last["step"], "wall_s": round(last["t"] - first["t"], 3),
             "steps_s": (last["step"] - first["step"]) / (last["t"] - first["t"]),
             "stragglers": [{"rank": e["rank"], "step": e["step"], "ratio": e["ratio"]}
                            for e in found],
             "swapped": [e["wid"] for e in s["events"] if e["event"] == "straggler_swapped"],
+            "sdc_found_at": sdc, "quarantined": s.get("quarantined", []),
             "failures": len(s["failures"]), "digest": s["final_state_digest"],
-            "median_step_s": statistics.median(gaps), "median_vote_s": statistics.median(votes),
-            "median_digest_s": statistics.median(digests)}
+            "median_step_s": statistics.median(gaps), "mean_check_s": statistics.fmean(votes),
+            "mean_digest_s": statistics.fmean(digests)}
 
 
 def measure(opts: BenchOptions) -> dict:
@@ -110,18 +122,23 @@ def measure(opts: BenchOptions) -> dict:
     clean = rows["clean"]["steps_s"]
     for r in rows.values():
         r["vs_clean"] = r["steps_s"] / clean
-        named = [x for x in r["stragglers"] if x["rank"] == 1]
-        r["detected_after_steps"] = (named[0]["step"] - args.slow_step
+        # what the fault cost once, in seconds: a longer run pays it once too
+        r["extra_s"] = round(r["wall_s"] - (r["steps"] - 1) / clean, 3)
+        named = [x["step"] for x in r["stragglers"] if x["rank"] == 1] + r["sdc_found_at"]
+        r["detected_after_steps"] = (named[0] - args.slow_step
                                      if named and r["mode"] != "noisy" else None)
+        r["digest_as_clean"] = r["digest"] == rows["clean"]["digest"]
     noisy = rows["noisy"]
     result = {"benchmark": "consensus", "nproc": args.nproc, "threads_per_worker": 1,
               "preset": args.preset, "microbatches": args.microbatches, "factor": args.factor,
               "slow_step": args.slow_step, "window": args.window, "rows": rows,
               "false_alarms_per_1000_steps": 1000 * len(noisy["stragglers"]) / noisy["steps"],
-              # the vote (digest + one tiny all-reduce) is on every step's critical path
-              "fingerprint_share_of_step": (rows["clean"]["median_vote_s"]
+              # seal + digests + one tiny all-reduce, on the step's critical path
+              "fingerprint_share_of_step": (rows["clean"]["mean_check_s"]
                                             / rows["clean"]["median_step_s"]),
-              "digest_share_of_step": (rows["clean"]["median_digest_s"]
+              "fingerprint_share_of_step_k8": (rows["k8"]["mean_check_s"]
+                                               / rows["k8"]["median_step_s"]),
+              "digest_share_of_step": (rows["clean"]["mean_digest_s"]
                                        / rows["clean"]["median_step_s"]),
               "step_on_vs_off": rows["clean"]["median_step_s"] / rows["nofp"]["median_step_s"]}
     result["goals"] = as_dicts(goals(result))
@@ -138,7 +155,19 @@ def goals(result: dict) -> list[Goal]:
                  r["swap"]["vs_clean"] >= GOAL_SWAP),
             Goal("false alarms per 1,000 failure-free steps beside a busy process", "0",
                  result["false_alarms_per_1000_steps"],
-                 result["false_alarms_per_1000_steps"] == 0)]
+                 result["false_alarms_per_1000_steps"] == 0),
+            Goal("a flipped bit (gradients, parameters, optimizer state) found and the run "
+                 "ends on the failure-free digest", "3 of 3",
+                 f"{sum(_sdc_ok(r[m]) for m in SDC)} of {len(SDC)}",
+                 all(_sdc_ok(r[m]) for m in SDC))]
+
+
+SDC = ("flip_grad", "flip_param", "flip_optim")
+
+
+def _sdc_ok(row: dict) -> bool:
+    return row["detected_after_steps"] is not None and row["digest_as_clean"] \
+        and row["detected_after_steps"] <= 1
 
 
 def headline(result: dict) -> str:
@@ -155,34 +184,40 @@ def show(result: dict, opts: BenchOptions) -> None:
                         f"{result['preset']} preset, {result['microbatches']} microbatches a "
                         f"step; rank 1 {result['factor']:g}x slower from step "
                         f"{result['slow_step']} (window {result['window']})")
-    for col in ("mode", "steps/s", "vs failure-free", "named (steps after the fault)",
-                "swapped", "failures"):
+    for col in ("mode", "steps/s", "vs failure-free", "extra s", "named (steps after the fault)",
+                "swapped / quarantined", "failures", "digest as clean"):
         table.add_column(col)
     for r in result["rows"].values():
+        after = r["detected_after_steps"]
         table.add_row(r["mode"], f"{r['steps_s']:.2f}", f"{r['vs_clean']:.3f}x",
-                      "-" if r["detected_after_steps"] is None else str(r["detected_after_steps"]),
-                      ", ".join(r["swapped"]) or "-", str(r["failures"]))
+                      f"{r['extra_s']:.2f}", "-" if after is None else str(after),
+                      ", ".join(r["quarantined"]) or "-", str(r["failures"]),
+                      "yes" if r["digest_as_clean"] else "no")
     console = Console(width=max(Console().width, 120))
     console.print(table)
     r0 = result["rows"]["clean"]
     console.print(f"false alarms: {result['false_alarms_per_1000_steps']:g} per 1,000 steps "
                   f"({result['rows']['noisy']['steps']} failure-free steps beside a busy "
-                  f"process); fingerprint vote: {r0['median_vote_s'] * 1e3:.3f} ms median, "
-                  f"{result['fingerprint_share_of_step']:.3%} of a "
-                  f"{r0['median_step_s'] * 1e3:.1f} ms step (every step; it includes waiting "
-                  f"for the slowest rank), of which the digest {result['digest_share_of_step']:.3%}; "
-                  f"median step with the vote / without: {result['step_on_vs_off']:.3f} (two runs)")
+                  f"process); fingerprints (seal, digests, vote): {r0['mean_check_s'] * 1e3:.3f} "
+                  f"ms a step, {result['fingerprint_share_of_step']:.3%} of a "
+                  f"{r0['median_step_s'] * 1e3:.1f} ms step at K=1 (the vote's all-reduce "
+                  f"includes waiting for the slowest rank), of which seal and digests "
+                  f"{result['digest_share_of_step']:.3%}; at K=8 "
+                  f"{result['fingerprint_share_of_step_k8']:.3%}; median step with them / "
+                  f"without: {result['step_on_vs_off']:.3f} (two runs)")
     print_goals(console, goals(result))
 
 
 def markdown(result: dict) -> list[str]:
-    rows = ["| mode | steps/s | vs failure-free | named (steps after the fault) | swapped |",
-            "|---|---|---|---|---|"]
+    rows = ["| mode | steps/s | vs failure-free | extra s | named (steps after the fault) | "
+            "swapped / quarantined | digest as clean |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"].values():
         rows.append(f"| {r['mode']} | {r['steps_s']:.2f} | {r['vs_clean']:.3f}x | "
+                    f"{r['extra_s']:.2f} | "
                     f"{r['detected_after_steps'] if r['detected_after_steps'] is not None else '-'}"
-                    f" | {', '.join(r['swapped']) or '-'} |")
+                    f" | {', '.join(r['quarantined']) or '-'} | "
+                    f"{'yes' if r['digest_as_clean'] else 'no'} |")
     return rows + ["", f"False alarms: {result['false_alarms_per_1000_steps']:g} per 1,000 "
-                       "failure-free steps beside a busy process. Fingerprint vote (every "
-                       f"step): {result['fingerprint_share_of_step']:.3%} of a failure-free "
-                       "step."]
+                       "failure-free steps beside a busy process. Fingerprints (seal, digests "
+                       f"and vote): {result['fingerprint_share_of_step']:.3%} of a step at "
+                       f"K=1, {result['fingerprint_share_of_step_k8']:.3%} at K=8."]

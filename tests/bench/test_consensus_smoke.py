@@ -1,5 +1,6 @@
 """A very short `phoenixft bench consensus`: every mode runs and is reported; the slow
-rank is named in each faulted mode and swapped in `swap`; never how fast anything was."""
+rank is named in each faulted mode and swapped in `swap`, each flipped bit is found and
+its rank quarantined; never how fast anything was."""
 
 import argparse
 import json
@@ -21,11 +22,19 @@ def test_consensus_smoke(tmp_path):
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     rows = r["rows"]
-    assert list(rows) == ["clean", "nofp", "slow", "swap", "rebalance", "noisy"]
+    assert list(rows) == ["clean", "nofp", "k8", "slow", "swap", "rebalance", "noisy",
+                          "flip_grad", "flip_param", "flip_optim"]
     for mode in ("slow", "swap", "rebalance"):
         assert rows[mode]["detected_after_steps"] is not None, mode
         assert rows[mode]["steps"] == 30 and rows[mode]["failures"] == 0
     assert rows["swap"]["swapped"] == ["n0w1"] and rows["slow"]["swapped"] == []
     assert rows["clean"]["vs_clean"] == 1.0
+    for mode, after in (("flip_grad", 0), ("flip_param", 1), ("flip_optim", 1)):
+        row = rows[mode]
+        assert (row["detected_after_steps"], row["quarantined"]) == (after, ["n0w1"]), mode
+        assert row["failures"] == 1 and row["digest_as_clean"], mode
+    assert rows["k8"]["digest_as_clean"] and rows["nofp"]["digest_as_clean"]
     assert 0 < r["fingerprint_share_of_step"] < 1
-    assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprint", "straggler", "false"]
+    assert 0 < r["fingerprint_share_of_step_k8"] < 1
+    assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprint", "straggler", "false",
+                                                          "a"]
