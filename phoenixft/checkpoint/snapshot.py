@@ -173,6 +173,14 @@ class Snapshotter:
         finally:
             self.stats["stall_s"] += time.perf_counter() - t0
 
+    def own(self, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's own snapshot `step` in its slot, verified (views of shared memory:
+        copy them before the slot is rewritten); IntegrityError when the slot holds
+        another step or is damaged."""
+        slot = self._slot(SlotKind.SNAP, self.rank, step)
+        hdr = slot.verify(step)
+        return slot.tensors(hdr), hdr
+
     def stop(self, join_timeout_s: float = 10.0) -> None:
         self._stopped = True
         self._tasks.put(None)

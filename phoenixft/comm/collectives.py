@@ -163,6 +163,14 @@ class GroupOps:
         self.wait(self.pg._allgather_base(out, t.contiguous()), what)
         return out
 
+    def all_gather_start(self, out, t, what: str) -> Callable[[], None]:
+        """`all_gather_into`, issued now; returns the wait (which raises as it would)."""
+        if self.pg.size() == 1:
+            out.copy_(t.reshape(out.shape))
+            return lambda: None
+        work = self.pg._allgather_base(out, t.contiguous())
+        return lambda: self.wait(work, what)
+
     def broadcast(self, t, src: int, what: str):
         self.wait(self.pg.broadcast(t, src), what)
         return t

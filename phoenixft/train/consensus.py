@@ -64,14 +64,27 @@ def int_sum(x: torch.Tensor) -> int:
     return sum(int(c.double().sum()) for c in ints.split(_CHUNK))
 
 
+class Tally:
+    """Every rank's digests, by one all-reduce of `len(mine)` x world_size integers (each
+    rank its own column), started at once and awaited by `result` (the caller may work
+    in between): for each digest, the ranks' values in rank order."""
+
+    def __init__(self, ops: GroupOps, rank: int, world_size: int, mine: list[int],
+                 what: str) -> None:
+        self.slots = torch.zeros(len(mine), world_size, dtype=torch.int64)
+        self.slots[:, rank] = torch.tensor(mine, dtype=torch.int64)
+        self._ops, self._what = ops, what
+        self._work = ops.pg.allreduce([self.slots])
+
+    def result(self) -> list[list[int]]:
+        self._ops.wait(self._work, self._what)
+        return self.slots.tolist()
+
+
 def exchange(ops: GroupOps, rank: int, world_size: int, mine: list[int],
              what: str) -> list[list[int]]:
-    """Every rank's digests (one all-reduce of `len(mine)` x world_size integers, each
-    rank its own column): for each digest, the ranks' values in rank order."""
-    slots = torch.zeros(len(mine), world_size, dtype=torch.int64)
-    slots[:, rank] = torch.tensor(mine, dtype=torch.int64)
-    ops.allreduce(slots, what)
-    return slots.tolist()
+    """`Tally(...).result()`: the digests of every rank, now."""
+    return Tally(ops, rank, world_size, mine, what).result()
 
 
 def outliers(tally: list[list[int]]) -> dict[int, list[int]]:

@@ -1,27 +1,33 @@
 """The session's side of consensus (`consensus.py` has the digests, the tally and the
 seal): what a rank checks before the step's all-reduce, and the vote after it.
 
-Before the all-reduce each rank checks its own seal (its unique state against the hashes
-the snapshot thread took once the last snapshot was copied) and puts a bit mask of what
-changed in its slot of the all-reduce, so every rank learns it with the gradients. After
-the all-reduce, every `--fingerprint-every` steps, the ranks vote on digests of the
-reduced gradients and of the parameters; with no strict majority the step's collectives
-are replayed. Ranks named either way are reported to the leader (CORRUPT: it fences and
-replaces them, and quarantines the worker) and the step is abandoned before its update,
-like one whose peer died: the others keep their microbatches.
+After the step's all-reduce, before the update, each rank checks its own seal (its
+unique state against the hashes the snapshot thread took once the last snapshot was
+copied: the optimizer's pre-hook would wait for that copy here anyway). Every
+`--fingerprint-every` steps the ranks then vote on digests of the reduced gradients and
+of the parameters, with each rank's seal result in the same tiny all-reduce; with no
+strict majority the step's collectives are replayed. Ranks named are reported to the
+leader (CORRUPT: it fences and replaces them, and quarantines the worker) and the step is
+abandoned before its update, like one whose peer died: the others keep their
+microbatches. On a step without a vote a rank whose seal broke reports itself and stops
+before its update; the others learn it when the leader replaces it (their all-gather is
+interrupted) and redo the step from the last snapshot.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
+from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.cluster.keys import ReportKind
 from phoenixft.config import Fingerprints
 from phoenixft.observe.events import EventLog
 from phoenixft.train import consensus
 from phoenixft.train.rank_state import RankState
+from phoenixft.train.step import Step, StepPhase
 
 
 class Fingerprinter:
@@ -33,78 +39,132 @@ class Fingerprinter:
         # the digests, and the digests plus the vote's all-reduce (which includes waiting
         # for the slowest rank); the step event carries them
         self.seal_s = self.digest_s = self.vote_s = 0.0
+        self._pending: tuple | None = None  # a vote left running through the update
 
     def costs(self) -> dict[str, float]:
         return {"vote_s": round(self.vote_s, 6), "digest_s": round(self.digest_s, 6),
                 "seal_s": round(self.seal_s, 6)}
 
-    def seal_mask(self, state: RankState) -> float:
+    def seal_mask(self, state: RankState) -> int:
         """With fingerprints and snapshots on: which of this rank's unique tensors (its
         optimizer shard) changed since its last snapshot was copied and sealed, as a bit
-        mask over their sorted names (0: none, or no seal to check); checked before the
-        step's all-reduce, every step (the state is about to be used). Waits for that
-        copy, as the optimizer's pre-hook would."""
+        mask over their sorted names (0: none, or no seal to check)."""
         member = self.member
         self.seal_s = 0.0
         if not self.cfg.every or member.snap is None:
-            return 0.0
+            return 0
         member.snap.wait_copied()
         t0 = time.perf_counter()
         changed = member.seal.check(state.step, state.layout.unique_tensors())
         if changed is None:
-            return 0.0
+            return 0
         self.seal_s = time.perf_counter() - t0
         names = sorted(state.layout.unique_tensors())
-        return float(sum(1 << min(names.index(n), 23) for n in set(changed)))
+        return sum(1 << min(names.index(n), 62) for n in set(changed))
 
-    def vote(self, index: int, state: RankState, grads: torch.Tensor, total: int,
-             broken: dict[int, int]) -> None:
-        """Step `index`, all-reduced (`grads`: the reduced gradient region, at the start
-        of a buffer of `total` elements): the vote, when its turn; raises
-        `consensus.Outvoted` when a rank is named (or `broken`: rank -> its seal's mask),
-        `consensus.NoMajority` when nobody can be."""
+    def begin(self, st: Step, state: RankState, grads: torch.Tensor, total: int) -> None:
+        """Step `st`, all-reduced (`grads`: the reduced gradient region, at the start of a
+        buffer of `total` elements), not yet updated: the seal, and when it is the vote's
+        turn its digests and its all-reduce, left running through the optimizer step when
+        that step can be undone (`settle`, from the update, awaits it); otherwise settled
+        now. Raises `consensus.Outvoted` when a rank is named, `consensus.NoMajority` when
+        nobody can be."""
         self.vote_s = self.digest_s = 0.0
+        self._pending = None
         member = self.member
         rank, world = member.rank, member.world_size
-        prior = index - 1
-        names = sorted(state.layout.unique_tensors()) if broken else []
-        bad = {r: f"rank {r}'s optimizer state changed in memory after snapshot {prior} "
-                  f"was copied ({', '.join(n for i, n in enumerate(names) if mask >> i & 1)})"
-               for r, mask in broken.items()}
-        # (local_gradients: the step's all-reduce is where the ranks' gradients meet)
-        if self.cfg.every and not index % self.cfg.every and world >= 2 and \
-                state.layout.local_gradients:
-            t0 = time.perf_counter()
-            parts = {"reduced gradients": grads}
-            params = state.layout.replicated()
-            if params is not None:
-                parts[f"parameters after step {prior}"] = params
-            mine = [consensus.digest(t) for t in parts.values()]
-            self.digest_s = time.perf_counter() - t0
-            what = f"fingerprint vote (step {index})"
-            tally = consensus.exchange(member.ops, rank, world, mine, what)
-            self.vote_s = time.perf_counter() - t0
-            try:
-                out, how = consensus.outliers(tally), "differ from the majority's"
-            except consensus.NoMajority:
-                out = self._replay(index, state, tally, total, params is not None)
-                how = "differed from what a replay of the step's collectives gave every rank"
-            keys = list(parts)
-            for i, ranks in out.items():
-                for r in ranks:
-                    bad.setdefault(r, f"rank {r}'s {keys[i]} (step {index}) {how}")
-        if not bad:
+        mask = self.seal_mask(state)
+        vote = bool(self.cfg.every and not st.index % self.cfg.every and world >= 2
+                    and state.layout.local_gradients)  # (the ranks' gradients meet here)
+        if not vote:
+            if mask:
+                self._act(st, state, {rank: mask}, {}, voted=False)
             return
+        t0 = time.perf_counter()
+        parts = {"reduced gradients": grads}
+        params = state.layout.replicated()
+        if params is not None:
+            parts[f"parameters after step {st.index - 1}"] = params
+        mine = [consensus.digest(t) for t in parts.values()]
+        self.digest_s = time.perf_counter() - t0
+        tally = consensus.Tally(member.ops, rank, world, [*mine, mask],
+                                f"fingerprint vote (step {st.index})")
+        self.vote_s = time.perf_counter() - t0
+        self._pending = (st, state, list(parts), tally, total)
+        if member.snap is None:
+            self.settle()
+
+    def settle(self, gathered: Callable[[], None] | None = None) -> None:
+        """The vote begun by `begin`, awaited: from the update (`gathered`: waits for the
+        parameters' all-gather, issued after the optimizer step and before this), or at
+        once (None). A rank named after an update makes every rank put back its own
+        snapshot of the step before (its seal vouched for it) and gather the parameters
+        again, so the step is abandoned as if no update had run."""
+        if self._pending is None:
+            return
+        st, state, keys, tally, total = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        *first, masks = tally.result()
+        self.vote_s += time.perf_counter() - t0  # (the digests, and waiting for the vote)
+        broken = {r: m for r, m in enumerate(masks) if m}
+        try:
+            found, how = consensus.outliers(first), "differ from the majority's"
+        except consensus.NoMajority:
+            found, how = None, "differed from what a replay of the step's collectives gave every rank"
+        if not broken and found == {}:
+            return
+        if gathered is not None:
+            gathered()
+            self._undo(st, state)
+        if found is None:
+            found = self._replay(st.index, state, first, total, len(keys) > 1)
+        named = {r: f"rank {r}'s {keys[i]} (step {st.index}) {how}"
+                 for i, ranks in found.items() for r in ranks}
+        self._act(st, state, broken, named, voted=True)
+
+    def _undo(self, st: Step, state: RankState) -> None:
+        """Put back this rank's unique state of step st.index - 1 from its own snapshot
+        (the optimizer step of `st` ran) and gather the parameters again: the step is then
+        as before its update and the recovery keeps its microbatches. Without that
+        snapshot in its own slot (a spare that restored from a peer's, a skipped
+        snapshot) the step stays in its update phase, and the recovery restores this rank
+        from the committed step st.index - 1."""
+        member = self.member
+        try:
+            tensors, hdr = member.snap.own(st.index - 1)
+            state.layout.load_unique(tensors, hdr["opt"])
+            st.phase = StepPhase.REDUCE
+        except IntegrityError as exc:
+            member.events.emit("fingerprint_undo_failed", rank=member.rank, step=st.index,
+                               error=str(exc)[:300])
+        # (every rank, so the collective matches)
+        state.layout.gather_params(member.ops, f"parameter all-gather (step {st.index} undone)")
+
+    def _act(self, st: Step, state: RankState, broken: dict[int, int], named: dict[int, str],
+             voted: bool) -> None:
+        """Report the ranks found (`broken`: rank -> its seal's mask; `named` by the vote)
+        and abandon the step: by the lowest healthy rank after a vote, by the rank itself
+        when its seal broke on a step without one."""
+        member = self.member
+        rank, world = member.rank, member.world_size
+        names = sorted(state.layout.unique_tensors())
+        bad = {r: (f"rank {r}'s optimizer state changed in memory after snapshot "
+                   f"{st.index - 1} was copied "
+                   f"({', '.join(n for i, n in enumerate(names) if m >> i & 1)})")
+               for r, m in broken.items()}
+        for r, why in named.items():
+            bad.setdefault(r, why)
         members = member.plan.members
         healthy = [r for r in range(world) if r not in bad]
-        if rank == min(healthy or bad):
-            named = sorted(bad)
+        if rank == (min(healthy or bad) if voted else rank):
+            ranks = sorted(bad)
             self.events.emit("fingerprint_mismatch", rank=rank, gen=member.generation,
-                             step=index, outvoted=named, wids=[members[r] for r in named],
-                             found=[bad[r] for r in named])
-            for r in named:
+                             step=st.index, outvoted=ranks, wids=[members[r] for r in ranks],
+                             found=[bad[r] for r in ranks])
+            for r in ranks:
                 member.report(ReportKind.CORRUPT, bad[r], wid=members[r])
-        raise consensus.Outvoted(f"step {index}: {'; '.join(bad.values())}")
+        raise consensus.Outvoted(f"step {st.index}: {'; '.join(bad.values())}")
 
     def _replay(self, index: int, state: RankState, tally: list[list[int]], total: int,
                 params: bool) -> dict[int, list[int]]:

@@ -72,9 +72,15 @@ class FlatZero1(StateLayout):
     def grad_views(self, grads: torch.Tensor) -> list[torch.Tensor]:
         return list(self.flat.unflatten(grads[:self.flat.numel]).values())
 
-    def update(self, grads: torch.Tensor, ops: GroupOps, what: str) -> None:
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
+               before_gather: Callable[[], None] | None = None) -> None:
         self.opt.step(grads)  # its pre-hooks wait for the previous snapshot's copy
-        ops.all_gather_into(self.flat.buf, self.opt.gathered(), what)
+        if before_gather is None:
+            ops.all_gather_into(self.flat.buf, self.opt.gathered(), what)
+            return
+        gathered = ops.all_gather_start(self.flat.buf, self.opt.gathered(), what)
+        before_gather(gathered)
+        gathered()
 
     def replicated(self) -> torch.Tensor:
         return self.flat.buf

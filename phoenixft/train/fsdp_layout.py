@@ -233,7 +233,8 @@ class Fsdp2Layout(StateLayout):
         raise NotImplementedError("step.clip_grad_norm_ with an FSDP2 model is not supported "
                                   "yet (its gradients are sharded DTensors)")
 
-    def update(self, grads: torch.Tensor, ops: GroupOps, what: str) -> None:
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
+               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
         if self._grad_scale is not None:
             with torch.no_grad():
                 for p in self.model.parameters():
@@ -242,6 +243,8 @@ class Fsdp2Layout(StateLayout):
         self.opt.step()  # pre-hooks wait for the previous snapshot's copy; no collective
         if self.sched is not None:
             self.sched.step()
+        if before_gather is not None:
+            before_gather(lambda: None)
 
     def start_from_rank0(self, ops: GroupOps) -> None:
         if self._init_digest is None:  # built on the meta device: initialised by the user

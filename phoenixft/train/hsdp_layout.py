@@ -37,6 +37,8 @@ world-size change (a group gone or back) reshards from group 0's snapshot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from phoenixft.comm.collectives import CommFailure, GroupOps
@@ -220,7 +222,8 @@ class HsdpLayout(Fsdp2Layout):
             self._rep_ops.allreduce(flat, what)
         self._reduced, self._grad_scale = flat, self.dp_shard / m
 
-    def update(self, grads: torch.Tensor, ops: GroupOps, what: str) -> None:
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
+               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
         off = 0
         with torch.no_grad():
             for g in self._grads():
@@ -231,6 +234,8 @@ class HsdpLayout(Fsdp2Layout):
         self.opt.step()
         if self.sched is not None:
             self.sched.step()
+        if before_gather is not None:
+            before_gather(lambda: None)
 
     # -- snapshots, restores -----------------------------------------------------------
     def _holds_copy(self, name: str) -> bool:

@@ -176,9 +176,13 @@ class StateLayout(ABC):
         """Per-parameter views of a gradient region (for clipping by the global norm)."""
 
     @abstractmethod
-    def update(self, grads: torch.Tensor, ops: GroupOps, what: str) -> None:
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
+               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
         """Collective: the optimizer step on the averaged gradient region, then the model's
-        parameters made ready for the next forward pass."""
+        parameters made ready for the next forward pass. `before_gather(gathered)` runs
+        once the optimizer stepped and the parameters' collective (if any) is issued:
+        `gathered()` waits for it (the fingerprint vote's result is awaited there, and
+        an update it rejects is undone after `gathered()`)."""
 
     @abstractmethod
     def start_from_rank0(self, ops: GroupOps) -> None:

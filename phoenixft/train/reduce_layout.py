@@ -9,8 +9,6 @@ One all-reduce carries everything a step must agree on, so a step costs one coll
     [count]              how many microbatches this rank contributed
     [times: world)       each rank's compute seconds of the step, in its own slot (the
                          straggler watch, train/straggler.py)
-    [broken: world)      1.0 in the slot of a rank whose own seal found its unique state
-                         changed since its last snapshot (train/consensus.py)
 
 After the sum, every id must appear exactly once and the counts must add up to m.
 """
@@ -26,25 +24,20 @@ _TAIL = 3  # grow, loss, count
 class ReduceLayout:
     size: int  # the flat parameter buffer's length (padded to the world size)
     m: int  # microbatches in the step
-    world: int = 0  # ranks, one compute-time slot and one seal slot each
+    world: int = 0  # ranks, one compute-time slot each
 
     @staticmethod
     def capacity(size: int, max_m: int, world: int = 0) -> int:
         """Buffer length that fits any step of up to `max_m` microbatches."""
-        return size + max_m + _TAIL + 2 * world
+        return size + max_m + _TAIL + world
 
     @property
     def total(self) -> int:
-        return self.size + self.m + _TAIL + 2 * self.world
+        return self.size + self.m + _TAIL + self.world
 
     @property
     def times(self) -> slice:
         start = self.size + self.m + _TAIL
-        return slice(start, start + self.world)
-
-    @property
-    def broken(self) -> slice:
-        start = self.size + self.m + _TAIL + self.world
         return slice(start, start + self.world)
 
     @property

@@ -227,6 +227,7 @@ class Session:
                     continue
                 self._complete(st)
             except CommFailure as exc:
+                self._grow_requested = False  # (asked of the generation just left)
                 self._pending = member.recover(exc, state, st)
                 continue
             if self._grow_requested:
@@ -333,7 +334,6 @@ class Session:
         state.layout.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
         g[lay.times.start + self.rank] = self._stragglers.compute_s(self.member.slowdown(st.index))
-        g[lay.broken.start + self.rank] = self._fingerprints.seal_mask(state)
         if state.layout.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
@@ -351,8 +351,7 @@ class Session:
             raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
                                f"cover each of the {st.m} microbatches exactly once")
         self._flip(st, "grad", g[lay.grads])
-        broken = {r: int(b) for r, b in enumerate(g[lay.broken].tolist()) if b}
-        self._fingerprints.vote(st.index, state, g[lay.grads], lay.total, broken)
+        self._fingerprints.begin(st, state, g[lay.grads], lay.total)
         self._grow_requested = bool(g[lay.grow] > 0)
         swap = self._stragglers.observe(rank=self.rank, generation=self.generation,
                                         members=self.member.plan.members, step=st.index,
@@ -392,7 +391,8 @@ class Session:
         self._reduce(st)
         st.phase = StepPhase.UPDATE
         self.member.injector.at_step(self.rank, st.index, "update")
-        state.layout.update(st.grads, ops, f"parameter all-gather (step {st.index})")
+        state.layout.update(st.grads, ops, f"parameter all-gather (step {st.index})",
+                            before_gather=self._fingerprints.settle)
         self._flip(st, "param")
         state.zero_grad()
         state.step = st.index

@@ -66,6 +66,24 @@ def test_a_flipped_bit_is_found_and_its_rank_swapped(tmp_path, reference, where)
 
 
 @pytest.mark.timeout(240)
+def test_a_seal_broken_between_votes_names_its_own_rank(tmp_path, reference):
+    """--fingerprint-every 4: step 6 has no vote, so rank 2 finds its optimizer state
+    changed by itself and stops before its update; the others, already inside theirs,
+    are interrupted when the leader replaces it and redo step 6 from snapshot 5."""
+    job = run(tmp_path, "--nproc", "4", "--spares", "1", "--fingerprint-every", "4",
+              "--inject", "flip:rank=2:step=5:where=optim", steps=STEPS,
+              script_args=("--data", "ids"))
+    assert job.rc == 0, job.out[-3000:]
+    [vote] = job.of("fingerprint_mismatch")
+    assert (vote["rank"], vote["step"], vote["outvoted"]) == (2, 6, [2])
+    assert vote["found"] == [FOUND["optim"][2]]
+    [rec] = job.summary["recoveries"]
+    assert rec["replacement"] == "n0w4" and rec["restore_step"] == 5
+    assert job.summary["quarantined"] == ["n0w2"]
+    assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("where", ["grad", "param"])
 def test_two_ranks_cannot_outvote_each_other_so_a_replay_names_the_flipped_one(
         tmp_path, tmp_path_factory, where):
