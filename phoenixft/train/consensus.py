@@ -3,9 +3,11 @@
 Between the step's all-reduce and the update every data-parallel rank holds the same
 reduced gradients, bit for bit, and between updates the same parameters: a bit flipped in
 one rank's copy (bad memory, a faulty core) shows as a digest that differs from the
-others'. With ZeRO-1 rank r updates its own shard from the reduced gradients and the
-all-gather carries the result into every rank's parameters, after which the ranks agree
-again on wrong values: so the vote is before the update. Every `every` steps each rank
+others'. With ZeRO-1 rank r updates its own shard from the reduced gradients and
+the all-gather carries the result into every rank's parameters, after which the ranks agree
+again on wrong values: so the vote decides before that step counts (its all-reduce runs
+through the optimizer step; a rejected update is undone from each rank's own snapshot of
+the step before, `fingerprints.py`). Every `every` steps each rank
 digests both (`digest`), the digests ride in one tiny all-reduce (each rank its own
 slots, `exchange`), and a strict majority names the ranks that differ (`outliers`).
 With no strict majority (two ranks, or a split vote) the step's collectives are
@@ -58,6 +60,13 @@ def digest(t: torch.Tensor) -> int:
     return int_sum(x)
 
 
+def digest_all(ts: list[torch.Tensor]) -> int:
+    """One digest of several tensors (`digest` of each, hashed together)."""
+    if len(ts) == 1:
+        return digest(ts[0])
+    return xxhash.xxh3_64_intdigest(b"".join(digest(t).to_bytes(8, "little") for t in ts)) >> 1
+
+
 def int_sum(x: torch.Tensor) -> int:
     """`digest` on a device: the exact sum of the elements read as integers."""
     ints = x.view({4: torch.int32, 2: torch.int16}.get(x.element_size(), torch.uint8))
@@ -87,18 +96,22 @@ def exchange(ops: GroupOps, rank: int, world_size: int, mine: list[int],
     return Tally(ops, rank, world_size, mine, what).result()
 
 
-def outliers(tally: list[list[int]]) -> dict[int, list[int]]:
-    """For each digest i whose ranks disagree, the ranks outside its strict majority, or
-    NoMajority when one digest has none."""
+def outliers(tally: list[list[int]], classes: list[list[int]] | None = None
+             ) -> dict[int, list[int]]:
+    """For each digest i whose ranks disagree within a class (`classes`: the sets of ranks
+    that must agree; None: all of them), the ranks outside their class's strict majority,
+    or NoMajority when a class has none."""
     out: dict[int, list[int]] = {}
     for i, values in enumerate(tally):
-        value, n = Counter(values).most_common(1)[0]
-        if n == len(values):
-            continue
-        if 2 * n <= len(values):
-            raise NoMajority(f"no strict majority ({_each(values)})")
-        out[i] = [r for r, v in enumerate(values) if v != value]
-    return out
+        for cls in classes or [list(range(len(values)))]:
+            mine = [values[r] for r in cls]
+            value, n = Counter(mine).most_common(1)[0]
+            if n == len(mine):
+                continue
+            if 2 * n <= len(mine):
+                raise NoMajority(f"no strict majority ({_each(values, cls)})")
+            out.setdefault(i, []).extend(r for r in cls if values[r] != value)
+    return {i: sorted(rs) for i, rs in out.items()}
 
 
 def replayed(first: list[list[int]], again: list[list[int]]) -> dict[int, list[int]]:
@@ -119,8 +132,8 @@ def replayed(first: list[list[int]], again: list[list[int]]) -> dict[int, list[i
     return out
 
 
-def _each(values: list[int]) -> str:
-    return ", ".join(f"rank {r}: {v:#x}" for r, v in enumerate(values))
+def _each(values: list[int], ranks: list[int] | None = None) -> str:
+    return ", ".join(f"rank {r}: {values[r]:#x}" for r in ranks or range(len(values)))
 
 
 class Seal:

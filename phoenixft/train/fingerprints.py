@@ -74,24 +74,22 @@ class Fingerprinter:
         member = self.member
         rank, world = member.rank, member.world_size
         mask = self.seal_mask(state)
-        vote = bool(self.cfg.every and not st.index % self.cfg.every and world >= 2
-                    and state.layout.local_gradients)  # (the ranks' gradients meet here)
-        if not vote:
+        lay = state.layout
+        parts = lay.fingerprinted(grads) if self.cfg.every and not st.index % self.cfg.every \
+            else None
+        classes = [c for c in lay.vote_classes(world) if len(c) > 1]
+        if parts is None or not classes:
             if mask:
                 self._act(st, state, {rank: mask}, {}, voted=False)
             return
         t0 = time.perf_counter()
-        parts = {"reduced gradients": grads}
-        params = state.layout.replicated()
-        if params is not None:
-            parts[f"parameters after step {st.index - 1}"] = params
-        mine = [consensus.digest(t) for t in parts.values()]
+        mine = [consensus.digest_all(ts) for ts in parts.values()]
         self.digest_s = time.perf_counter() - t0
         tally = consensus.Tally(member.ops, rank, world, [*mine, mask],
                                 f"fingerprint vote (step {st.index})")
         self.vote_s = time.perf_counter() - t0
-        self._pending = (st, state, list(parts), tally, total)
-        if member.snap is None:
+        self._pending = (st, state, list(parts), classes, tally, total)
+        if member.snap is None or not lay.can_undo():
             self.settle()
 
     def settle(self, gathered: Callable[[], None] | None = None) -> None:
@@ -102,15 +100,21 @@ class Fingerprinter:
         again, so the step is abandoned as if no update had run."""
         if self._pending is None:
             return
-        st, state, keys, tally, total = self._pending
+        st, state, keys, classes, tally, total = self._pending
         self._pending = None
         t0 = time.perf_counter()
         *first, masks = tally.result()
         self.vote_s += time.perf_counter() - t0  # (the digests, and waiting for the vote)
         broken = {r: m for r, m in enumerate(masks) if m}
         try:
-            found, how = consensus.outliers(first), "differ from the majority's"
-        except consensus.NoMajority:
+            found, how = consensus.outliers(first, classes), "differ from the majority's"
+        except consensus.NoMajority as exc:
+            if not state.layout.local_gradients:  # (nothing to replay the step from)
+                raise consensus.NoMajority(
+                    f"step {st.index}: the fingerprints of the ranks that must agree differ "
+                    f"and {exc}; nothing can replay this layout's step to tell which are "
+                    "right, so the job stops before the update, its last committed step "
+                    "intact (three or more replica groups give a majority)") from None
             found, how = None, "differed from what a replay of the step's collectives gave every rank"
         if not broken and found == {}:
             return
@@ -118,7 +122,7 @@ class Fingerprinter:
             gathered()
             self._undo(st, state)
         if found is None:
-            found = self._replay(st.index, state, first, total, len(keys) > 1)
+            found = self._replay(st.index, state, first, total)
         named = {r: f"rank {r}'s {keys[i]} (step {st.index}) {how}"
                  for i, ranks in found.items() for r in ranks}
         self._act(st, state, broken, named, voted=True)
@@ -166,8 +170,8 @@ class Fingerprinter:
                 member.report(ReportKind.CORRUPT, bad[r], wid=members[r])
         raise consensus.Outvoted(f"step {st.index}: {'; '.join(bad.values())}")
 
-    def _replay(self, index: int, state: RankState, tally: list[list[int]], total: int,
-                params: bool) -> dict[int, list[int]]:
+    def _replay(self, index: int, state: RankState, tally: list[list[int]],
+                total: int) -> dict[int, list[int]]:
         """No strict majority: run the step's collectives again from what they were
         computed from, digest again and name the ranks whose first digest differs from
         the one all now agree on (`consensus.replayed`). The gradient all-reduce is redone
@@ -180,10 +184,8 @@ class Fingerprinter:
         g = torch.zeros(total, dtype=lay.master_dtype, device=lay.device)
         lay.write_grads(g[:lay.grad_numel()])
         member.ops.allreduce(g, f"replayed gradient all-reduce (step {index})")
-        again = [consensus.digest(g[:lay.grad_numel()])]
-        if params:
-            lay.gather_params(member.ops, f"replayed parameter all-gather (step {index})")
-            again.append(consensus.digest(lay.replicated()))
+        lay.gather_params(member.ops, f"replayed parameter all-gather (step {index})")
+        again = [consensus.digest_all(ts) for ts in lay.fingerprinted(g[:lay.grad_numel()]).values()]
         now = consensus.exchange(member.ops, member.rank, member.world_size, again,
                                  f"replayed fingerprint vote (step {index})")
         self.events.emit("fingerprint_replay", rank=member.rank, gen=member.generation,

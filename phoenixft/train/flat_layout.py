@@ -82,8 +82,11 @@ class FlatZero1(StateLayout):
         before_gather(gathered)
         gathered()
 
-    def replicated(self) -> torch.Tensor:
-        return self.flat.buf
+    def fingerprinted(self, grads: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        return {"reduced gradients": [grads], "parameters": [self.flat.buf]}
+
+    def can_undo(self) -> bool:
+        return True
 
     def start_from_rank0(self, ops: GroupOps) -> None:
         ops.broadcast(self.flat.buf, 0, "initial parameter broadcast")

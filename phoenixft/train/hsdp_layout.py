@@ -237,6 +237,23 @@ class HsdpLayout(Fsdp2Layout):
         if before_gather is not None:
             before_gather(lambda: None)
 
+    def fingerprinted(self, grads: torch.Tensor) -> dict[str, list[torch.Tensor]] | None:
+        """The groups hold the same shards: of the cross-group gradient sum, of the
+        parameters and of the optimizer state (a vote across groups covers all three)."""
+        if self._reduced is None:
+            return None
+        params, opt = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                params.append(_local(p))
+                opt += [_local(v) for v in self.opt.state.get(p, {}).values()
+                        if torch.is_tensor(v)]
+        return {"reduced gradient shards": [self._reduced], "parameter shards": params,
+                "optimizer state shards": opt}
+
+    def vote_classes(self, world_size: int) -> list[list[int]]:
+        return [list(range(p, world_size, self.unit)) for p in range(self.unit)]
+
     # -- snapshots, restores -----------------------------------------------------------
     def _holds_copy(self, name: str) -> bool:
         """Group 0 holds what every group holds; tp copies as Fsdp2Layout's."""

@@ -37,9 +37,12 @@ Guarantees every implementation gives, and the rules for calling it:
 - `local_gradients`: a rank's accumulated gradients are its own until the step's
   all-reduce (true for the flat layout). Only then can a recovery keep the microbatches a
   survivor finished, or a spare compute the dead rank's ahead of joining.
-- `replicated()`: state every rank holds bit for bit between updates (the flat layout's
-  parameters): the fingerprint vote digests it with the reduced gradients
-  (`consensus.py`). The seal covers `unique_tensors()`.
+- `fingerprinted(grads)` / `vote_classes(world_size)`: state the ranks of each class hold
+  bit for bit before the update (data parallel: the reduced gradients and the full
+  parameters, every rank one class; HSDP: the reduced gradient shards, parameter and
+  optimizer shards, one class per place in the replica groups): the fingerprint vote
+  digests it (`fingerprints.py`); `can_undo()`: the vote may then be awaited after the
+  update. The seal covers `unique_tensors()`.
 - `mesh_groups(rank, world_size)`: process groups over subsets of the generation's ranks
   the layout needs besides the training group (a tensor-parallel mesh's rows and
   columns): name -> (this rank's place in it, its size). They are built with the
@@ -136,10 +139,23 @@ class StateLayout(ABC):
         """Whether this worker, once laid out, can take another rank."""
         return True
 
-    def replicated(self) -> torch.Tensor | None:
-        """State every rank of the generation holds bit for bit between updates (the flat
-        layout's full parameters), which the fingerprint vote digests; None: none."""
+    def fingerprinted(self, grads: torch.Tensor) -> dict[str, list[torch.Tensor]] | None:
+        """What the ranks of each `vote_classes` class hold bit for bit once the step's
+        gradients are reduced (`grads`: the reduced region of the step's all-reduce),
+        before the update: the gradients first, then the parameters (and whatever else);
+        the fingerprint vote digests each entry. None: no vote (no replicas)."""
         return None
+
+    def vote_classes(self, world_size: int) -> list[list[int]]:
+        """The sets of ranks whose `fingerprinted` state must be equal (data parallel:
+        every rank; HSDP: the ranks at one place of every replica group)."""
+        return [list(range(world_size))]
+
+    def can_undo(self) -> bool:
+        """Whether an optimizer step can be undone from the rank's own snapshot of the step
+        before plus `gather_params` (every rank's unique state is in its own snapshot):
+        the fingerprint vote is then awaited after the update."""
+        return False
 
     def bind(self, ops: GroupOps, generation: int, microbatches: int,
              groups: dict[str, GroupOps]) -> None:

@@ -282,20 +282,23 @@ class Session:
         if not self.member.injector.flips(self.rank, st.index, where):
             return
         lay = self.state.layout
+        parts = list((lay.fingerprinted(grads if grads is not None else torch.empty(0))
+                      or {}).values())
         if where == "grad":
-            t = grads
+            t = parts[0][0] if parts else grads
         elif where == "param":
-            t = lay.replicated()
-            if t is None:
-                t = next(p for p in self.state.model.parameters() if p.numel())
+            t = parts[1][0] if len(parts) > 1 else next(
+                getattr(p, "_local_tensor", p) for p in self.state.model.parameters()
+                if p.numel())
         else:
             if self.member.snap is not None:
                 self.member.snap.wait_copied()  # at rest: after snapshot T's copy
             t = next((v for k, v in lay.unique_tensors().items()
-                      if k.startswith("opt.") and v.dim() > 0), None)
+                      if k.startswith(("opt.", "o.")) and v.dim() > 0), None)
             if t is None:
-                raise RuntimeError(f"flip:where=optim at step {st.index}: the optimizer "
-                                   "has no per-element state to flip (SGD without momentum)")
+                raise RuntimeError(f"flip:where=optim at step {st.index}: this rank holds no "
+                                   "per-element optimizer state to flip (SGD without "
+                                   "momentum, or a replica group other than the first)")
         b = t.detach().view(-1).view(torch.uint8)
         b[b.numel() // 2] ^= 0x10
 

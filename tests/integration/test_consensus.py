@@ -15,7 +15,7 @@ import json
 import pytest
 
 from phoenixft.observe.train_metrics import TrainMetrics
-from tests.support.jobs import run
+from tests.support.jobs import ROOT, run, run_script
 
 pytestmark = [pytest.mark.integration]
 STEPS = 12
@@ -23,7 +23,7 @@ STEPS = 12
 
 # where the bit flips -> (the step whose vote finds it, the restored step, what it names)
 FOUND = {"grad": (5, 4, "rank 2's reduced gradients (step 5) differ from the majority's"),
-         "param": (6, 5, "rank 2's parameters after step 5 (step 6) differ from the majority's"),
+         "param": (6, 5, "rank 2's parameters (step 6) differ from the majority's"),
          "optim": (6, 5, "rank 2's optimizer state changed in memory after snapshot 5 was "
                          "copied (opt.exp_avg)")}
 
@@ -53,6 +53,10 @@ def test_a_flipped_bit_is_found_and_its_rank_swapped(tmp_path, reference, where)
     assert job.summary["quarantined"] == ["n0w2"]
     [rec] = job.summary["recoveries"]
     assert rec["replacement"] == "n0w4" and rec["restore_step"] == restored
+    # the vote was awaited after the optimizer step: every rank undid its update from its
+    # own snapshot, so the others kept the microbatches they had finished
+    kept = {e["rank"]: e["kept"] for e in job.of("in_step_recovery") if e["wid"] != "n0w4"}
+    assert kept == {0: [0], 1: [1], 3: [3]}, kept
     assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
     assert job.summary["losses"] == reference.summary["losses"]
     assert f"silent data corruption: {found}" in job.out
@@ -80,6 +84,8 @@ def test_a_seal_broken_between_votes_names_its_own_rank(tmp_path, reference):
     [rec] = job.summary["recoveries"]
     assert rec["replacement"] == "n0w4" and rec["restore_step"] == 5
     assert job.summary["quarantined"] == ["n0w2"]
+    # (the others had updated: their step 6 microbatches are computed again)
+    assert all(e["kept"] == [] for e in job.of("in_step_recovery") if e["wid"] != "n0w4")
     assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
 
 
@@ -105,5 +111,32 @@ def test_two_ranks_cannot_outvote_each_other_so_a_replay_names_the_flipped_one(
         vote["found"][0]
     [rec] = job.summary["recoveries"]
     assert rec["replacement"] == "n0w2" and rec["restore_step"] == restored
+    assert job.summary["quarantined"] == ["n0w1"]
+    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
+
+
+HSDP = ROOT / "tests" / "integration" / "scripts" / "gated_hsdp.py"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["grad", "param"])
+def test_hsdp_replica_groups_outvote_the_one_whose_shards_differ(tmp_path, tmp_path_factory,
+                                                                 where):
+    """3 replica groups of 1 FSDP2 rank each (+1 spare): the groups hold the same shards
+    (cross-group gradient sum, parameters, optimizer state), so the vote is among the
+    ranks at one place of every group; group 1's rank is named, swapped inside its group,
+    and the job ends on the failure-free digest."""
+    args = ("--nproc", "3", "--spares", "1")
+    script_args = ("--steps", "8", "--dp-shard", "1")
+    ref = run_script(tmp_path_factory.mktemp(f"hsdp-sdc-ref-{where}"), HSDP, *args,
+                     timeout=240, script_args=script_args)
+    assert ref.rc == 0, ref.out[-3000:]
+    job = run_script(tmp_path, HSDP, *args, "--inject", f"flip:rank=1:step=4:where={where}",
+                     timeout=240, script_args=script_args)
+    assert job.rc == 0, job.out[-3000:]
+    [vote] = job.of("fingerprint_mismatch")
+    what = "reduced gradient shards (step 4)" if where == "grad" else "parameter shards (step 5)"
+    assert (vote["step"], vote["outvoted"]) == (4 if where == "grad" else 5, [1])
+    assert vote["found"] == [f"rank 1's {what} differ from the majority's"]
     assert job.summary["quarantined"] == ["n0w1"]
     assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]

@@ -53,3 +53,18 @@ def test_a_tally_names_the_minority_and_a_replay_decides_a_tie_or_stops():
     assert replayed([[7, 7, 9, 9]], [[9, 9, 9, 9]]) == {0: [0, 1]}
     with pytest.raises(NoMajority, match="a replay of the step's collectives disagrees too"):
         replayed([[7, 9]], [[7, 9]])
+
+
+def test_a_vote_in_classes_names_each_class_minority_and_one_digest_covers_a_list():
+    from phoenixft.train.consensus import NoMajority, digest_all, outliers
+    # HSDP, 3 groups of 2 places: classes {0, 2, 4} and {1, 3, 5}
+    classes = [[0, 2, 4], [1, 3, 5]]
+    assert outliers([[7, 8, 7, 8, 7, 8]], classes) == {}
+    assert outliers([[7, 8, 7, 9, 7, 8]], classes) == {0: [3]}
+    with pytest.raises(NoMajority):
+        outliers([[7, 8, 9, 8]], [[0, 2], [1, 3]])  # two groups: no majority
+    a, b = torch.randn(10), torch.randn(5)
+    d = digest_all([a, b])
+    assert d == digest_all([a.clone(), b.clone()]) != digest_all([b, a])
+    b.view(torch.uint8)[3] ^= 1
+    assert digest_all([a, b]) != d
