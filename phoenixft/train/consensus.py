@@ -96,8 +96,8 @@ def exchange(ops: GroupOps, rank: int, world_size: int, mine: list[int],
     return Tally(ops, rank, world_size, mine, what).result()
 
 
-def outliers(tally: list[list[int]], classes: list[list[int]] | None = None
-             ) -> dict[int, list[int]]:
+def outliers(tally: list[list[int]], classes: list[list[int]] | None = None,
+             names: list[str] | None = None) -> dict[int, list[int]]:
     """For each digest i whose ranks disagree within a class (`classes`: the sets of ranks
     that must agree; None: all of them), the ranks outside their class's strict majority,
     or NoMajority when a class has none."""
@@ -109,7 +109,9 @@ def outliers(tally: list[list[int]], classes: list[list[int]] | None = None
             if n == len(mine):
                 continue
             if 2 * n <= len(mine):
-                raise NoMajority(f"no strict majority ({_each(values, cls)})")
+                what = names[i] if names else f"digest {i}"
+                raise NoMajority(f"no strict majority says which {what} are right "
+                                 f"({_each(values, cls)})")
             out.setdefault(i, []).extend(r for r in cls if values[r] != value)
     return {i: sorted(rs) for i, rs in out.items()}
 

@@ -107,7 +107,7 @@ class Fingerprinter:
         self.vote_s += time.perf_counter() - t0  # (the digests, and waiting for the vote)
         broken = {r: m for r, m in enumerate(masks) if m}
         try:
-            found, how = consensus.outliers(first, classes), "differ from the majority's"
+            found, how = consensus.outliers(first, classes, keys), "differ from the majority's"
         except consensus.NoMajority as exc:
             if not state.layout.local_gradients:  # (nothing to replay the step from)
                 raise consensus.NoMajority(

@@ -246,7 +246,7 @@ class HsdpLayout(Fsdp2Layout):
         for p in self.model.parameters():
             if p.requires_grad:
                 params.append(_local(p))
-                opt += [_local(v) for v in self.opt.state.get(p, {}).values()
+                opt += [_local(v) for _, v in sorted(self.opt.state.get(p, {}).items())
                         if torch.is_tensor(v)]
         return {"reduced gradient shards": [self._reduced], "parameter shards": params,
                 "optimizer state shards": opt}
