@@ -20,10 +20,10 @@ torch thread, each mode its own process tree, one after another in one invocatio
 Throughput is steps per second from the first completed step to the last; each faulted
 mode against `clean` (goal with a spare: >= 0.9x). Detection latency: steps from the
 slow fault to the `straggler` event, or from the flip to the `fingerprint_mismatch` event.
-The fingerprints' cost: rank 0's mean seconds per step in the seal check, the digests and
-the vote's all-reduce (timed inside its step, on the critical path; the all-reduce
-includes waiting for the slowest rank) over the median step of the same run, at the
-default --fingerprint-every 1 (goal <= 0.5%) and at 8.
+The fingerprints' cost: the throughput lost against `nofp`, at the default
+--fingerprint-every 1 (goal <= 0.5%) and at 8; and, by rank 0's clock inside its step,
+the seal's and the digests' own compute and the wait for the vote's all-reduce (which
+replaces part of the wait at the all-gather) over the median step.
 """
 
 from __future__ import annotations
@@ -119,6 +119,11 @@ def measure(opts: BenchOptions) -> dict:
     for mode in MODES:
         print(f"[consensus] {mode}", flush=True)
         rows[mode] = _job(root, mode, args)
+    return {**summarize(rows, args), "wall_s": round(time.time() - t0, 1)}
+
+
+def summarize(rows: dict, args: argparse.Namespace) -> dict:
+    """The result from the runs' rows (`_job`): ratios, latencies, costs and goals."""
     clean = rows["clean"]["steps_s"]
     for r in rows.values():
         r["vs_clean"] = r["steps_s"] / clean
@@ -133,23 +138,25 @@ def measure(opts: BenchOptions) -> dict:
               "preset": args.preset, "microbatches": args.microbatches, "factor": args.factor,
               "slow_step": args.slow_step, "window": args.window, "rows": rows,
               "false_alarms_per_1000_steps": 1000 * len(noisy["stragglers"]) / noisy["steps"],
-              # seal + digests + one tiny all-reduce, on the step's critical path
-              "fingerprint_share_of_step": (rows["clean"]["mean_check_s"]
-                                            / rows["clean"]["median_step_s"]),
-              "fingerprint_share_of_step_k8": (rows["k8"]["mean_check_s"]
-                                               / rows["k8"]["median_step_s"]),
+              # what fingerprints cost: throughput lost against the twin run without them
+              # (the vote's wait replaces part of the all-gather's, so its own clock says
+              # little); and the seal's and digests' own compute, timed inside the step
+              "fingerprint_cost": 1 - rows["clean"]["steps_s"] / rows["nofp"]["steps_s"],
+              "fingerprint_cost_k8": 1 - rows["k8"]["steps_s"] / rows["nofp"]["steps_s"],
+              "vote_wait_share_of_step": (rows["clean"]["mean_check_s"]
+                                          / rows["clean"]["median_step_s"]),
               "digest_share_of_step": (rows["clean"]["mean_digest_s"]
-                                       / rows["clean"]["median_step_s"]),
-              "step_on_vs_off": rows["clean"]["median_step_s"] / rows["nofp"]["median_step_s"]}
+                                       / rows["clean"]["median_step_s"])}
     result["goals"] = as_dicts(goals(result))
-    return {**result, "wall_s": round(time.time() - t0, 1)}
+    return result
 
 
 def goals(result: dict) -> list[Goal]:
     r = result["rows"]
-    share = result["fingerprint_share_of_step"]
-    return [Goal("fingerprint vote per step, --fingerprint-every 1",
-                 f"<= {GOAL_VOTE:.1%} of a step", f"{share:.3%}", share <= GOAL_VOTE),
+    cost = result["fingerprint_cost"]
+    return [Goal("fingerprints' cost, --fingerprint-every 1 (the default): throughput lost "
+                 "against the run without", f"<= {GOAL_VOTE:.1%}", f"{cost:.2%}",
+                 cost <= GOAL_VOTE),
             Goal("straggler swapped for a spare: throughput vs failure-free",
                  f">= {GOAL_SWAP}x", f"{r['swap']['vs_clean']:.3f}x",
                  r["swap"]["vs_clean"] >= GOAL_SWAP),
@@ -176,7 +183,7 @@ def headline(result: dict) -> str:
             f"{r['slow']['vs_clean']:.2f}x reported only, {r['swap']['vs_clean']:.2f}x "
             f"swapped for a spare, {r['rebalance']['vs_clean']:.2f}x rebalanced; "
             f"{result['false_alarms_per_1000_steps']:g} false alarms per 1,000 steps beside a "
-            f"busy process; fingerprint vote {result['fingerprint_share_of_step']:.2%} of a step")
+            f"busy process; fingerprints cost {result['fingerprint_cost']:.1%} of throughput")
 
 
 def show(result: dict, opts: BenchOptions) -> None:
@@ -198,13 +205,12 @@ def show(result: dict, opts: BenchOptions) -> None:
     r0 = result["rows"]["clean"]
     console.print(f"false alarms: {result['false_alarms_per_1000_steps']:g} per 1,000 steps "
                   f"({result['rows']['noisy']['steps']} failure-free steps beside a busy "
-                  f"process); fingerprints (seal, digests, vote): {r0['mean_check_s'] * 1e3:.3f} "
-                  f"ms a step, {result['fingerprint_share_of_step']:.3%} of a "
-                  f"{r0['median_step_s'] * 1e3:.1f} ms step at K=1 (the vote's all-reduce "
-                  f"includes waiting for the slowest rank), of which seal and digests "
-                  f"{result['digest_share_of_step']:.3%}; at K=8 "
-                  f"{result['fingerprint_share_of_step_k8']:.3%}; median step with them / "
-                  f"without: {result['step_on_vs_off']:.3f} (two runs)")
+                  f"process); fingerprints: {result['fingerprint_cost']:.2%} of throughput at "
+                  f"K=1, {result['fingerprint_cost_k8']:.2%} at K=8 (each against the run "
+                  f"without, one run each); by rank 0's clock the seal and digests take "
+                  f"{result['digest_share_of_step']:.3%} of a {r0['median_step_s'] * 1e3:.1f} ms "
+                  f"step, and waiting for the vote {result['vote_wait_share_of_step']:.2%} "
+                  f"(in place of part of the all-gather's wait)")
     print_goals(console, goals(result))
 
 
@@ -218,6 +224,8 @@ def markdown(result: dict) -> list[str]:
                     f" | {', '.join(r['quarantined']) or '-'} | "
                     f"{'yes' if r['digest_as_clean'] else 'no'} |")
     return rows + ["", f"False alarms: {result['false_alarms_per_1000_steps']:g} per 1,000 "
-                       "failure-free steps beside a busy process. Fingerprints (seal, digests "
-                       f"and vote): {result['fingerprint_share_of_step']:.3%} of a step at "
-                       f"K=1, {result['fingerprint_share_of_step_k8']:.3%} at K=8."]
+                       "failure-free steps beside a busy process. Fingerprints cost "
+                       f"{result['fingerprint_cost']:.2%} of throughput at K=1 and "
+                       f"{result['fingerprint_cost_k8']:.2%} at K=8 against the run without; "
+                       f"the seal and digests' own compute is {result['digest_share_of_step']:.3%}"
+                       " of a step."]
