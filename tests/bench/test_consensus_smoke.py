@@ -36,5 +36,5 @@ def test_consensus_smoke(tmp_path):
     assert rows["k8"]["digest_as_clean"] and rows["nofp"]["digest_as_clean"]
     assert 0 < r["digest_share_of_step"] < 1 and 0 < r["vote_wait_share_of_step"] < 1
     assert -1 < r["fingerprint_cost"] < 1 and -1 < r["fingerprint_cost_k8"] < 1
-    assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprint", "straggler", "false",
+    assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprints'", "straggler", "false",
                                                           "a"]
