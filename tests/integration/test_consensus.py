@@ -70,6 +70,33 @@ def test_a_flipped_bit_is_found_and_its_rank_swapped(tmp_path, reference, where)
 
 
 @pytest.mark.timeout(240)
+def test_without_a_spare_the_others_go_on_without_the_flipped_rank(tmp_path, tmp_path_factory):
+    """3 ranks, no spare, --min-nproc 2: rank 1's flipped gradient is outvoted and its
+    worker fenced; the other two take its quota (ReCoVer: they keep the microbatches they finished), so
+    every step consumes the failure-free run's 12 microbatches (audit) and the losses stay
+    within 1e-4 of it."""
+    common, script = ("--nproc", "3", "--min-nproc", "2"), ("--data", "ids", "--microbatches", "12")
+    ref = run(tmp_path_factory.mktemp("sdc-shrink-ref"), *common, steps=STEPS,
+              script_args=script)
+    job = run(tmp_path, *common, "--inject", "flip:rank=1:step=5", steps=STEPS,
+              script_args=script)
+    for j in (ref, job):
+        assert j.rc == 0, j.out[-3000:]
+    [vote] = job.of("fingerprint_mismatch")
+    assert (vote["step"], vote["outvoted"]) == (5, [1])
+    assert job.summary["quarantined"] == ["n0w1"]
+    assert job.summary["world_sizes"] == [3, 2]
+    kept = {e["rank"]: e["kept"] for e in job.of("in_step_recovery")}
+    assert len(kept) == 2 and all(kept.values()), kept
+
+    def audit(j):
+        return [json.loads(x) for x in (j.run_dir / "audit.jsonl").read_text().splitlines()]
+    assert audit(job) == audit(ref)
+    for x, y in zip(job.summary["losses"], ref.summary["losses"], strict=True):
+        assert abs(x - y) <= 1e-4 * abs(y), (x, y)
+
+
+@pytest.mark.timeout(240)
 def test_a_seal_broken_between_votes_names_its_own_rank(tmp_path, reference):
     """--fingerprint-every 4: step 6 has no vote, so rank 2 finds its optimizer state
     changed by itself and stops before its update; the others, already inside theirs,
