@@ -82,11 +82,10 @@ class Tally:
                  what: str) -> None:
         self.slots = torch.zeros(len(mine), world_size, dtype=torch.int64)
         self.slots[:, rank] = torch.tensor(mine, dtype=torch.int64)
-        self._ops, self._what = ops, what
-        self._work = ops.pg.allreduce([self.slots])
+        self._wait = ops.allreduce_start(self.slots, what)
 
     def result(self) -> list[list[int]]:
-        self._ops.wait(self._work, self._what)
+        self._wait()
         return self.slots.tolist()
 
 

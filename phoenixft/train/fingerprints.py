@@ -55,11 +55,14 @@ class Fingerprinter:
             return 0
         member.snap.wait_copied()
         t0 = time.perf_counter()
-        changed = member.seal.check(state.step, state.layout.unique_tensors())
+        unique = state.layout.unique_tensors()
+        changed = member.seal.check(state.step, unique)
         if changed is None:
             return 0
         self.seal_s = time.perf_counter() - t0
-        names = sorted(state.layout.unique_tensors())
+        if not changed:
+            return 0
+        names = sorted(unique)  # (every rank lists the same names: `_act` decodes the mask)
         return sum(1 << min(names.index(n), 62) for n in set(changed))
 
     def begin(self, st: Step, state: RankState, grads: torch.Tensor, total: int) -> None:

@@ -73,7 +73,7 @@ class FlatZero1(StateLayout):
         return list(self.flat.unflatten(grads[:self.flat.numel]).values())
 
     def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
-               before_gather: Callable[[], None] | None = None) -> None:
+               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
         self.opt.step(grads)  # its pre-hooks wait for the previous snapshot's copy
         if before_gather is None:
             ops.all_gather_into(self.flat.buf, self.opt.gathered(), what)

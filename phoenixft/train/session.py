@@ -39,7 +39,7 @@ from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.fingerprints import Fingerprinter
 from phoenixft.train.flat_layout import FlatZero1
-from phoenixft.train.fsdp_layout import Fsdp2Layout, Parallelize
+from phoenixft.train.fsdp_layout import Fsdp2Layout, Parallelize, _local
 from phoenixft.train.hsdp_layout import HsdpLayout
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
@@ -288,8 +288,7 @@ class Session:
             t = parts[0][0] if parts else grads
         elif where == "param":
             t = parts[1][0] if len(parts) > 1 else next(
-                getattr(p, "_local_tensor", p) for p in self.state.model.parameters()
-                if p.numel())
+                _local(p) for p in self.state.model.parameters() if p.numel())
         else:
             if self.member.snap is not None:
                 self.member.snap.wait_copied()  # at rest: after snapshot T's copy
