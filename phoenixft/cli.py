@@ -32,6 +32,7 @@ _BENCHES = [
     "phoenixft.bench.torchft_side",
     "phoenixft.bench.sharded",
     "phoenixft.bench.consensus",
+    "phoenixft.bench.control_plane",
     "phoenixft.bench.all",
 ]
 

@@ -72,6 +72,18 @@ def mark_committed(store: dist.Store, step: int, info: dict) -> None:
     store.multi_set(keys, values)
 
 
+def acknowledge(store: dist.Store, generation: int, step: int, count: int, target: int,
+                world_size: int) -> bool:
+    """Acknowledge `count` copies of snapshot `step` of `generation`; the acknowledgement
+    that brings the step's count to `target` (every copy of every rank) commits it. True
+    when this one did."""
+    if store.add(Keys.ack(generation, step), count) != target:
+        return False
+    mark_committed(store, step, {"t": time.time(), "generation": generation,
+                                 "world_size": world_size})
+    return True
+
+
 class Snapshotter:
     """One rank's snapshot thread for one generation: copies each step's unique state
     into double-buffered slot files in the node's shared memory (slot s % 2 is only
@@ -443,10 +455,7 @@ class Snapshotter:
 
     def _ack(self, store: dist.Store, step: int, count: int) -> bool:
         """Acknowledge `count` copies of `step`; True when these completed its commit."""
-        n = store.add(Keys.ack(self.generation, step), count)
-        if n == self._target:
-            mark_committed(store, step, {"t": time.time(), "generation": self.generation,
-                                         "world_size": self._world_size})
+        if acknowledge(store, self.generation, step, count, self._target, self._world_size):
             if self._on_commit is not None:
                 self._on_commit(step, time.time())
             return True

@@ -16,24 +16,36 @@ from phoenixft.cluster.keys import Keys
 
 
 class HeartbeatSender:
-    """A daemon thread that bumps ``hb/{wid}`` every `interval_s` on its own connection."""
+    """A daemon thread that bumps ``hb/{wid}`` every `interval_s` on its own connection,
+    for one worker (a training process) or several (the control-plane benchmark's hollow
+    members: one add per worker still, as from separate processes)."""
 
-    def __init__(self, connect: Callable[[], dist.Store], wid: str, interval_s: float) -> None:
+    def __init__(self, connect: Callable[[], dist.Store], wid: str | list[str],
+                 interval_s: float) -> None:
         self._connect = connect
-        self._key = Keys.heartbeat(wid)
+        wids = [wid] if isinstance(wid, str) else list(wid)
+        self._keys = {w: Keys.heartbeat(w) for w in wids}
         self._interval = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"phoenixft-hb-{wid}", daemon=True)
+        self.beats = 0  # adds made, all workers together
+        self._thread = threading.Thread(target=self._run, name=f"phoenixft-hb-{wids[0]}",
+                                        daemon=True)
 
     def start(self) -> HeartbeatSender:
         self._thread.start()
         return self
 
+    def silence(self, wid: str) -> None:
+        """Stop beating for `wid` (a hung worker, as the benchmark makes one)."""
+        self._keys.pop(wid, None)
+
     def _run(self) -> None:
         store = self._connect()
         while not self._stop.is_set():
             try:
-                store.add(self._key, 1)
+                for key in list(self._keys.values()):
+                    store.add(key, 1)
+                    self.beats += 1
             except Exception:  # the store is gone: the job is over, the agent will reap us
                 return
             self._stop.wait(self._interval)

@@ -34,6 +34,7 @@ from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan, PlanKind
+from phoenixft.cluster.protocol import fenced, file_report, final_plan, register_node
 from phoenixft.cluster.report import restore_source
 from phoenixft.faults.inject import format_env
 from phoenixft.launch.config import AgentConfig, LaunchError
@@ -270,8 +271,7 @@ class Agent:
         self._start_janitor()
         self.events.emit("agent_start", job=job, shm_dir=str(self.shm_dir), pid=os.getpid(),
                          store=str(self.access.public), local_addr=self.access.local_addr)
-        kv.set_json(store, Keys.node(cfg.node_rank),
-                    {"nproc": cfg.nproc, "spares": cfg.spares, "pid": os.getpid()})
+        register_node(store, cfg.node_rank, cfg.nproc, cfg.spares, os.getpid())
         if cfg.external_store:
             self.lease = LeaderLease(store, cfg.node_rank, cfg.timeouts.heartbeat_timeout_s)
         if cfg.hosts_store or (self.lease is not None and cfg.node_rank == 0
@@ -341,29 +341,21 @@ class Agent:
         kind = ReportKind.EXIT
         if rc != 0 and store.check([Keys.error(p.wid)]):
             kind, detail = ReportKind.ERROR, store.get(Keys.error(p.wid)).decode()
-        i = store.add(Keys.REPORTS, 1)
-        kv.set_json(store, Keys.report(i), {"kind": kind, "wid": p.wid, "t": time.time(),
-                                           "detail": detail, "rc": rc})
+        file_report(store, {"kind": kind, "wid": p.wid, "detail": detail, "rc": rc})
 
     def _fences(self, store) -> None:
-        for p in self.procs.values():
-            if not p.done and store.check([Keys.fence(p.wid)]):
-                try:
-                    os.kill(p.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        live = {p.wid: p for p in self.procs.values() if not p.done}
+        for wid in fenced(store, list(live)):
+            try:
+                os.kill(live[wid].popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _final_plan(self, store) -> Plan | None:
         if self.leader is not None:
             plan = self.leader.plan
             return plan if plan is not None and plan.kind is not PlanKind.RUN else None
-        g = 0
-        while store.check([Keys.plan(g + 1)]):
-            g += 1
-        if not store.check([Keys.plan(g)]):
-            return None
-        plan = Plan.from_json(store.get(Keys.plan(g)))
-        return plan if plan.kind is not PlanKind.RUN else None
+        return final_plan(store)
 
     def _await_final(self, store) -> Plan | None:
         deadline = time.monotonic() + self.cfg.shutdown_grace_s

@@ -41,6 +41,7 @@ from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.membership import Plan, PlanKind, crossing_replicas
+from phoenixft.cluster.protocol import file_report, joined, newest_plan
 from phoenixft.comm.collectives import (
     CommFailure,
     GenerationChanged,
@@ -134,9 +135,7 @@ class Member:
         except kv.StoreGone as exc:
             raise JobAborted(f"phoenixft: worker {self.wid} stops: {exc}; its agent or the store's "
                              "host is gone") from None
-        while self.store.check([Keys.plan(g + 1)]):
-            g += 1
-        return Plan.from_json(self.store.get(Keys.plan(g)))
+        return newest_plan(self.store, g)
 
     def start(self, state: RankState) -> Step | None:
         """Wait (as a spare, for as long as it takes) for a plan that includes this
@@ -265,7 +264,7 @@ class Member:
         self._start_snapshots(plan, state, fresh=point.step < 0)
         if self.generation > 0:  # before the barrier: rank 0's record, which the console
             # tells with the replaced rank's source, is written after it
-            self.store.set(Keys.source(self.generation, self.rank), source)
+            joined(self.store, self.generation, self.rank, source)
         self.ops.barrier("generation barrier")
         self._ran_plan = plan
         self._record(plan, state, point, source, pending, t0)
@@ -494,10 +493,8 @@ class Member:
         """A failure report for the leader about this worker, or about `wid` (best effort:
         the store may be gone)."""
         try:
-            i = self.store.add(Keys.REPORTS, 1)
-            kv.set_json(self.store, Keys.report(i), {"kind": kind, "wid": wid or self.wid,
-                                                      "gen": self.generation, "t": time.time(),
-                                                      "detail": detail[:500]})
+            file_report(self.store, {"kind": kind, "wid": wid or self.wid,
+                                     "gen": self.generation, "detail": detail[:500]})
         except Exception:
             pass
 

@@ -32,6 +32,7 @@ from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatSender
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
+from phoenixft.cluster.protocol import register_worker
 from phoenixft.comm.collectives import CommFailure
 from phoenixft.observe.events import EventLog
 from phoenixft.train import model_io, quota
@@ -89,8 +90,7 @@ class Session:
         self.final_digest: str | None = None
         self._heartbeat = HeartbeatSender(self.member.connect, self.wid,
                                           self.cfg.timeouts.heartbeat_interval_s).start()
-        kv.set_json(self.store, Keys.worker(self.wid), {"pid": os.getpid(), "node": self.cfg.node})
-        self.store.add(Keys.REGISTERED, 1)
+        register_worker(self.store, self.wid, self.cfg.node, os.getpid())
         if self._own_store is not None:
             plan = Plan(generation=0, members={0: self.wid}, nodes={0: self.cfg.node})
             self.store.set(Keys.plan(0), plan.to_json())

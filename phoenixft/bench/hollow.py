@@ -1,0 +1,285 @@
+"""The processes of `phoenixft bench control-plane`: the job store, the leader, and hollow
+members (many to a process) that run the control plane's code without any training.
+
+A hollow member does, through the same functions, what a training member does with the
+store: it registers (`protocol.register_worker`), beats (`HeartbeatSender`, one add per
+member), reads each plan that names it (`protocol.newest_plan`), records where it
+restored from (`protocol.joined`; rank 0 also its recovery record and progress) and
+acknowledges its first snapshot, the last acknowledgement committing it
+(`snapshot.acknowledge`). A hollow agent per simulated node does its agent's per-tick
+store work (`protocol.fenced`, `protocol.final_plan`) and files exit reports
+(`protocol.file_report`). What a hollow member skips: process groups and their
+rendezvous, tensors (restore, snapshot copies, replicas), the generation barrier, the
+training thread's waits on commits; one plan watcher per process stands for every
+member's watcher (each member still reads the plan itself).
+
+Every process counts its store requests and payload bytes (`CountingStore`) and its CPU
+time, and answers the benchmark's questions over a pipe (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from phoenixft.checkpoint.snapshot import acknowledge
+from phoenixft.cluster import protocol
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.heartbeat import HeartbeatSender
+from phoenixft.cluster.keys import Keys, ReportKind
+from phoenixft.cluster.leader import Leader, LeaderConfig
+from phoenixft.cluster.membership import PlanKind
+from phoenixft.config import Timeouts
+from phoenixft.observe.events import EventLog
+
+STEPS_PER_GENERATION = 10  # the step a generation's first snapshot is numbered from
+
+
+def _size(x) -> int:
+    if isinstance(x, (bytes, bytearray)):
+        return len(x)
+    if isinstance(x, str):
+        return len(x.encode())
+    if isinstance(x, (list, tuple)):
+        return sum(_size(v) for v in x)
+    return 8
+
+
+class CountingStore:
+    """A store client that counts its requests (by kind) and payload bytes (keys and
+    values, both ways; the wire's framing is not counted). One per thread, like the
+    connections it wraps."""
+
+    def __init__(self, inner) -> None:
+        self._s = inner
+        self.ops: Counter = Counter()
+        self.bytes = 0
+
+    def _count(self, op: str, *payload) -> None:
+        self.ops[op] += 1
+        self.bytes += sum(_size(p) for p in payload)
+
+    def add(self, key, n):
+        self._count("add", key)
+        return self._s.add(key, n)
+
+    def set(self, key, value):
+        self._count("set", key, value)
+        return self._s.set(key, value)
+
+    def get(self, key):
+        v = self._s.get(key)
+        self._count("get", key, v)
+        return v
+
+    def check(self, keys):
+        self._count("check", keys)
+        return self._s.check(keys)
+
+    def multi_get(self, keys):
+        vs = self._s.multi_get(keys)
+        self._count("multi_get", keys, vs)
+        return vs
+
+    def multi_set(self, keys, values):
+        self._count("multi_set", keys, values)
+        return self._s.multi_set(keys, values)
+
+    def compare_set(self, key, expected, desired):
+        v = self._s.compare_set(key, expected, desired)
+        self._count("compare_set", key, expected, desired, v)
+        return v
+
+    def wait(self, keys, *timeout):
+        self._count("wait", keys)
+        return self._s.wait(keys, *timeout)
+
+
+def total(stores: list[CountingStore]) -> dict:
+    ops: Counter = Counter()
+    for s in stores:
+        ops.update(s.ops)
+    return {"ops": dict(ops), "requests": sum(ops.values()),
+            "bytes": sum(s.bytes for s in stores)}
+
+
+@dataclass(frozen=True)
+class HollowSpec:
+    """One hollow process: simulated nodes `first_node` .. `first_node + nodes - 1`, each
+    with `per_node` members, and `spares` spares on its first nodes (one a node)."""
+
+    addr: str
+    first_node: int
+    nodes: int
+    per_node: int
+    spares: int
+    tick_s: float
+    heartbeat_s: float
+    watch_slice_s: float = 0.25  # what a training member's plan watcher waits at a time
+
+
+def _answer(conn, handle) -> None:
+    """Serve the benchmark's JSON requests until it says stop."""
+    while True:
+        msg = json.loads(conn.recv())
+        reply = handle(msg)
+        conn.send(json.dumps(reply))
+        if msg["cmd"] == "stop":
+            return
+
+
+def store_main(conn) -> None:
+    server, port = kv.host_store("127.0.0.1", 0, timeout_s=300)
+    conn.send(json.dumps({"port": port}))
+    _answer(conn, lambda msg: {"cpu_s": time.process_time()})
+    del server
+
+
+def leader_main(conn, addr: str, run_dir: str, nnodes: int, tick_s: float,
+                timeouts: dict) -> None:
+    store = CountingStore(kv.connect(addr, timeout_s=300))
+    leader = Leader(store, EventLog(Path(run_dir) / "events.jsonl"), Path(run_dir),
+                    LeaderConfig(nnodes=nnodes, timeouts=Timeouts(**timeouts)))
+    ticks: list[float] = []
+    cpu = [0.0]
+    stop = threading.Event()
+
+    def loop() -> None:
+        started = False
+        while not stop.is_set():
+            c0, t0 = time.thread_time(), time.perf_counter()
+            if not started:
+                started = leader.try_start()
+            else:
+                kv.get_int(store, Keys.SPAWNS, 0)  # the leading agent's own read a tick
+                leader.tick()
+            ticks.append(time.perf_counter() - t0)
+            cpu[0] += time.thread_time() - c0
+            if leader.plan is not None and leader.plan.kind is not PlanKind.RUN:
+                return
+            stop.wait(tick_s)  # (the agent's select() timeout)
+
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+
+    def handle(msg: dict) -> dict:
+        if msg["cmd"] == "stop":
+            stop.set()
+            th.join(10)
+        out = {**total([store]), "cpu_s": time.process_time(), "leader_cpu_s": cpu[0],
+               "ticks": list(ticks), "fatal": leader.fatal}
+        ticks.clear()
+        return out
+    _answer(conn, handle)
+
+
+class HollowProcess:
+    """The members and agents of a range of simulated nodes, in one process."""
+
+    def __init__(self, spec: HollowSpec) -> None:
+        self.spec = spec
+        nodes = range(spec.first_node, spec.first_node + spec.nodes)
+        self.node_wids = {k: [f"n{k}w{i}" for i in range(spec.per_node + (1 if j < spec.spares else 0))]
+                          for j, k in enumerate(nodes)}
+        self.wids = [w for ws in self.node_wids.values() for w in ws]
+        self.dead: set[str] = set()
+        self.stores: list[CountingStore] = []
+        self.stop = threading.Event()
+        self.agent_ticks = 0
+        self.joined_generations = 0
+
+    def connect(self) -> CountingStore:
+        s = CountingStore(kv.connect(self.spec.addr, timeout_s=300))
+        self.stores.append(s)
+        return s
+
+    def start(self) -> None:
+        store = self.connect()
+        self.main = store
+        for k, ws in self.node_wids.items():
+            n_spares = len(ws) - self.spec.per_node
+            protocol.register_node(store, k, self.spec.per_node, n_spares, os.getpid())
+        self.hb = HeartbeatSender(self.connect, self.wids, self.spec.heartbeat_s)
+        for k, ws in self.node_wids.items():
+            for w in ws:
+                protocol.register_worker(store, w, k, os.getpid())
+        self.watcher = self.connect()  # the plan watcher's
+        self.hb.start()
+        for target in (self._watch, self._agents):
+            threading.Thread(target=target, daemon=True).start()
+
+    def _watch(self) -> None:
+        """Plan watcher for every member here: on each plan, each member reads it and
+        joins (`_join`)."""
+        store = self.watcher
+        g = 0
+        while not self.stop.is_set():
+            try:
+                if not kv.wait_for(store, [Keys.plan(g)], self.spec.watch_slice_s):
+                    continue
+            except kv.StoreGone:
+                return
+            for w in self.wids:
+                if w not in self.dead:
+                    plan = protocol.newest_plan(self.main, g)  # each member reads the plan
+                    if plan.kind is not PlanKind.RUN:
+                        return
+                    r = plan.rank_of(w)
+                    if r is not None:
+                        self._join(plan, r)
+            self.joined_generations += 1
+            g += 1
+
+    def _join(self, plan, rank: int) -> None:
+        store, g = self.main, plan.generation
+        step = STEPS_PER_GENERATION * (g + 1)
+        if g > 0:
+            protocol.joined(store, g, rank, "peer" if rank in plan.replaced else "local")
+            if rank == 0:
+                kv.set_json(store, Keys.recovered(g), {"gen": g, "recover_s": 0.0,
+                                                       "lost_steps": 0, "restore_step": step})
+        if rank == 0:
+            store.set(Keys.PROGRESS, str(step))
+        # its first snapshot: its own copy and one replica, acknowledged in one add
+        acknowledge(store, g, step, 2, 2 * plan.world_size, plan.world_size)
+
+    def _agents(self) -> None:
+        """Each simulated node's agent, every tick: its fence checks and, not leading, the
+        job's last plan."""
+        store = self.connect()
+        while not self.stop.is_set():
+            for ws in self.node_wids.values():
+                protocol.fenced(store, [w for w in ws if w not in self.dead])
+                protocol.final_plan(store)
+            self.agent_ticks += 1
+            self.stop.wait(self.spec.tick_s)
+
+    def kill(self, wid: str, how: str) -> None:
+        """`exit`: the process died, its agent reports it; `hang`: it stops beating."""
+        self.dead.add(wid)
+        self.hb.silence(wid)
+        if how == "exit":
+            protocol.file_report(self.main, {"kind": ReportKind.EXIT, "wid": wid,
+                                             "detail": "killed by SIGKILL", "rc": -9})
+
+    def handle(self, msg: dict) -> dict:
+        if msg["cmd"] == "kill":
+            self.kill(msg["wid"], msg["how"])
+        if msg["cmd"] == "stop":
+            self.stop.set()
+            self.hb.stop()
+        return {**total(self.stores), "protocol": total([self.main, self.watcher]),
+                "cpu_s": time.process_time(), "beats": self.hb.beats,
+                "agent_ticks": self.agent_ticks, "members": len(self.wids)}
+
+
+def hollow_main(conn, spec: dict) -> None:
+    proc = HollowProcess(HollowSpec(**spec))
+    proc.start()
+    conn.send(json.dumps({"ready": True}))
+    _answer(conn, proc.handle)
