@@ -29,7 +29,9 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import os
 import random
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -229,6 +231,7 @@ def _published(c: Cluster, g: int) -> float:
 def run_one(n: int, args: argparse.Namespace, root: Path) -> dict:
     rng = random.Random(args.seed + n)
     t0 = time.time()
+    shutil.rmtree(root / f"n{n}", ignore_errors=True)  # (its events.jsonl is read back)
     c = Cluster(n, args, root / f"n{n}")
     c.run_dir = root / f"n{n}"
     try:
@@ -314,6 +317,7 @@ def measure(opts: BenchOptions) -> dict:
     if not all(n > 0 for n in args.members) or args.procs < 1 or args.failures < 0:
         raise SystemExit("phoenixft bench control-plane: --members > 0, --procs >= 1, "
                          "--failures >= 0")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits time out by design
     root, t0 = opts.runs_dir("control-plane"), time.time()
     runs = []
     for n in args.members:

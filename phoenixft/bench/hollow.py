@@ -36,6 +36,7 @@ from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.membership import PlanKind
 from phoenixft.config import Timeouts
 from phoenixft.observe.events import EventLog
+from phoenixft.train.member import WATCH_SLICE_S
 
 STEPS_PER_GENERATION = 10  # the step a generation's first snapshot is numbered from
 
@@ -120,7 +121,7 @@ class HollowSpec:
     spares: int
     tick_s: float
     heartbeat_s: float
-    watch_slice_s: float = 0.25  # what a training member's plan watcher waits at a time
+    watch_slice_s: float = WATCH_SLICE_S  # what a training member's watcher waits at a time
 
 
 def _answer(conn, handle) -> None:
@@ -191,6 +192,8 @@ class HollowProcess:
         self.stores: list[CountingStore] = []
         self.stop = threading.Event()
         self.agent_ticks = 0
+        self.known = None  # the plan the members here read last (each read its change)
+        self.memo: dict = {}  # plans built from changes, shared by the members here
         self.joined_generations = 0
 
     def connect(self) -> CountingStore:
@@ -224,16 +227,18 @@ class HollowProcess:
                     continue
             except kv.StoreGone:
                 return
+            plan = None
             for w in self.wids:
-                if w not in self.dead:
-                    plan = protocol.newest_plan(self.main, g)  # each member reads the plan
+                if w not in self.dead:  # each member reads the plan (its change) itself
+                    plan = protocol.newest_plan(self.main, g, self.known, self.memo)
                     if plan.kind is not PlanKind.RUN:
                         return
                     r = plan.rank_of(w)
                     if r is not None:
                         self._join(plan, r)
+            self.known = plan
             self.joined_generations += 1
-            g += 1
+            g = plan.generation + 1 if plan is not None else g + 1
 
     def _join(self, plan, rank: int) -> None:
         store, g = self.main, plan.generation
@@ -252,10 +257,14 @@ class HollowProcess:
         """Each simulated node's agent, every tick: its fence checks and, not leading, the
         job's last plan."""
         store = self.connect()
+        seen = dict.fromkeys(self.node_wids, 0)
+        known = dict.fromkeys(self.node_wids)
+        memo: dict = {}
         while not self.stop.is_set():
-            for ws in self.node_wids.values():
-                protocol.fenced(store, [w for w in ws if w not in self.dead])
-                protocol.final_plan(store)
+            for k, ws in self.node_wids.items():
+                _, seen[k] = protocol.fenced(store, k, [w for w in ws if w not in self.dead],
+                                             seen[k])
+                known[k] = protocol.latest_plan(store, known[k], memo)
             self.agent_ticks += 1
             self.stop.wait(self.spec.tick_s)
 

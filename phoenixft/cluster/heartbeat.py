@@ -59,10 +59,11 @@ class HeartbeatSender:
 class HeartbeatMonitor:
     """Tracks when each watched counter last changed; reports the stale ones."""
 
-    def __init__(self, store: dist.Store, stall_s: float = 1.0) -> None:
+    def __init__(self, store: dist.Store, stall_s: float = 1.0, every_s: float = 0.0) -> None:
         self._store = store
         self._last: dict[str, tuple[int, float]] = {}
         self._stall_s = stall_s
+        self._every_s = every_s  # read the counters at most this often (a heartbeat period)
         self._last_poll = 0.0
 
     def watch(self, wid: str) -> None:
@@ -77,6 +78,8 @@ class HeartbeatMonitor:
         machine that would declare healthy workers hung all at once."""
         now = time.monotonic()
         gap = now - self._last_poll if self._last_poll else 0.0
+        if self._last_poll and gap < self._every_s:
+            return  # a counter cannot have moved twice: the leader ticks faster than beats
         self._last_poll = now
         if gap > self._stall_s:
             self._last = {w: (n, t + gap) for w, (n, t) in self._last.items()}
@@ -84,7 +87,11 @@ class HeartbeatMonitor:
             return
         wids = list(self._last)
         keys = [Keys.heartbeat(w) for w in wids]
-        present = [w for w, k in zip(wids, keys) if self._store.check([k])]
+        # Two requests whatever the job's size: every counter exists from its worker's
+        # registration on (`protocol.register_worker`), so one check finds them all; key
+        # by key (a request each) only while one does not (a worker of an older version)
+        present = (wids if self._store.check(keys)
+                   else [w for w, k in zip(wids, keys) if self._store.check([k])])
         if not present:
             return
         values = self._store.multi_get([Keys.heartbeat(w) for w in present])

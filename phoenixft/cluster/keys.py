@@ -109,6 +109,11 @@ class Keys:
         return f"gen/{g}/plan"
 
     @staticmethod
+    def plan_change(g: int) -> str:  # the leader, with gen/{g}/plan (one multi_set): plan
+        # g as a change to plan g-1 (`Plan.change_from`; what a member of g-1 reads)
+        return f"gen/{g}/change"
+
+    @staticmethod
     def group(g: int, name: str) -> str:
         """Prefix of generation g's process group `name` ("train", "replicate"); the
         members' c10d rendezvous writes under it. Never reused across generations."""
@@ -117,6 +122,10 @@ class Keys:
     @staticmethod
     def fence(wid: str) -> str:  # the leader: this worker must be killed by its agent
         return f"fence/{wid}"
+
+    @staticmethod
+    def fences(node: int) -> str:  # the leader, after each fence of node's workers: count
+        return f"fences/{node}"
 
     @staticmethod
     def grow(g: int) -> str:  # the leader: generation g stops at a committed step (to admit

@@ -31,6 +31,7 @@ so another agent can take over the lead from where it stood.
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -115,7 +116,7 @@ class Leader:
         self.cfg = cfg
         self.workers: dict[str, WorkerInfo] = {}
         self.plan: Plan | None = None
-        self.monitor = HeartbeatMonitor(store)
+        self.monitor = HeartbeatMonitor(store, every_s=cfg.timeouts.heartbeat_interval_s)
         self.failures: list[Failure] = []
         # workers swapped out as stragglers or for silent data corruption: never back
         self.quarantined: list[str] = []
@@ -124,6 +125,7 @@ class Leader:
         self.problems: list[str] = []
         self.fatal: str | None = None
         self.target_world = 0
+        self._nodes: list[dict] = []  # the agents that joined, in node order (start-up)
         self._reports_seen = 0
         self._started = time.monotonic()
         self._status_t = 0.0
@@ -143,33 +145,41 @@ class Leader:
             self._abort(f"worker {rep['wid']} exited during start-up: {why}",
                         error=rep["kind"] == ReportKind.ERROR)
             return False
-        nodes = []
-        for k in range(self.cfg.nnodes):
+        # a few requests a tick however many nodes and workers there are: the nodes that
+        # joined are remembered, and the workers are counted before any is looked up
+        while len(self._nodes) < self.cfg.nnodes:
+            k = len(self._nodes)
             if not self.store.check([Keys.node(k)]):
                 self._startup_deadline(f"agent of node {k} has not joined")
                 return False
-            nodes.append(kv.get_json(self.store, Keys.node(k)))
+            self._nodes.append(kv.get_json(self.store, Keys.node(k)))
+        nodes = self._nodes
         wids = [(k, f"n{k}w{i}") for k, n in enumerate(nodes) for i in range(n["nproc"] + n["spares"])]
-        missing = [w for _, w in wids if not self.store.check([Keys.worker(w)])]
-        if missing:
-            self._startup_deadline(f"workers {', '.join(missing)} have not registered "
-                                   "(slow imports, or the script fails before phoenixft.Session())")
+        if kv.get_int(self.store, Keys.REGISTERED, 0) < len(wids):
+            if self._startup_overdue():  # (only then the workers missing are named)
+                missing = [w for _, w in wids if not self.store.check([Keys.worker(w)])]
+                self._startup_deadline(f"workers {', '.join(missing)} have not registered "
+                                       "(slow imports, or the script fails before "
+                                       "phoenixft.Session())")
             return False
         ranks: dict[int, str] = {}
         for k, n in enumerate(nodes):
             for i in range(n["nproc"]):
                 ranks[len(ranks)] = f"n{k}w{i}"
-        for k, w in wids:
-            info = kv.get_json(self.store, Keys.worker(w))
-            self.workers[w] = WorkerInfo(w, k, info["pid"], WorkerState.WAITING)
+        infos = self.store.multi_get([Keys.worker(w) for _, w in wids])
+        for (k, w), info in zip(wids, infos):
+            self.workers[w] = WorkerInfo(w, k, json.loads(info)["pid"], WorkerState.WAITING)
             self.monitor.watch(w)
         self.target_world = len(ranks)
         self._publish(Plan(generation=0, members=ranks,
                            nodes={r: self.workers[w].node for r, w in ranks.items()}))
         return True
 
+    def _startup_overdue(self) -> bool:
+        return time.monotonic() - self._started > self.cfg.timeouts.startup_timeout_s
+
     def _startup_deadline(self, why: str) -> None:
-        if time.monotonic() - self._started > self.cfg.timeouts.startup_timeout_s:
+        if self._startup_overdue():
             self._abort(f"start-up did not complete within {self.cfg.timeouts.startup_timeout_s:.0f}s: {why}")
 
     # -- every tick -----------------------------------------------------------------
@@ -257,6 +267,7 @@ class Leader:
         w.state, w.exit_detail = WorkerState.FENCED, detail
         self.monitor.forget(w.wid)
         self.store.set(Keys.fence(w.wid), "1")
+        self.store.add(Keys.fences(w.node), 1)  # (what the node's agent watches)
 
     def _held(self, g: int) -> bool:
         """Ask the members of generation g to stop at their next committed step (the
@@ -418,7 +429,12 @@ class Leader:
         self._publish(Plan(generation=g, kind=PlanKind.ABORT, reason=reason))
 
     def _publish(self, plan: Plan) -> None:
-        self.store.set(Keys.plan(plan.generation), plan.to_json())
+        keys, values = [Keys.plan(plan.generation)], [plan.to_json()]
+        if self.plan is not None and plan.generation == self.plan.generation + 1:
+            # one request: a reader that sees the plan finds its change (`protocol.read_plan`)
+            keys.insert(0, Keys.plan_change(plan.generation))
+            values.insert(0, plan.change_from(self.plan))
+        self.store.multi_set(keys, values)
         if plan.kind is PlanKind.RUN:
             for w in plan.members.values():
                 self.workers[w].state = WorkerState.RUNNING

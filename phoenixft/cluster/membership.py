@@ -47,13 +47,42 @@ class Plan:
         return len(self.members)
 
     def rank_of(self, wid: str) -> int | None:
-        for r, w in self.members.items():
-            if w == wid:
-                return r
-        return None
+        # an index built once per members dict (a plan of 4,096 ranks is asked this by
+        # every member and, per failure, by the leader: a scan each was O(N) a question)
+        idx = self.__dict__.get("_index")
+        if idx is None or idx[0] is not self.members or len(idx[1]) != len(self.members):
+            idx = (self.members, {w: r for r, w in self.members.items()})
+            self.__dict__["_index"] = idx
+        return idx[1].get(wid)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    def change_from(self, prev: Plan) -> str:
+        """This plan as a change to `prev` (the plan before it): what a member that holds
+        `prev` reads instead of the whole plan, so a failure costs the store O(N) bytes,
+        not O(N) members x O(N) bytes each. JSON."""
+        d = asdict(self)
+        members, nodes = d.pop("members"), d.pop("nodes")
+        d["base"] = prev.generation
+        d["size"] = len(members)
+        d["set"] = {r: [w, nodes[r]] for r, w in members.items()
+                    if prev.members.get(r) != w or prev.nodes.get(r) != nodes[r]}
+        return json.dumps(d)
+
+    def changed(self, change: str | bytes) -> Plan:
+        """The plan that `change` (`change_from`, against this plan) describes."""
+        d = json.loads(change)
+        if d.pop("base") != self.generation:
+            raise ValueError(f"a change to generation {self.generation} expected")
+        size, edits = d.pop("size"), d.pop("set")
+        members = {r: w for r, w in self.members.items() if r < size}
+        nodes = {r: n for r, n in self.nodes.items() if r < size}
+        for r, (w, n) in edits.items():
+            members[int(r)], nodes[int(r)] = w, n
+        d["replaced"] = {int(k): v for k, v in d["replaced"].items()}
+        d["kind"] = PlanKind(d["kind"])
+        return Plan(members=members, nodes=nodes, **d)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:

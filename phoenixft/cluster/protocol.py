@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
-from phoenixft.cluster.membership import Plan, PlanKind
+from phoenixft.cluster.membership import Plan
 
 
 def register_worker(store: dist.Store, wid: str, node: int, pid: int) -> None:
@@ -38,10 +38,32 @@ def file_report(store: dist.Store, body: dict) -> int:
     return i
 
 
-def newest_plan(store: dist.Store, g: int) -> Plan:
-    """The newest plan at generation >= g (plan g must exist)."""
+def newest_plan(store: dist.Store, g: int, known: Plan | None = None,
+                memo: dict | None = None) -> Plan:
+    """The newest plan at generation >= g (plan g must exist). A caller that holds the
+    plan before it (`known`) reads only its change (`Keys.plan_change`); `memo` keeps the
+    plans built from changes for callers that share them (the benchmark's hollow
+    members of one process)."""
     while store.check([Keys.plan(g + 1)]):
         g += 1
+    if known is not None and known.generation == g:
+        return known
+    return read_plan(store, g, known, memo)
+
+
+def read_plan(store: dist.Store, g: int, known: Plan | None = None,
+              memo: dict | None = None) -> Plan:
+    """Plan g (it exists): from its change when `known` is plan g - 1, else whole."""
+    if known is not None and known.generation == g - 1 and g > 0:
+        # (plan g >= 1 and its change are set in one request by the leader, which always
+        # holds plan g - 1 when it publishes g: the change is there)
+        raw = store.get(Keys.plan_change(g))
+        if memo is not None and g in memo:
+            return memo[g]
+        plan = known.changed(raw)
+        if memo is not None:
+            memo[g] = plan
+        return plan
     return Plan.from_json(store.get(Keys.plan(g)))
 
 
@@ -50,15 +72,20 @@ def joined(store: dist.Store, generation: int, rank: int, source: str) -> None:
     store.set(Keys.source(generation, rank), source)
 
 
-def fenced(store: dist.Store, wids: list[str]) -> list[str]:
-    """Agent, every tick: which of its live workers the leader fenced (`Keys.fence`)."""
-    return [w for w in wids if store.check([Keys.fence(w)])]
+def fenced(store: dist.Store, node: int, wids: list[str], seen: int) -> tuple[list[str], int]:
+    """Agent, every tick: which of its live workers the leader fenced (`Keys.fence`), and
+    the node's fence count to pass as `seen` next time. One request a tick: the workers'
+    own keys are read only when the node's count (`Keys.fences`) moved."""
+    n = store.add(Keys.fences(node), 0)
+    if n == seen:
+        return [], n
+    return [w for w in wids if store.check([Keys.fence(w)])], n
 
 
-def final_plan(store: dist.Store) -> Plan | None:
-    """Agent that does not lead, every tick: the job's last plan if it ended (done or
-    abort), else None."""
-    if not store.check([Keys.plan(0)]):
+def latest_plan(store: dist.Store, known: Plan | None, memo: dict | None = None) -> Plan | None:
+    """Agent that does not lead, every tick: the job's newest plan (None before the
+    first), read as changes to `known`, the one it returned last: one request a tick
+    while nothing changes."""
+    if known is None and not store.check([Keys.plan(0)]):
         return None
-    plan = newest_plan(store, 0)
-    return plan if plan.kind is not PlanKind.RUN else None
+    return newest_plan(store, known.generation if known else 0, known, memo)

@@ -34,7 +34,7 @@ from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan, PlanKind
-from phoenixft.cluster.protocol import fenced, file_report, final_plan, register_node
+from phoenixft.cluster.protocol import fenced, file_report, latest_plan, register_node
 from phoenixft.cluster.report import restore_source
 from phoenixft.faults.inject import format_env
 from phoenixft.launch.config import AgentConfig, LaunchError
@@ -99,6 +99,8 @@ class Agent:
         self._cadence = cfg.cadence  # (steps, seconds) between progress lines, parsed once
         self._run_dir_error: str | None = None  # told on the console while writes fail
         self._helpers: set[int] = {forks.pid} if forks is not None else set()
+        self._fences_seen = 0  # the node's fence count last read (`protocol.fenced`)
+        self._plan_seen: Plan | None = None  # the newest plan read (`protocol.latest_plan`)
 
     # -- set-up ---------------------------------------------------------------------
     def _open_store(self):
@@ -345,7 +347,9 @@ class Agent:
 
     def _fences(self, store) -> None:
         live = {p.wid: p for p in self.procs.values() if not p.done}
-        for wid in fenced(store, list(live)):
+        found, self._fences_seen = fenced(store, self.cfg.node_rank, list(live),
+                                          self._fences_seen)
+        for wid in found:
             try:
                 os.kill(live[wid].popen.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -355,7 +359,9 @@ class Agent:
         if self.leader is not None:
             plan = self.leader.plan
             return plan if plan is not None and plan.kind is not PlanKind.RUN else None
-        return final_plan(store)
+        self._plan_seen = latest_plan(store, self._plan_seen)
+        plan = self._plan_seen
+        return plan if plan is not None and plan.kind is not PlanKind.RUN else None
 
     def _await_final(self, store) -> Plan | None:
         deadline = time.monotonic() + self.cfg.shutdown_grace_s
