@@ -104,7 +104,8 @@ class Cluster:
             name = f"hollow{i}"
             spec = dict(addr=self.addr, first_node=first, nodes=count, per_node=args.per_node,
                         spares=max(0, min(count, spares - first)), tick_s=args.tick,
-                        heartbeat_s=args.heartbeat)
+                        heartbeat_s=args.heartbeat,
+                        heartbeat_timeout_s=timeouts["heartbeat_timeout_s"])
             self._spawn(name, hollow_main, spec)
             for k in range(first, first + count):
                 for j in range(args.per_node + 1):

@@ -2,16 +2,23 @@
 members (many to a process) that run the control plane's code without any training.
 
 A hollow member does, through the same functions, what a training member does with the
-store: it registers (`protocol.register_worker`), beats (`HeartbeatSender`, one add per
-member), reads each plan that names it (`protocol.newest_plan`), records where it
-restored from (`protocol.joined`; rank 0 also its recovery record and progress) and
-acknowledges its first snapshot, the last acknowledgement committing it
-(`snapshot.acknowledge`). A hollow agent per simulated node does its agent's per-tick
-store work (`protocol.fenced`, `protocol.final_plan`) and files exit reports
-(`protocol.file_report`). What a hollow member skips: process groups and their
-rendezvous, tensors (restore, snapshot copies, replicas), the generation barrier, the
-training thread's waits on commits; one plan watcher per process stands for every
-member's watcher (each member still reads the plan itself).
+store: it registers (`protocol.register_worker`), beats (`HeartbeatSender`, in its node's
+shared memory), reads each plan that names it (`protocol.newest_plan`: the plan's change
+when it holds the one before), records where it restored from (`protocol.joined`; rank
+0 also its recovery record and progress) and acknowledges its first snapshot, the last
+acknowledgement committing it (`snapshot.acknowledge`). A hollow agent per simulated
+node does its agent's per-tick work (`NodeLiveness`: its node's beat in the store, its
+members' hangs reported; `protocol.fenced`, `protocol.latest_plan`) and files exit
+reports (`protocol.file_report`).
+
+What a hollow member skips: process groups and their rendezvous, tensors (restore,
+snapshot copies, replicas), the generation barrier, the training thread's waits on
+commits. One plan watcher per process stands for every member's (each member still
+reads the plan itself): a training member's watcher also waits on the store in
+`WATCH_SLICE_S` slices, a request and its cancellation each, which the steady-state
+figures leave out (0.5 requests a second a member at 2 s slices). All of a process's
+members share one connection for their requests, so theirs run one after another, where
+a job's members send them at once.
 
 Every process counts its store requests and payload bytes (`CountingStore`) and its CPU
 time, and answers the benchmark's questions over a pipe (JSON).
@@ -21,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -30,7 +39,7 @@ from pathlib import Path
 from phoenixft.checkpoint.snapshot import acknowledge
 from phoenixft.cluster import protocol
 from phoenixft.cluster import store as kv
-from phoenixft.cluster.heartbeat import HeartbeatSender
+from phoenixft.cluster.heartbeat import HeartbeatSender, NodeLiveness, beats_dir
 from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.membership import PlanKind
@@ -38,6 +47,7 @@ from phoenixft.config import Timeouts
 from phoenixft.observe.events import EventLog
 from phoenixft.train.member import WATCH_SLICE_S
 
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where the members beat
 STEPS_PER_GENERATION = 10  # the step a generation's first snapshot is numbered from
 
 
@@ -121,6 +131,7 @@ class HollowSpec:
     spares: int
     tick_s: float
     heartbeat_s: float
+    heartbeat_timeout_s: float
     watch_slice_s: float = WATCH_SLICE_S  # what a training member's watcher waits at a time
 
 
@@ -188,13 +199,18 @@ class HollowProcess:
         self.node_wids = {k: [f"n{k}w{i}" for i in range(spec.per_node + (1 if j < spec.spares else 0))]
                           for j, k in enumerate(nodes)}
         self.wids = [w for ws in self.node_wids.values() for w in ws]
-        self.dead: set[str] = set()
+        self.dead: set[str] = set()  # killed: exited or hung
+        self.exited: set[str] = set()
+        self.shm = Path(tempfile.mkdtemp(prefix="phoenixft-hollow-", dir=_SHM))
         self.stores: list[CountingStore] = []
         self.stop = threading.Event()
         self.agent_ticks = 0
         self.known = None  # the plan the members here read last (each read its change)
         self.memo: dict = {}  # plans built from changes, shared by the members here
         self.joined_generations = 0
+
+    def _shm(self, k: int) -> Path:
+        return self.shm / f"n{k}"
 
     def connect(self) -> CountingStore:
         s = CountingStore(kv.connect(self.spec.addr, timeout_s=300))
@@ -207,12 +223,14 @@ class HollowProcess:
         for k, ws in self.node_wids.items():
             n_spares = len(ws) - self.spec.per_node
             protocol.register_node(store, k, self.spec.per_node, n_spares, os.getpid())
-        self.hb = HeartbeatSender(self.connect, self.wids, self.spec.heartbeat_s)
+        self.hb = {k: HeartbeatSender(beats_dir(self._shm(k)), ws, self.spec.heartbeat_s)
+                   for k, ws in self.node_wids.items()}
         for k, ws in self.node_wids.items():
             for w in ws:
                 protocol.register_worker(store, w, k, os.getpid())
         self.watcher = self.connect()  # the plan watcher's
-        self.hb.start()
+        for hb in self.hb.values():
+            hb.start()
         for target in (self._watch, self._agents):
             threading.Thread(target=target, daemon=True).start()
 
@@ -257,22 +275,29 @@ class HollowProcess:
         """Each simulated node's agent, every tick: its fence checks and, not leading, the
         job's last plan."""
         store = self.connect()
+        timeouts = Timeouts(heartbeat_interval_s=self.spec.heartbeat_s,
+                            heartbeat_timeout_s=self.spec.heartbeat_timeout_s)
+        hearts = {k: NodeLiveness(k, self._shm(k), timeouts) for k in self.node_wids}
         seen = dict.fromkeys(self.node_wids, 0)
         known = dict.fromkeys(self.node_wids)
         memo: dict = {}
         while not self.stop.is_set():
             for k, ws in self.node_wids.items():
-                _, seen[k] = protocol.fenced(store, k, [w for w in ws if w not in self.dead],
-                                             seen[k])
-                known[k] = protocol.latest_plan(store, known[k], memo)
+                hearts[k].tick(store, [w for w in ws if w not in self.exited])
+                if hearts[k].due:  # (as `Agent._liveness`)
+                    _, seen[k] = protocol.fenced(store, k, [w for w in ws if w not in self.dead],
+                                                 seen[k])
+                    known[k] = protocol.latest_plan(store, known[k], memo)
             self.agent_ticks += 1
             self.stop.wait(self.spec.tick_s)
 
     def kill(self, wid: str, how: str) -> None:
         """`exit`: the process died, its agent reports it; `hang`: it stops beating."""
         self.dead.add(wid)
-        self.hb.silence(wid)
+        for hb in self.hb.values():
+            hb.silence(wid)
         if how == "exit":
+            self.exited.add(wid)
             protocol.file_report(self.main, {"kind": ReportKind.EXIT, "wid": wid,
                                              "detail": "killed by SIGKILL", "rc": -9})
 
@@ -281,9 +306,11 @@ class HollowProcess:
             self.kill(msg["wid"], msg["how"])
         if msg["cmd"] == "stop":
             self.stop.set()
-            self.hb.stop()
+            for hb in self.hb.values():
+                hb.stop()
+            shutil.rmtree(self.shm, ignore_errors=True)
         return {**total(self.stores), "protocol": total([self.main, self.watcher]),
-                "cpu_s": time.process_time(), "beats": self.hb.beats,
+                "cpu_s": time.process_time(), "beats": sum(hb.beats for hb in self.hb.values()),
                 "agent_ticks": self.agent_ticks, "members": len(self.wids)}
 
 

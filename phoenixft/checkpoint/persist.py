@@ -380,6 +380,7 @@ class Persister:
         try:
             store.set(Keys.persist_error(self.rank), json.dumps({"step": step, "error": text[:300],
                                                                  "errors": self.stats.errors}))
+            store.add(Keys.PERSIST_ERRORS, 1)
         except Exception:
             pass
 

@@ -8,9 +8,9 @@ that no store call in `phoenixft/` is given a string literal.
 Writers, by role:
 - leader (the agent holding the lease, node 0's by default): plans, fences, grow
   requests, its own state for a successor;
-- agent (one per node): node registration, exit reports, spawns, goodbyes, the job id
-  (node 0);
-- worker (any training process): registration, heartbeats, finished marks, exit codes
+- agent (one per node): node registration, its node's heartbeat, exit and hang reports,
+  spawns, goodbyes, the job id (node 0);
+- worker (any training process): registration, finished marks, exit codes
   and errors (its runner), fault-injection claims and their timestamps;
 - snapshot thread (in each worker): copy marks, acks, commits;
 - rank 0 (the worker holding rank 0 of a generation): progress, losses, audits,
@@ -31,6 +31,7 @@ class ReportKind(str, enum.Enum):
     EXIT = "exit"  # agent: the process exited (its code or signal in the detail)
     ERROR = "error"  # agent: it exited after the user's script raised (the traceback)
     FATAL = "fatal"  # worker: recovery is impossible (no copy left of some state)
+    HANG = "hang"  # agent: the worker's heartbeat stood still for the heartbeat timeout
     DAMAGED = "damaged"  # worker: a same-node peer's own snapshot is damaged in memory
     CORRUPT = "corrupt"  # worker: the step's fingerprint vote outvoted this worker (SDC)
     COLLECTIVE = "collective"  # worker: a collective failed (informational)
@@ -68,8 +69,9 @@ class Keys:
         return f"report/{i}"
 
     @staticmethod
-    def heartbeat(wid: str) -> str:  # the worker's heartbeat thread (add-counter)
-        return f"hb/{wid}"
+    def node_beat(k: int) -> str:  # agent k, every heartbeat period (add-counter; its
+        # workers beat in the node's shared memory, `heartbeat.py`)
+        return f"hb/node{k}"
 
     @staticmethod
     def failing(wid: str) -> str:  # the worker, just before an injected fault: wall time
@@ -169,6 +171,7 @@ class Keys:
 
     # -- persistence ---------------------------------------------------------------------
     PERSISTED = "persisted"  # rank 0's persister: newest step committed by a manifest
+    PERSIST_ERRORS = "persist_errors"  # add-counter: persisters, after each persist_error
     RESUMED_FROM = "resumed_from"  # rank 0 of generation 0: the persisted step it resumed
 
     @staticmethod

@@ -5,8 +5,10 @@ Failure policy (readable here; the decisions themselves are pure functions in
 `policy.py`, unit-tested from tables):
 - a worker that exits before it finished training (any exit code, 0 included: a rank
   that leaves early is a failure of *that* rank), or whose heartbeat has been silent for
-  `heartbeat_timeout_s` (a hang), is dead; so is one whose own snapshot a same-node
-  replica holder found damaged in shared memory (its step can never commit); a hung or
+  `heartbeat_timeout_s` (a hang: its agent reports it; every live worker of a node whose
+  agent's own beat went silent, its host lost, counts as hung too), is dead; so is one
+  whose own snapshot a same-node replica holder found damaged in shared memory (its step
+  can never commit); a hung or
   damaged one is fenced (its agent SIGKILLs it) before anyone relies on its absence;
 - a dead member's rank goes to a live spare, preferring one on the dead rank's node (it
   maps the dead rank's snapshot from shared memory), else any node (the replica holder
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 from phoenixft.cluster import policy, report
 from phoenixft.cluster import store as kv
-from phoenixft.cluster.heartbeat import HeartbeatMonitor
+from phoenixft.cluster.heartbeat import HeartbeatMonitor, node_counters
 from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.membership import Plan, PlanKind
 from phoenixft.config import Timeouts
@@ -116,7 +118,9 @@ class Leader:
         self.cfg = cfg
         self.workers: dict[str, WorkerInfo] = {}
         self.plan: Plan | None = None
-        self.monitor = HeartbeatMonitor(store, every_s=cfg.timeouts.heartbeat_interval_s)
+        # the agents' node beats (a worker's hang is its agent's report)
+        self.monitor = HeartbeatMonitor(node_counters(store),
+                                        every_s=cfg.timeouts.heartbeat_interval_s)
         self.failures: list[Failure] = []
         # workers swapped out as stragglers or for silent data corruption: never back
         self.quarantined: list[str] = []
@@ -169,7 +173,8 @@ class Leader:
         infos = self.store.multi_get([Keys.worker(w) for _, w in wids])
         for (k, w), info in zip(wids, infos):
             self.workers[w] = WorkerInfo(w, k, json.loads(info)["pid"], WorkerState.WAITING)
-            self.monitor.watch(w)
+        for k in range(self.cfg.nnodes):
+            self.monitor.watch(str(k))
         self.target_world = len(ranks)
         self._publish(Plan(generation=0, members=ranks,
                            nodes={r: self.workers[w].node for r, w in ranks.items()}))
@@ -215,14 +220,12 @@ class Leader:
                 continue
             if self.store.check([Keys.finished(w.wid)]):  # it completed training
                 w.state = WorkerState.EXITED
-                self.monitor.forget(w.wid)
                 if rep.get("rc", 0) != 0:
                     self.problems.append(f"worker {w.wid} exited after training with "
                                          f"{rep['detail'].splitlines()[-1]}")
                 continue
             if self.store.check([Keys.left(w.wid)]) and rep.get("rc") == 0:
                 w.state = WorkerState.EXITED  # its replica group left (`Member._leave_unit`)
-                self.monitor.forget(w.wid)
                 self.events.emit("worker_left", wid=w.wid, note="its replica group left the job")
                 continue
             if rep["kind"] == ReportKind.ERROR:
@@ -232,6 +235,10 @@ class Leader:
             if rep["kind"] == ReportKind.FATAL:
                 self._abort(f"recovery is impossible: {rep['detail']}")
                 return []
+            if rep["kind"] == ReportKind.HANG:  # its agent saw its heartbeat stand still
+                new.append(self._fence(w, "hang", rep["detail"],
+                                       self._fail_time(w.wid, rep["t"]), now))
+                continue
             if rep["kind"] == ReportKind.DAMAGED:  # its snapshot in shm: replaced, fenced
                 new.append(self._fence(w, ReportKind.DAMAGED.value, rep["detail"], rep["t"], now))
                 continue
@@ -241,18 +248,27 @@ class Leader:
                 continue
             detail = rep["detail"] + (" before training finished" if rep.get("rc") == 0 else "")
             w.state, w.exit_detail = WorkerState.DEAD, detail
-            self.monitor.forget(w.wid)
             new.append(Failure(w.wid, self.plan.rank_of(w.wid), ReportKind.EXIT.value, detail,
                                self._fail_time(w.wid, rep["t"]), now))
         return new
 
     def _read_hangs(self) -> list[Failure]:
+        """A node whose agent went silent (its host died or its agent hung): each of its
+        live workers counts as hung and is fenced. (A hung worker on a live node is its
+        agent's report, `ReportKind.HANG`.)"""
         now, new = time.time(), []
         self.monitor.poll()
-        for wid in self.monitor.stale(self.cfg.timeouts.heartbeat_timeout_s):
-            t_fail = self._fail_time(wid, self.monitor.last_beat_wall(wid))
-            new.append(self._fence(self.workers[wid], "hang", "heartbeat silent (hung or lost)",
-                                   t_fail, now))
+        for k in self.monitor.stale(self.cfg.timeouts.heartbeat_timeout_s):
+            t_fail = self.monitor.last_beat_wall(k)
+            self.monitor.forget(k)  # (watched again if it sends a worker back: `adopt`)
+            lost = [w for w in self.workers.values()
+                    if w.node == int(k) and w.state in (*ALIVE, WorkerState.STARTING)]
+            if lost:  # (an agent whose workers all left stops beating when it leaves)
+                self.events.emit("node_silent", node=int(k), silent_s=round(now - t_fail, 3))
+            for w in lost:
+                new.append(self._fence(w, "hang", f"heartbeat silent: node {k}'s agent is "
+                                       "silent (its host lost, or the agent hung)",
+                                       self._fail_time(w.wid, t_fail), now))
         return new
 
     def _fence(self, w: WorkerInfo, kind: str, detail: str, t_fail: float, now: float
@@ -265,7 +281,6 @@ class Leader:
     def _stop_worker(self, w: WorkerInfo, detail: str) -> None:
         """Fence `w`: its agent SIGKILLs it; the leader stops watching it."""
         w.state, w.exit_detail = WorkerState.FENCED, detail
-        self.monitor.forget(w.wid)
         self.store.set(Keys.fence(w.wid), "1")
         self.store.add(Keys.fences(w.node), 1)  # (what the node's agent watches)
 
@@ -285,7 +300,7 @@ class Leader:
     def _new_reports(self) -> list[dict]:
         """Exit reports in order. A report's number is taken (add) before its body is
         written: stop at the first body not written yet and read it next tick."""
-        n = kv.get_int(self.store, Keys.REPORTS, 0)
+        n = self.store.add(Keys.REPORTS, 0)  # (one request a tick)
         out = []
         while self._reports_seen < n:
             key = Keys.report(self._reports_seen + 1)
@@ -294,7 +309,7 @@ class Leader:
             self._reports_seen += 1
             rep = kv.get_json(self.store, key)
             if rep.get("kind") in (ReportKind.EXIT, ReportKind.ERROR, ReportKind.FATAL,
-                                   ReportKind.DAMAGED, ReportKind.CORRUPT):
+                                   ReportKind.DAMAGED, ReportKind.CORRUPT, ReportKind.HANG):
                 out.append(rep)
         return out
 
@@ -413,7 +428,7 @@ class Leader:
             return wid in self.workers
         info = kv.get_json(self.store, Keys.worker(wid))
         self.workers[wid] = WorkerInfo(wid, node, info["pid"], WorkerState.WAITING)
-        self.monitor.watch(wid)
+        self.monitor.watch(str(node))  # (again, if the node had gone silent before)
         self.events.emit("spare_added", wid=wid, node=node, pid=info["pid"])
         self.save_state()
         return True
@@ -474,9 +489,8 @@ class Leader:
             [Keys.plan(g)]) else None
         if self.store.check([Keys.grow(g)]):  # the last leader held the members: a plan follows
             self._held_gens.add(g)
-        for w in self.workers.values():
-            if w.state in (*ALIVE, WorkerState.LEAVING):
-                self.monitor.watch(w.wid)
+        for k in {w.node for w in self.workers.values() if w.state in (*ALIVE, WorkerState.LEAVING)}:
+            self.monitor.watch(str(k))
         return self.plan is not None
 
     # -- reporting ------------------------------------------------------------------

@@ -17,16 +17,15 @@ from phoenixft.cluster.membership import Plan
 
 
 def register_worker(store: dist.Store, wid: str, node: int, pid: int) -> None:
-    """A worker joins the job: its heartbeat counter exists from here on (so the leader,
-    which watches it once `worker/{wid}` is set, reads every counter in one request),
-    then its registration."""
-    store.add(Keys.heartbeat(wid), 0)
+    """A worker joins the job (it beats in its node's shared memory already)."""
     kv.set_json(store, Keys.worker(wid), {"pid": pid, "node": node})
     store.add(Keys.REGISTERED, 1)
 
 
 def register_node(store: dist.Store, node: int, nproc: int, spares: int, pid: int) -> None:
-    """An agent joins the job with `nproc` workers and `spares` spares."""
+    """An agent joins the job with `nproc` workers and `spares` spares; its node's beat
+    counter exists from here on (the leader reads them all in one request)."""
+    store.add(Keys.node_beat(node), 0)
     kv.set_json(store, Keys.node(node), {"nproc": nproc, "spares": spares, "pid": pid})
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phoenixft.cluster import store as kv
+from phoenixft.cluster.heartbeat import NodeLiveness
 from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
@@ -91,6 +92,7 @@ class Agent:
         self.persisted_step = -1  # newest step committed to persistent storage, as last seen
         self._persist_t = 0.0
         self._persist_errors: dict[int, int] = {}
+        self._persist_errors_seen = 0  # `Keys.PERSIST_ERRORS` when last read
         self.forks = forks  # --start-method forkserver
         self.story = Story()  # the console's account of the job (the leader's agent tells it)
         self._follower: EventFollower | None = None
@@ -100,6 +102,7 @@ class Agent:
         self._run_dir_error: str | None = None  # told on the console while writes fail
         self._helpers: set[int] = {forks.pid} if forks is not None else set()
         self._fences_seen = 0  # the node's fence count last read (`protocol.fenced`)
+        self.hearts: NodeLiveness | None = None  # its workers' heartbeats (`_liveness`)
         self._plan_seen: Plan | None = None  # the newest plan read (`protocol.latest_plan`)
 
     # -- set-up ---------------------------------------------------------------------
@@ -270,6 +273,7 @@ class Agent:
         job = self.job_id = store.get(Keys.JOB_ID).decode()
         self.shm_dir = Path("/dev/shm") / f"phoenixft-{job}" / f"n{cfg.node_rank}"
         self.shm_dir.mkdir(parents=True, exist_ok=True)
+        self.hearts = NodeLiveness(cfg.node_rank, self.shm_dir, cfg.timeouts)
         self._start_janitor()
         self.events.emit("agent_start", job=job, shm_dir=str(self.shm_dir), pid=os.getpid(),
                          store=str(self.access.public), local_addr=self.access.local_addr)
@@ -299,7 +303,9 @@ class Agent:
                     sel.unregister(key.fileobj)
                     self._reap(store, key.data)
                     self._respawn(store, sel)
-                self._fences(store)
+                self._liveness(store)
+                if self.hearts.due:  # the store's part, once a heartbeat period
+                    self._fences(store)
                 if self.forks is not None:
                     self._reap_orphans()
                 self._lead_or_follow(store)
@@ -339,11 +345,19 @@ class Agent:
         rc = p.popen.wait()
         os.close(p.pidfd)
         p.done = True
+        self.hearts.forget(p.wid)
         detail = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
         kind = ReportKind.EXIT
         if rc != 0 and store.check([Keys.error(p.wid)]):
             kind, detail = ReportKind.ERROR, store.get(Keys.error(p.wid)).decode()
         file_report(store, {"kind": kind, "wid": p.wid, "detail": detail, "rc": rc})
+
+    def _liveness(self, store) -> None:
+        """Every tick: this node's beat, its workers' hangs reported (`NodeLiveness`). The
+        agent ticks every 20 ms for its own workers (pidfds, shared memory), but reads the
+        store (fences, the job's end) once a heartbeat period, with its beat: at 20 ms,
+        512 agents sent the store 51k requests a second doing nothing."""
+        self.hearts.tick(store, [p.wid for p in self.procs.values() if not p.done])
 
     def _fences(self, store) -> None:
         live = {p.wid: p for p in self.procs.values() if not p.done}
@@ -359,7 +373,8 @@ class Agent:
         if self.leader is not None:
             plan = self.leader.plan
             return plan if plan is not None and plan.kind is not PlanKind.RUN else None
-        self._plan_seen = latest_plan(store, self._plan_seen)
+        if self.hearts is None or self.hearts.due or self._plan_seen is None:
+            self._plan_seen = latest_plan(store, self._plan_seen)
         plan = self._plan_seen
         return plan if plan is not None and plan.kind is not PlanKind.RUN else None
 
@@ -465,6 +480,10 @@ class Agent:
         self.persisted_step = kv.get_int(store, Keys.PERSISTED, -1)
         if self.leader is None or self.leader.plan is None:
             return
+        errors = store.add(Keys.PERSIST_ERRORS, 0)  # the ranks are read only when it moved
+        if errors == self._persist_errors_seen and not final:
+            return
+        self._persist_errors_seen = errors
         for r in range(self.leader.plan.world_size):
             if store.check([Keys.persist_error(r)]):
                 err = kv.get_json(store, Keys.persist_error(r))

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from phoenixft.cluster import store as kv
-from phoenixft.cluster.heartbeat import HeartbeatSender
+from phoenixft.cluster.heartbeat import HeartbeatSender, beats_dir
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
 from phoenixft.cluster.protocol import register_worker
@@ -88,8 +88,9 @@ class Session:
         self._stragglers = StragglerReporter(self.cfg.stragglers, self.events)
         self._fingerprints = Fingerprinter(self.cfg.fingerprints, self.member, self.events)
         self.final_digest: str | None = None
-        self._heartbeat = HeartbeatSender(self.member.connect, self.wid,
-                                          self.cfg.timeouts.heartbeat_interval_s).start()
+        if self._own_store is None:  # its agent watches it (a standalone one has nobody)
+            self._heartbeat = HeartbeatSender(beats_dir(self.cfg.shm_dir), self.wid,
+                                              self.cfg.timeouts.heartbeat_interval_s).start()
         register_worker(self.store, self.wid, self.cfg.node, os.getpid())
         if self._own_store is not None:
             plan = Plan(generation=0, members={0: self.wid}, nodes={0: self.cfg.node})
