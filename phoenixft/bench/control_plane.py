@@ -138,6 +138,7 @@ class Cluster:
                             "members": _sum_ops(v["ops"] for v in hollow)},
                 "beats": sum(v["beats"] for v in hollow),
                 "protocol_requests": sum(v["protocol"]["requests"] for v in hollow),
+                "member_ops": _sum_ops(v["member_ops"] for v in hollow),
                 "protocol_bytes": sum(v["protocol"]["bytes"] for v in hollow),
                 "agent_ticks": statistics.fmean(v["agent_ticks"] for v in hollow),
                 "leader_cpu_s": each["leader"]["leader_cpu_s"],
@@ -145,6 +146,19 @@ class Cluster:
                 "store_cpu_s": each["store"]["cpu_s"],
                 "members_cpu_s": sum(v["cpu_s"] for v in hollow),
                 "ticks": each["leader"]["ticks"], "fatal": each["leader"]["fatal"]}
+
+    def settled(self, g: int, deadline_s: float) -> dict:
+        """The counters once every hollow process has handled generation g (its spares
+        read the plan after the members it holds may have committed)."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            gens = [self.ask(n, cmd="counts")["generation"] for n in self.conns
+                    if n.startswith("hollow")]
+            if min(gens) >= g:
+                return self.counts()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hollow processes at generations {gens}, not {g}")
+            time.sleep(0.01)  # a state (each process's generation), polled
 
     def wait(self, keys: list[str], deadline_s: float) -> float:
         """Wall time once every key is set (the benchmark's own connection)."""
@@ -181,6 +195,8 @@ def _delta(a: dict, b: dict) -> dict:
             "member_requests": sum(b["by_role"]["members"].values())
             - sum(a["by_role"]["members"].values()),
             "protocol_requests": b["protocol_requests"] - a["protocol_requests"],
+            "member_ops": {k: v - a["member_ops"].get(k, 0) for k, v in b["member_ops"].items()
+                           if v != a["member_ops"].get(k, 0)},
             "protocol_bytes": b["protocol_bytes"] - a["protocol_bytes"],
             "beats": b["beats"] - a["beats"], "agent_ticks": b["agent_ticks"] - a["agent_ticks"],
             "leader_cpu_s": b["leader_cpu_s"] - a["leader_cpu_s"],
@@ -205,7 +221,7 @@ def _fail(c: Cluster, g: int, wid: str, how: str, deadline_s: float) -> dict:
     step = STEPS_PER_GENERATION * (g + 2)
     c.wait([Keys.commit(step)], deadline_s)
     t_commit = json.loads(c.store.get(Keys.commit(step)))["t"]
-    after = c.counts()
+    after = c.settled(g + 1, deadline_s)
     t_plan = _published(c, g + 1)
     d = _delta(before, after)
     return {"how": how, "wid": wid, "world_size": plan.world_size,
@@ -215,6 +231,7 @@ def _fail(c: Cluster, g: int, wid: str, how: str, deadline_s: float) -> dict:
             "requests": d["requests"], "bytes": d["bytes"],
             "leader_requests": d["leader_requests"], "member_requests": d["member_requests"],
             "protocol_requests": d["protocol_requests"], "protocol_bytes": d["protocol_bytes"],
+            "member_ops": d["member_ops"],
             "leader_cpu_s": d["leader_cpu_s"], "store_cpu_s": d["store_cpu_s"],
             "members_cpu_s": d["members_cpu_s"],
             "plan_bytes": len(c.store.get(Keys.plan(g + 1)))}
@@ -239,7 +256,9 @@ def run_one(n: int, args: argparse.Namespace, root: Path) -> dict:
         c.wait([Keys.plan(0)], args.deadline)
         start_s = time.time() - t0
         c.wait([Keys.commit(STEPS_PER_GENERATION)], args.deadline)
-        a = c.counts()
+        a = c.counts()  # (from each process's start: registration, plan 0 read, first commit)
+        start = {"start_s": round(time.time() - t0, 3), "start_requests": a["requests"],
+                 "start_bytes": a["bytes"]}
         time.sleep(args.steady)  # steady state: nothing to wait for, by design
         b = c.counts()
         d = _delta(a, b)
@@ -265,7 +284,7 @@ def run_one(n: int, args: argparse.Namespace, root: Path) -> dict:
                   flush=True)
             failures.append(_fail(c, g, plan.members[r], how, args.deadline))
             g += 1
-        return {"members": n, "nodes": c.nodes, "start_s": round(start_s, 3),
+        return {"members": n, "nodes": c.nodes, "plan0_s": round(start_s, 3), **start,
                 "steady": steady, "failures": failures, "wall_s": round(time.time() - t0, 1)}
     finally:
         c.close()
@@ -297,6 +316,7 @@ def summarize(runs: list[dict]) -> dict:
         exits = [f for f in r["failures"] if f["how"] == "exit"]
         hang = next((f for f in r["failures"] if f["how"] == "hang"), None)
         rows.append({"members": r["members"], "nodes": r["nodes"], "start_s": r["start_s"],
+                     "start_requests": r["start_requests"], "start_bytes": r["start_bytes"],
                      **{k: _mean(exits, k) for k in ("detect_s", "plan_s", "acked_s", "commit_s",
                                              "control_s", "total_s", "requests", "bytes",
                                              "leader_requests", "member_requests",
@@ -306,7 +326,8 @@ def summarize(runs: list[dict]) -> dict:
                      "hang_total_s": hang["total_s"] if hang else None,
                      **{f"steady_{k}": v for k, v in r["steady"].items()}})
     ns = [r["members"] for r in rows]
-    keys = ("control_s", "total_s", "requests", "bytes", "protocol_requests",
+    keys = ("start_s", "start_bytes", "control_s", "total_s", "requests", "bytes",
+            "protocol_requests",
             "protocol_bytes", "leader_cpu_s", "store_cpu_s",
             "steady_requests_s", "steady_bytes_s", "steady_leader_cpu", "steady_store_cpu")
     exponents = {k: fit(ns, [r[k] for r in rows]) for k in keys}
@@ -320,14 +341,21 @@ def measure(opts: BenchOptions) -> dict:
                          "--failures >= 0")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits time out by design
     root, t0 = opts.runs_dir("control-plane"), time.time()
-    runs = []
+    runs, stuck = [], []
     for n in args.members:
         print(f"[control-plane] N={n}", flush=True)
-        runs.append(run_one(n, args, root))
-    return {**summarize(runs), "per_node": args.per_node, "procs": args.procs,
+        try:
+            runs.append(run_one(n, args, root))
+        except (TimeoutError, RuntimeError) as exc:  # reported, and the larger N skipped
+            print(f"[control-plane] N={n} stopped: {exc}", flush=True)
+            stuck.append({"members": n, "error": str(exc)})
+            break
+    if not runs:
+        raise SystemExit(f"phoenixft bench control-plane: no run completed: {stuck}")
+    summary = summarize(runs)
+    return {**summary, "stuck": stuck, "per_node": args.per_node, "procs": args.procs,
             "heartbeat_s": args.heartbeat, "tick_s": args.tick,
-            "wall_s": round(time.time() - t0, 1),
-            "goals": as_dicts(goals_of(summarize(runs)["rows"]))}
+            "wall_s": round(time.time() - t0, 1), "goals": as_dicts(goals_of(summary["rows"]))}
 
 
 def goals_of(rows: list[dict]) -> list[Goal]:
@@ -358,12 +386,13 @@ def _e(x: float | None) -> str:
 
 
 def _table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
-    cols = ["members", "detect s", "plan s", "acked s", "commit s", "control s",
+    cols = ["members", "start s", "start MB", "detect s", "plan s", "acked s", "commit s", "control s",
             "member requests", "member MB", "all requests", "leader CPU s", "store CPU s", "hang detect s",
             "steady req/s", "steady leader CPU", "steady store CPU", "tick ms p50/p99"]
     rows = []
     for r in result["rows"]:
-        rows.append([str(r["members"]), f"{r['detect_s']:.3f}", f"{r['plan_s']:.3f}",
+        rows.append([str(r["members"]), f"{r['start_s']:.1f}",
+                     f"{r['start_bytes'] / 1e6:.1f}", f"{r['detect_s']:.3f}", f"{r['plan_s']:.3f}",
                      f"{r['acked_s']:.3f}", f"{r['commit_s']:.3f}", f"{r['control_s']:.3f}",
                      f"{r['protocol_requests']:.0f}", f"{r['protocol_bytes'] / 1e6:.2f}",
                      f"{r['requests']:.0f}",
@@ -373,7 +402,8 @@ def _table_rows(result: dict) -> tuple[list[str], list[list[str]]]:
                      f"{r['steady_store_cpu']:.1%}",
                      f"{r['steady_tick_ms_p50']:.1f}/{r['steady_tick_ms_p99']:.1f}"])
     e = result["exponents"]
-    rows.append(["exponent", "", "", "", "", _e(e["control_s"]), _e(e["protocol_requests"]),
+    rows.append(["exponent", _e(e["start_s"]), _e(e["start_bytes"]), "", "", "", "",
+                 _e(e["control_s"]), _e(e["protocol_requests"]),
                  _e(e["protocol_bytes"]), _e(e["requests"]), _e(e["leader_cpu_s"]), _e(e["store_cpu_s"]), "",
                  _e(e["steady_requests_s"]), _e(e["steady_leader_cpu"]),
                  _e(e["steady_store_cpu"]), ""])
@@ -392,10 +422,14 @@ def show(result: dict, opts: BenchOptions) -> None:
         table.add_row(*r)
     console = Console(width=max(Console().width, 160))
     console.print(table)
+    for s in result.get("stuck", []):
+        console.print(f"N={s['members']} did not complete: {s['error']}")
     print_goals(console, goals(result))
 
 
 def markdown(result: dict) -> list[str]:
     cols, rows = _table_rows(result)
     return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            + ["| " + " | ".join(r) + " |" for r in rows])
+            + ["| " + " | ".join(r) + " |" for r in rows]
+            + [f"\nN={s['members']} did not complete: {s['error']}"
+               for s in result.get("stuck", [])])

@@ -310,6 +310,8 @@ class HollowProcess:
                 hb.stop()
             shutil.rmtree(self.shm, ignore_errors=True)
         return {**total(self.stores), "protocol": total([self.main, self.watcher]),
+                "member_ops": dict(self.main.ops),
+                "generation": self.known.generation if self.known is not None else -1,
                 "cpu_s": time.process_time(), "beats": sum(hb.beats for hb in self.hb.values()),
                 "agent_ticks": self.agent_ticks, "members": len(self.wids)}
 

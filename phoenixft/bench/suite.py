@@ -13,6 +13,7 @@ from types import ModuleType
 from phoenixft.bench import (
     checkpoint,
     consensus,
+    control_plane,
     goodput,
     overhead,
     recovery,
@@ -59,7 +60,9 @@ def _bench(name: str, module: ModuleType, processes: str, quick: list[str],
 
 def _simulator_inputs(work: Path) -> list[str]:
     return ["--validate", str(work / "goodput.json"), "--recovery-json",
-            str(work / "recovery.json"), "--overhead-json", str(work / "overhead.json")]
+            str(work / "recovery.json"), "--overhead-json", str(work / "overhead.json"),
+            "--control-plane-json", str(work / "control-plane.json"),
+            "--plot", str(work / "simulate.png")]
 
 
 SUITE: list[Entry] = [
@@ -91,6 +94,9 @@ SUITE: list[Entry] = [
            ["--preset", "tiny", "--blocks", "20", "--kill-steps", "24"]),
     _bench("consensus", consensus, "3 workers x 1 torch thread per mode (+1 spare for swap; "
            "+1 busy process for the false alarms)", ["--steps", "80", "--noisy-steps", "300"]),
+    _bench("control-plane", control_plane, "1 store + 1 leader + 2 hollow-member processes "
+           "(8 members a simulated node), no torch compute",
+           ["--members", "64", "256", "1024", "--failures", "2", "--steady", "2"]),
     Entry(name="simulate", command=("simulate",), processes="1 process",
           goals=simulate_report.goals, headline=simulate_report.headline,
           markdown=simulate_report.markdown,

@@ -52,7 +52,8 @@ def newest_plan(store: dist.Store, g: int, known: Plan | None = None,
 
 def read_plan(store: dist.Store, g: int, known: Plan | None = None,
               memo: dict | None = None) -> Plan:
-    """Plan g (it exists): from its change when `known` is plan g - 1, else whole."""
+    """Plan g (it exists): from its change when `known` is plan g - 1, else whole. Every
+    caller reads the bytes; with `memo`, callers sharing it parse them once."""
     if known is not None and known.generation == g - 1 and g > 0:
         # (plan g >= 1 and its change are set in one request by the leader, which always
         # holds plan g - 1 when it publishes g: the change is there)
@@ -60,10 +61,14 @@ def read_plan(store: dist.Store, g: int, known: Plan | None = None,
         if memo is not None and g in memo:
             return memo[g]
         plan = known.changed(raw)
-        if memo is not None:
-            memo[g] = plan
-        return plan
-    return Plan.from_json(store.get(Keys.plan(g)))
+    else:
+        raw = store.get(Keys.plan(g))
+        if memo is not None and g in memo:
+            return memo[g]
+        plan = Plan.from_json(raw)
+    if memo is not None:
+        memo[g] = plan
+    return plan
 
 
 def joined(store: dist.Store, generation: int, rank: int, source: str) -> None:

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from phoenixft.simulate import scale
 from phoenixft.simulate.rates import HOUR, MIX
 
 STRATEGIES = ("restart", "spares", "recover", "tiers", "hsdp")
@@ -193,15 +194,31 @@ def mean_effective(strategy: str, gpus: int, rate: float, costs: Costs, runs: in
                    round(sum(x.failures for x in outs) / runs))
 
 
+def sized(c: Costs, s: scale.ScaleInputs | None, gpus: int) -> Costs:
+    """`c` with the costs that grow with the job (`scale.py`) taken at `gpus` GPUs: a
+    spare's recovery, detection, checkpoint-restart's restart and checkpoint stall, the
+    snapshot overhead, an HSDP group's loss. Without `s`, `c` as it is (constants)."""
+    if s is None:
+        return c
+    t = scale.terms(s, gpus)
+    return replace(c, detect_s=t["detect"], recover_s=t["control"] + t["comm"] + t["transfer"],
+                   restart_s=t["restart"], ckpt_s=t["checkpoint"],
+                   snapshot_overhead=scale.snapshot_overhead(s, gpus, c.step_s),
+                   group_loss_s=scale.group_loss_s(s, gpus))
+
+
 def projection(costs: Costs, sizes: list[int], rates: dict[str, float], runs: int,
-               horizon_h: float) -> list[dict]:
+               horizon_h: float, s: scale.ScaleInputs | None = None) -> list[dict]:
     rows = []
     for name, rate in rates.items():
         for n in sizes:
-            outs = {s: mean_effective(s, n, rate, costs, runs, horizon_h) for s in STRATEGIES}
+            c = sized(costs, s, n)
+            outs = {st: mean_effective(st, n, rate, c, runs, horizon_h) for st in STRATEGIES}
             restart = outs["restart"].effective
             rows.append({"rate": name, "gpus": n, "mtbf_min": round(outs["spares"].mtbf_min, 2),
-                         **{s: round(o.effective, 4) for s, o in outs.items()},
+                         **{st: round(o.effective, 4) for st, o in outs.items()},
+                         "recover_s": round(c.detect_s + c.recover_s, 3),
+                         "restart_s": round(c.restart_s, 1),
                          "tiers_vs_restart": (round(outs["tiers"].effective / restart, 2)
                                               if restart > 0 else None)})
     return rows

@@ -23,6 +23,9 @@ def goals(result: dict) -> list[Goal]:
     for c in result["validation"]:
         out.append(Goal(f"simulator predicts the {c['mode']} goodput ratio", "error <= 10%",
                         f"{100 * c['error']:.1f}%", c["error"] <= 0.1))
+    for p in result.get("published", []):
+        out.append(Goal(f"simulator, from its inputs: {p['point']}", p["published"],
+                        f"{p['predicted']} {p['unit']}", p["within"]))
     return out
 
 
@@ -55,7 +58,47 @@ def markdown(result: dict) -> list[str]:
                  "|---|---|---|---|"]
         rows += [f"| {v['mode']} | {v['predicted_ratio']:.3f} | {v['measured_ratio']:.3f} | "
                  f"{100 * v['error']:.1f}% |" for v in result["validation"]]
+    return rows + scale_markdown(result)
+
+
+def scale_markdown(result: dict) -> list[str]:
+    """The published points, a recovery's terms against the job's size, and the
+    sensitivity tables."""
+    rows: list[str] = []
+    if result.get("published"):
+        rows += ["", "| published point | reported | predicted from its inputs | within | "
+                 "terms |", "|---|---|---|---|---|"]
+        rows += [f"| {p['point']} | {p['published']} | {p['predicted']} {p['unit']} | "
+                 f"{'yes' if p['within'] else 'no'} | "
+                 f"{', '.join(f'{k} {v}' for k, v in p['terms'].items())}; {p['note']} |"
+                 for p in result["published"]]
+    if result.get("recovery_terms"):
+        rows += ["", "| GPUs | detect s | control plane s | communicator s | state transfer s "
+                 "| spare's recovery s | restart s |", "|---|---|---|---|---|---|---|"]
+        for n, t in result["recovery_terms"].items():
+            rec = t["detect"] + t["control"] + t["comm"] + t["transfer"]
+            rows.append(f"| {int(n):,} | {t['detect']:.3f} | {t['control']:.3f} | "
+                        f"{t['comm']:.1f} | {t['transfer']:.3f} | {rec:.1f} | "
+                        f"{t['restart']:.0f} |")
+    for sens in result.get("sensitivity", []):
+        rows += ["", f"Sensitivity of spares + tiers at {sens['gpus']:,} GPUs ({sens['rate_name']} "
+                 f"rate; projected {sens['effective']:.3f}): each input halved and doubled "
+                 "(the exponent 0.2 either way), largest swing first.", "",
+                 "| input | value | halved | doubled | swing |", "|---|---|---|---|---|"]
+        rows += [f"| {r['input']} | {_v(r['value'])} | {r['halved']:.3f} | {r['doubled']:.3f} "
+                 f"| {r['swing']:.3f} |" for r in sens["rows"][:10]]
+        b = sens.get("budget")
+        if b:
+            need = (f"a spare's recovery of at most {b['budget_s']} s (the model gives "
+                    f"{b['model_recover_s']} s)" if b["budget_s"] is not None else
+                    "more than a free recovery: even at 0 s it reaches "
+                    f"{b['free_recovery_effective']:.3f}")
+            rows += ["", f"To reach {b['target']} there, spares + tiers need {need}."]
     return rows
+
+
+def _v(x) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
 def show(result: dict, validated_from: str | None) -> None:
@@ -76,6 +119,8 @@ def show(result: dict, validated_from: str | None) -> None:
     cross = result["crossover_2_23x"]
     print(f"ReCoVer reaches 2.23x checkpoint-and-restart at 16k GPUs when the job's MTBF is "
           f"{cross['job_mtbf_min']:.1f} min ({cross['per_gpu_hour']:.2e} failures per GPU-hour)")
+    for line in scale_markdown(result):
+        print(line)
     if not validated_from:
         return
     v = Table(title=f"validation against {validated_from} (goal: error <= 10%)")

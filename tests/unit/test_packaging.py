@@ -42,7 +42,7 @@ def test_every_import_is_declared():
         allowed |= {"transformers"} if "/bench/" in rel else set()
         allowed |= (extras["torchft"] if rel.endswith(("bench/torchft_job.py",
                                                         "bench/torchft_hsdp_job.py")) else set())
-        allowed |= extras["plot"] if rel.endswith("observe/plot.py") else set()
+        allowed |= extras["plot"] if rel.endswith(("observe/plot.py", "simulate/plot.py")) else set()
         for mod in _imports(path) - stdlib:
             if DIST.get(mod, mod).replace("_", "-") not in allowed and mod not in allowed:
                 missing.append(f"{rel}: {mod}")
