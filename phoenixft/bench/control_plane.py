@@ -373,12 +373,15 @@ def goals(result: dict) -> list[Goal]:
 
 
 def headline(result: dict) -> str:
-    r = result["rows"][-1]
+    rows = result["rows"]
+    r = next((x for x in rows if x["members"] == GOAL_MEMBERS), rows[-1])
+    big = rows[-1]
     e = result["exponents"]
+    more = (f"; {big['members']} members: {big['control_s']:.2f} s" if big is not r else "")
     return (f"{r['members']} members: {r['control_s']:.3f} s a failure from detection to "
-            f"commit ({r['detect_s']:.3f} s to detect an exit), {r['requests']:.0f} store "
-            f"requests; control time grows as N^{_e(e['control_s'])}, requests as "
-            f"N^{_e(e['requests'])}")
+            f"commit, {r['protocol_requests']:.0f} member requests, "
+            f"{r['protocol_bytes'] / 1e6:.1f} MB{more}; control time grows as "
+            f"N^{_e(e['control_s'])}, member bytes as N^{_e(e['protocol_bytes'])}")
 
 
 def _e(x: float | None) -> str:

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         "failure rates: checkpoint-restart, spares, ReCoVer, "
                                         "tiers, HSDP replica groups", description=model.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", default="1024,16384,100000,131072",
+    p.add_argument("--gpus", default="1024,4096,16384,32768,65536,100000,131072",
                    help="comma-separated job sizes")
     p.add_argument("--rates", default="llama3,projected",
                    help=f"failure-rate presets ({', '.join(RATES)}) or per-GPU-hour numbers")
