@@ -142,7 +142,12 @@ class Leader:
     # -- start ----------------------------------------------------------------------
     def try_start(self) -> bool:
         """Gen 0 once every node's agent and every worker registered. False = not yet."""
-        for rep in self._new_reports():  # nobody may leave before the job starts
+        for rep in self._new_reports():  # nobody may leave (or hang) before the job starts
+            if rep["kind"] == ReportKind.HANG:
+                self._abort(f"worker {rep['wid']} hung during start-up: its heartbeat stood "
+                            f"still for {self.cfg.timeouts.heartbeat_timeout_s:g} s; see "
+                            f"{self.run_dir / 'logs' / (rep['wid'] + '.log')}")
+                return False
             why = rep["detail"] if rep["kind"] == ReportKind.ERROR else (
                 f"{rep['detail']} before it created phoenixft.Session() and joined the job; "
                 f"see {self.run_dir / 'logs' / (rep['wid'] + '.log')}")
