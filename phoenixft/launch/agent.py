@@ -322,7 +322,7 @@ class Agent:
                     self._tell(store)           # comes before the failure that followed it)
                 self._watch_persistence(store)
                 self._watch_run_dir()
-                final = self._final = self._final or self._final_plan(store)
+                final = self._final = self._final or self._final_plan(store, self.hearts.due)
                 if final is not None:  # done (every member has exited) or abort: what
                     return final       # is left, a hung spare too, gets the grace period
                                        # to leave, then SIGKILL (_stop_workers)
@@ -369,11 +369,13 @@ class Agent:
             except ProcessLookupError:
                 pass
 
-    def _final_plan(self, store) -> Plan | None:
+    def _final_plan(self, store, read: bool = True) -> Plan | None:
+        """The job's last plan once it ended, else None; `read`: whether a follower reads
+        the store for it now (its loop does once a heartbeat period)."""
         if self.leader is not None:
             plan = self.leader.plan
             return plan if plan is not None and plan.kind is not PlanKind.RUN else None
-        if self.hearts is None or self.hearts.due or self._plan_seen is None:
+        if read or self._plan_seen is None:
             self._plan_seen = latest_plan(store, self._plan_seen)
         plan = self._plan_seen
         return plan if plan is not None and plan.kind is not PlanKind.RUN else None

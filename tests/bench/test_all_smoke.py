@@ -56,7 +56,7 @@ def test_bench_all_overhead_recovery_and_simulate(tmp_path):
                    "--out", str(sim), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     s = json.loads(sim.read_text())
-    assert {x["gpus"] for x in s["rows"]} == {1024, 16384, 100000, 131072}
+    assert {x["gpus"] for x in s["rows"]} == {1024, 4096, 16384, 32768, 65536, 100000, 131072}
     assert s["costs"]["recover_s"] == rows[0]["recover_s"]
     assert [g["name"] for g in s["goals"]][:1] == [
         "phoenixft + tiers at 16k GPUs, Llama 3 failure rate"]
