@@ -102,7 +102,7 @@ def log_overhead(model: str, args, tmp: Path) -> dict:
             "merged_steps": summary.get("merged", 0), "epochs": summary["epochs"],
             "log_bytes_per_token": (summary["log_bytes"] - prefill_bytes)
             / max(1, tokens["on"]),
-            "kv_bytes_per_token": engine.model_config.kv_bytes_per_token,
+            "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
             "executor_s": summary["executor_s"], "coalesced": summary["coalesced"]}
 
 

@@ -73,6 +73,17 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
 
 
 @pytest.fixture(scope="session")
+def long_model_bf16(tmp_path_factory) -> Path:
+    """The long tiny Qwen2 saved in bfloat16 (config.json's dtype says so)."""
+    root = tmp_path_factory.mktemp("long-bf16")
+    model = build_hf("qwen2", root / "fp32", seed=7, max_position_embeddings=1024)
+    d = root / "qwen2-long-bf16"
+    model.to(torch.bfloat16).save_pretrained(d)
+    write_chat_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def long_model(tmp_path_factory) -> Path:
     """The tiny Qwen2 with a 1024-token context and the word-level chat tokenizer: prompts
     of several hundred tokens for the crash-recovery tests."""

@@ -30,11 +30,26 @@ from tests.support.serving import (
 
 @pytest.mark.timeout(420)
 def test_engine_killed_three_times_clients_get_the_uninterrupted_tokens(long_model, tmp_path):
-    max_tokens = 600  # long enough that every stream still runs at the third kill (each
-    # kill waits for /health, which reports every 0.5 s: 140 tokens left were sometimes too few)
+    # 600 tokens: long enough that every stream still runs at the third kill (each kill
+    # waits for /health, which reports every 0.5 s: 140 tokens left were sometimes too few)
+    _streams_through_kills(long_model, tmp_path, (20, 90, 180), max_tokens=600)
+
+
+@pytest.mark.timeout(420)
+def test_a_bfloat16_server_killed_twice_clients_get_the_uninterrupted_tokens(
+        long_model_bf16, tmp_path):
+    """The checkpoint says bfloat16 and `--dtype auto` serves it so: the recovery log
+    carries its KV words raw, and the resumed engine recomputes no prompt token."""
+    _streams_through_kills(long_model_bf16, tmp_path, (20, 90), max_tokens=400)
+
+
+def _streams_through_kills(model, tmp_path, kill_at: tuple[int, ...], max_tokens: int) -> None:
+    """8 streams (7 SSE clients, 1 official `openai` client) through an engine SIGKILL
+    after each count of tokens in `kill_at`: every client gets the uninterrupted run's
+    tokens, with no gap or duplicate, and no prompt token is recomputed."""
     ps = prompts(8, 300)
-    ref = reference(long_model, ps, max_tokens)
-    server = Server(long_model, tmp_path / "run", free_port())
+    ref = reference(model, ps, max_tokens)
+    server = Server(model, tmp_path / "run", free_port())
     try:
         clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
                                            **params(i, max_tokens)}) for i, p in enumerate(ps[:7])]
@@ -56,7 +71,7 @@ def test_engine_killed_three_times_clients_get_the_uninterrupted_tokens(long_mod
         t8.start()
         killed = []
         at = []
-        for n in (20, 90, 180):
+        for n in kill_at:
             wait_tokens(clients, n)
             server.wait_logged(8)
             at.append([len(c.texts) for c in clients])
@@ -76,11 +91,11 @@ def test_engine_killed_three_times_clients_get_the_uninterrupted_tokens(long_mod
             assert c.ids == list(range(1, max_tokens + 1))  # no gap, no duplicate
         assert official["text"] == ref[7]
         recovered = server.events("engine_recovered")
-        assert [e["report"]["resumed"] for e in recovered] == [8, 8, 8]
+        assert [e["report"]["resumed"] for e in recovered] == [8] * len(kill_at)
         metrics = httpx.get(server.base + "/metrics").text
         assert re.search(r"phoenixft_prompt_tokens_recomputed\{[^}]*\} 0\.0", metrics)
-        assert re.search(r"phoenixft_engine_crashes\{[^}]*\} 3\.0", metrics)
-        assert len(set(killed)) == 3 and server.status()["engine_pid"] not in killed
+        assert re.search(rf"phoenixft_engine_crashes\{{[^}}]*\}} {len(kill_at)}\.0", metrics)
+        assert len(set(killed)) == len(kill_at) and server.status()["engine_pid"] not in killed
     finally:
         server.stop()
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")  # what the engine computes and caches in
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +41,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     byte_tokenizer: bool = False
+    torch_dtype: str = "float32"  # the checkpoint's (config.json), what --dtype auto takes
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -104,12 +107,17 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             byte_tokenizer=d.get("phoenixft_tokenizer") == "bytes",
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
         )
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of float32 K and V one token occupies across all layers."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+    def kv_values_per_token(self) -> int:
+        """K and V values one token occupies across all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: str = "float32") -> int:
+        """Bytes of K and V one token occupies across all layers, cached in `dtype`."""
+        return self.kv_values_per_token * ITEMSIZE[dtype]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,10 +138,16 @@ class EngineConfig:
     tokenizer: str | None = None  # a directory with tokenizer.json (default: the model's)
     chat_template: str | None = None  # a Jinja template replacing the tokenizer's
     device: str = "cpu"  # where weights, KV cache and compute live: cpu, cuda, cuda:N
+    # weights, activations and KV cache: float32, bfloat16, float16, or auto (the
+    # checkpoint's torch_dtype); sampling and logprobs are float32 whatever it is
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"EngineConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"EngineConfig.dtype must be auto or one of {', '.join(DTYPES)}, "
+                             f"got {self.dtype!r}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -144,6 +158,9 @@ class EngineConfig:
 
     def resolve(self, model: ModelConfig) -> EngineConfig:
         """Fill the derived fields for ``model`` and check they are consistent."""
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = model.torch_dtype if model.torch_dtype in DTYPES else "float32"
         max_len = self.max_model_len or min(model.max_position_embeddings, 2048)
         if max_len > model.max_position_embeddings:
             raise ValueError(f"EngineConfig.max_model_len={max_len} exceeds the model's "
@@ -151,7 +168,7 @@ class EngineConfig:
         blocks_per_seq = -(-max_len // self.block_size)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            by_memory = self.kv_cache_bytes // (model.kv_bytes_per_token * self.block_size)
+            by_memory = self.kv_cache_bytes // (model.kv_bytes_per_token(dtype) * self.block_size)
             num_blocks = max(blocks_per_seq, min(by_memory, blocks_per_seq * self.max_num_seqs))
         if num_blocks < blocks_per_seq:
             raise ValueError(f"EngineConfig.num_blocks={num_blocks} cannot hold one sequence of "
@@ -163,7 +180,16 @@ class EngineConfig:
                             max_model_len=max_len,
                             enable_prefix_caching=self.enable_prefix_caching,
                             tokenizer=self.tokenizer, chat_template=self.chat_template,
-                            device=self.device)
+                            device=self.device, dtype=dtype)
+
+    @property
+    def torch_dtype(self):
+        """The resolved dtype as a torch dtype (after `resolve`)."""
+        import torch
+
+        if self.dtype == "auto":
+            raise ValueError("EngineConfig.dtype auto is resolved against a model first")
+        return getattr(torch, self.dtype)
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)

@@ -47,8 +47,8 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.model_dir = Path(model_dir)
-        model_config, model = load_model(self.model_dir)
-        self.spec = EngineSpec(self.model_dir, config, model_config)
+        self.spec = EngineSpec(self.model_dir, config)
+        model_config, model = load_model(self.model_dir, self.spec.config.torch_dtype)
         self.model_config, self.tokenizer = model_config, self.spec.tokenizer
         self.config = self.spec.config
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,

@@ -43,6 +43,8 @@ class AttentionGroup:
     query_index: torch.Tensor | None
     max_query_len: int
     kv_len: int
+    q_lens: list[int] = field(default_factory=list)  # each sequence's new tokens
+    ctx_lens: list[int] = field(default_factory=list)  # and its length with them
 
 
 @dataclass(slots=True)
@@ -145,22 +147,43 @@ class PagedAttention(nn.Module):
                                                          self.head_dim)
         keys = keys[:, :g.kv_len].transpose(1, 2)
         vals = vals[:, :g.kv_len].transpose(1, 2)
-        mq = g.max_query_len
+        # In bfloat16 (float16), SDPA's CPU kernel gives a sequence other results beside a
+        # longer one (its padding), where an engine resumed after a crash, batched
+        # otherwise, must compute what the first one did. So a decode attends in float32
+        # (scores rounded to bfloat16 would also drift from transformers, whose kernels
+        # keep them in float32) and a prefill one sequence at a time, without padding.
         if g.query_index is None:  # one query per sequence (decode): no padding
             # Plain matmuls with the query heads grouped per KV head: about twice as fast
             # as SDPA's CPU kernel for a single query, and no K/V repeat for GQA.
-            qg = q.view(b, self.num_kv_heads, -1, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.head_dim ** -0.5
+            qg = q.view(b, self.num_kv_heads, -1, self.head_dim).float()
+            scores = torch.matmul(qg, keys.float().transpose(-1, -2)) * self.head_dim ** -0.5
             probs = (scores + g.mask.view(b, 1, 1, -1)).softmax(dim=-1)
-            return torch.matmul(probs, vals).reshape(b, self.num_heads * self.head_dim)
-        else:
-            qp = q.new_zeros(b * mq, self.num_heads, self.head_dim)
-            qp[g.query_index] = q
-            qp = qp.view(b, mq, self.num_heads, self.head_dim)
+            out = torch.matmul(probs, vals.float()).reshape(b, self.num_heads * self.head_dim)
+            return out.to(q.dtype)
+        if q.dtype != torch.float32:
+            return self._prefill_each(q, g, keys, vals)
+        mq = g.max_query_len
+        qp = q.new_zeros(b * mq, self.num_heads, self.head_dim)
+        qp[g.query_index] = q
+        qp = qp.view(b, mq, self.num_heads, self.head_dim)
         out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, vals,
                                              attn_mask=g.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b * mq, self.num_heads * self.head_dim)
-        return out if g.query_index is None else out[g.query_index]
+        return out[g.query_index]
+
+    def _prefill_each(self, q: torch.Tensor, g: AttentionGroup, keys: torch.Tensor,
+                      vals: torch.Tensor) -> torch.Tensor:
+        """Prefill attention one sequence at a time, over exactly its own tokens."""
+        outs, s0 = [], 0
+        for i, (ql, cl) in enumerate(zip(g.q_lens, g.ctx_lens)):
+            qi = q[s0:s0 + ql].transpose(0, 1).unsqueeze(0)
+            causal = ql == cl  # no cached prefix: the kernel's own causal mask
+            o = F.scaled_dot_product_attention(
+                qi, keys[i:i + 1, :, :cl], vals[i:i + 1, :, :cl], is_causal=causal,
+                attn_mask=None if causal else g.mask[i:i + 1, :, :ql, :cl], enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(ql, self.num_heads * self.head_dim))
+            s0 += ql
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class DecoderLayer(nn.Module):

@@ -31,10 +31,12 @@ class ModelRunner:
         mc = model_config
         shape = (mc.num_hidden_layers, config.num_blocks, config.block_size,
                  mc.num_key_value_heads, mc.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device)
-        self.v_cache = torch.zeros(shape, device=self.device)
+        self.dtype = config.torch_dtype  # weights, activations, KV cache
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.kv_fd: int | None = None  # the memfd holding K then V, once shared
-        self.cos, self.sin = (t.to(self.device) for t in rope_tables(
+        # rotary factors computed in float32, then rounded once to the model's dtype
+        self.cos, self.sin = (t.to(self.device, self.dtype) for t in rope_tables(
             mc.head_dim, torch.arange(config.max_model_len), mc.rope_theta))
         self.adapters = None  # the engine's AdapterStore
 
@@ -60,7 +62,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model_config.kv_bytes_per_token
+        return self.model_config.kv_values_per_token * self.k_cache.element_size()
 
     def _group(self, seqs: list[Sequence], start: int) -> tuple[AttentionGroup, torch.Tensor,
                                                               torch.Tensor]:
@@ -85,15 +87,16 @@ class ModelRunner:
         if mq == 1:
             query_index = None
             valid = kv_pos[None, :] < torch.tensor(ctx_lens)[:, None]
-            mask = torch.zeros(b, 1, 1, kv_len).masked_fill_(~valid.view(b, 1, 1, kv_len),
-                                                             float("-inf"))
+            mask = torch.zeros(b, 1, 1, kv_len).masked_fill_(  # (added in float32)
+                ~valid.view(b, 1, 1, kv_len), float("-inf"))
         else:
             query_index = row * mq + offset_in_row
             qpos = torch.zeros(b * mq, dtype=torch.long)  # padding rows see position 0
             qpos[query_index] = positions
             mask = (kv_pos[None, None, :] <= qpos.view(b, mq, 1)).view(b, 1, mq, kv_len)
         group = AttentionGroup(start=start, end=start + n, block_tables=tables, mask=mask,
-                               query_index=query_index, max_query_len=mq, kv_len=kv_len)
+                               query_index=query_index, max_query_len=mq, kv_len=kv_len,
+                               q_lens=q_lens.tolist(), ctx_lens=ctx_lens)
         return group, positions, slots
 
     def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionMetadata,
@@ -158,4 +161,5 @@ class ModelRunner:
         ids, meta, last = self.prepare(seqs)
         hidden = self.model(ids, meta, self.k_cache, self.v_cache)
         logits = self.model.compute_logits(hidden if all_logits else hidden[last])
-        return logits if self.device.type == "cpu" else logits.float().cpu()  # sampled on host
+        # sampled on the host in float32, from the model dtype's logits (as vLLM does)
+        return logits.float() if self.device.type == "cpu" else logits.float().cpu()

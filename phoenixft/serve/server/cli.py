@@ -23,8 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens computed in one step (prefill chunks and decodes)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype; this engine computes in float32 (auto), the others "
-                        "are refused rather than ignored")
+                   help="weights, activations and KV cache (auto: the checkpoint's "
+                        "torch_dtype); sampling and logprobs are float32 whatever it is")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                    help="KV-cache memory per engine, e.g. 512MiB or 2GB (default 256MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
@@ -93,9 +93,6 @@ def _engine_config(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.dtype not in ("auto", "float32"):
-        raise ValueError(f"--dtype {args.dtype}: this engine computes in float32 (its KV cache "
-                         "and kernels are float32); use --dtype auto or float32")
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text()
@@ -103,7 +100,7 @@ def _engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_bytes=_kv_bytes(args),
                         tokenizer=args.tokenizer, chat_template=template,
-                        device=args.device)
+                        device=args.device, dtype=args.dtype)
 
 
 def _serve(args: argparse.Namespace) -> int:
