@@ -176,7 +176,7 @@ class EngineConfig:
                              f"{self.block_size}); lower max_model_len or add blocks")
         return EngineConfig(block_size=self.block_size, num_blocks=num_blocks,
                             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=max(self.max_num_batched_tokens, max_len),
+                            max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=max_len,
                             enable_prefix_caching=self.enable_prefix_caching,
                             tokenizer=self.tokenizer, chat_template=self.chat_template,

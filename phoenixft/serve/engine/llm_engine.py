@@ -57,6 +57,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.model_config, self.config)
         self.seqs: dict[str, Sequence] = {}
         self.num_generated_tokens = 0
+        self.step_prompt_tokens = 0  # prompt tokens the last step computed (its chunks)
         self._last_step: list[Sequence] = []  # what the current or last step computes
         self._before: list[tuple[int, int]] = []  # their (tokens, computed) before it
         # what records each step (the recovery log, when serving keeps one): step_recorder.py
@@ -137,6 +138,7 @@ class LLMEngine:
         self.block_manager.rebuild([])
 
     def step(self) -> list[RequestOutput]:
+        self.step_prompt_tokens = 0
         seqs = self._last_step = self.scheduler.schedule()
         self._before = [(len(s.token_ids), s.num_computed_tokens) for s in seqs]
         outputs = self._compute(seqs) if seqs else []
@@ -162,10 +164,20 @@ class LLMEngine:
     def _compute(self, seqs: list[Sequence]) -> list[RequestOutput]:
         starts = [s.num_computed_tokens for s in seqs]
         logits = self.runner.run(seqs)
-        for s, start in zip(seqs, starts):
-            self.block_manager.mark_computed(s, start, len(s))
-            s.prompt_computed += max(0, min(len(s), s.num_prompt_tokens) - start)
-            s.num_computed_tokens = len(s)
+        done = []  # the rows whose every token is now computed: they sample one more
+        for i, (s, start) in enumerate(zip(seqs, starts)):
+            end = start + s.new_tokens
+            self.block_manager.mark_computed(s, start, end)
+            prompt = max(0, min(end, s.num_prompt_tokens) - start)
+            s.prompt_computed += prompt
+            self.step_prompt_tokens += prompt
+            s.num_computed_tokens, s.num_new_tokens = end, 0
+            if end == len(s):
+                done.append(i)
+        if len(done) < len(seqs):  # a prompt's chunk: no token yet
+            logits, seqs = logits[done], [seqs[i] for i in done]
+            if not seqs:
+                return []
         tokens = sample(penalize(logits, seqs), seqs)
         lps = logprobs(logits, seqs, tokens)
         now = time.monotonic()

@@ -70,8 +70,8 @@ class ModelRunner:
         also returns the group's token positions and cache slots."""
         bs = self.config.block_size
         starts = [s.num_computed_tokens for s in seqs]
-        q_lens = torch.tensor([len(s) - s.num_computed_tokens for s in seqs])
-        ctx_lens = [len(s) for s in seqs]
+        q_lens = torch.tensor([s.new_tokens for s in seqs])
+        ctx_lens = [s.num_computed_tokens + s.new_tokens for s in seqs]
         b, kv_len, mq = len(seqs), max(ctx_lens), int(q_lens.max())
         nb = -(-kv_len // bs)
         tables = torch.zeros(b, nb, dtype=torch.long)
@@ -102,20 +102,21 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionMetadata,
                                                      torch.Tensor]:
         """Flat input ids, attention metadata and the flat index of each sequence's last
-        token, for computing ``token_ids[num_computed_tokens:]`` of every sequence.
+        token, for computing the next ``new_tokens`` of every sequence (from
+        ``num_computed_tokens`` on).
 
-        Sequences must come decodes first (one new token each), then prefills, as the
-        scheduler orders them; each kind forms one attention group.
+        Sequences must come decodes first (one new token each), then prefills (whole, or
+        a chunk), as the scheduler orders them; each kind forms one attention group.
         """
         n_decode = 0
         for s in seqs:
-            if len(s) - s.num_computed_tokens != 1:
+            if s.new_tokens != 1:
                 break
             n_decode += 1
         parts = [p for p in (seqs[:n_decode], seqs[n_decode:]) if p]
         ids: list[int] = []
         for s in seqs:
-            ids.extend(s.token_ids[s.num_computed_tokens:])
+            ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.new_tokens])
         groups, positions, slots, start = [], [], [], 0
         for part in parts:
             g, pos, sl = self._group(part, start)
@@ -125,7 +126,7 @@ class ModelRunner:
             start = g.end
         dev = self.device
         pos = (torch.cat(positions) if len(positions) > 1 else positions[0]).to(dev)
-        q_lens = torch.tensor([len(s) - s.num_computed_tokens for s in seqs])
+        q_lens = torch.tensor([s.new_tokens for s in seqs])
         if dev.type != "cpu":  # built on the host, moved once per step
             for g in groups:
                 g.block_tables, g.mask = g.block_tables.to(dev), g.mask.to(dev)

@@ -1,8 +1,10 @@
 """Continuous batching: which sequences run in the next step.
 
 Every step decodes one token for each running sequence and, in the same forward pass,
-prefills the waiting sequences that blocks, the sequence limit and the prefill token
-budget admit. Mixing the two means a newly arrived request neither waits for the batch
+prefills the waiting sequences that blocks, the sequence limit and the step's token
+budget admit; a prompt longer than the budget left is prefilled in chunks over several
+steps, between the running sequences' decodes (vLLM V1's chunked prefill), so one long
+prompt does not stall every stream. Mixing the two means a newly arrived request neither waits for the batch
 to drain nor stalls the running sequences for a prefill-only step (on CPU a small
 prefill costs about what a decode step costs, so separate steps would halve decode
 throughput under steady arrivals).
@@ -43,17 +45,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Sequence]:
-        """Sequences to run this step: the running ones first, then newly admitted ones.
+        """Sequences to run this step, each with its `num_new_tokens`: the running ones'
+        decodes first, then the rest of prompts already begun, then newly admitted ones,
+        within the step's token budget (`max_num_batched_tokens`).
 
-        Empty when there is nothing to do. No sequence is admitted in a step that had to
-        preempt (blocks are short; admitting would only preempt again).
+        A prompt longer than what the budget leaves is prefilled in chunks over several
+        steps while the running sequences go on decoding (a chunk's progress is the
+        sequence's `num_computed_tokens`, which the recovery log records). Empty when
+        there is nothing to do. No sequence is admitted in a step that had to preempt
+        (blocks are short; admitting would only preempt again).
         """
         cfg, bm = self.config, self.block_manager
-        batch: list[Sequence] = []
+        decodes: list[Sequence] = []
+        kept: list[Sequence] = []
         candidates, preempted = list(self.running), False
         candidates.reverse()  # pop() from the end = oldest first
         while candidates:
             seq = candidates.pop()
+            if seq.prefilling:  # a prompt begun: its blocks were allocated on admission
+                kept.append(seq)
+                continue
             while not bm.can_append(seq):
                 preempted = True
                 if candidates:
@@ -63,22 +74,34 @@ class Scheduler:
                     break
             else:
                 bm.append(seq)
-                batch.append(seq)
-        self.running = deque(batch)
-        prefill_tokens = 0
-        while (not preempted and self.waiting and len(self.running) < cfg.max_num_seqs):
+                seq.num_new_tokens = 1
+                decodes.append(seq)
+                kept.append(seq)
+        self.running = deque(kept)
+        budget = cfg.max_num_batched_tokens - len(decodes)
+        chunks: list[Sequence] = []
+        for seq in kept:  # prompts begun in earlier steps, oldest first
+            if seq.prefilling and budget > 0:
+                budget -= self._chunk(seq, budget)
+                chunks.append(seq)
+        while (not preempted and budget > 0 and self.waiting
+               and len(self.running) < cfg.max_num_seqs):
             seq = self.waiting[0]
             if not bm.can_allocate(seq):
                 break
-            if prefill_tokens and prefill_tokens + len(seq) > cfg.max_num_batched_tokens:
-                break
             bm.allocate(seq)
-            prefill_tokens += len(seq) - seq.num_computed_tokens
+            budget -= self._chunk(seq, budget)
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
-            batch.append(seq)
-        return batch
+            chunks.append(seq)
+        return decodes + chunks
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        """Give `seq` the step's next min(rest of it, budget) tokens; returns how many."""
+        seq.num_new_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+        return seq.num_new_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)

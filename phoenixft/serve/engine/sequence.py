@@ -1,8 +1,9 @@
 """One request's tokens, progress and stopping state, as the scheduler sees it.
 
 Invariant: the KV cache holds tokens ``token_ids[:num_computed_tokens]``; a step computes
-``token_ids[num_computed_tokens:]`` (a whole prompt for a prefill, one token for a decode)
-and the sampler appends one token. Everything needed to resume a request after a crash is
+the next ``num_new_tokens`` of them (the scheduler's choice: a decode's one token, a whole
+prompt, or a chunk of a prompt longer than the step's token budget), and once all are
+computed the sampler appends one token. Everything needed to resume a request after a crash is
 in ``to_dict()`` (plain JSON types): ids, progress, sampling parameters and the resolved
 seed, because sampling is a pure function of (seed, token index, logits).
 """
@@ -34,6 +35,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_new_tokens: int = 0  # what this step computes (the scheduler's; 0: the rest)
     finish_reason: str | None = None
     output_text: str = ""
     num_emitted_chars: int = 0
@@ -49,6 +51,16 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens the step computes: what the scheduler gave it, else all not computed."""
+        return self.num_new_tokens or len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """More than the next token is still to be computed (a prompt, or its rest)."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
 
     @property
     def num_completion_tokens(self) -> int:

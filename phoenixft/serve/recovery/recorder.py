@@ -13,8 +13,9 @@ Policies:
   epoch) are merged into the next epoch until `epoch_interval_s` has passed since the last
   one: building and pushing an epoch costs the decode loop about 0.3 ms of Python, 5% of a
   6 ms decode step of a small model, and waking the executor as often costs it more. A
-  step that admitted (prefilled), finished or preempted a request is recorded at once, so
-  a crash never costs a prompt; it may cost up to that interval of decoded tokens, which
+  step that admitted (prefilled), computed a chunk of a prompt, finished or preempted a
+  request is recorded at once, so a crash never costs a prompt (nor a finished chunk of
+  one); it may cost up to that interval of decoded tokens, which
   the successor decodes again (the same tokens: sampling is seeded per request, and the
   front sends each token index once). 0 records every step;
 - ring full: the step is merged into the next one (its dirty slots and state delta stay
@@ -158,9 +159,11 @@ class Recorder(StepRecorder):
 
     def _decode_only(self) -> bool:
         """Whether this step may be merged into the next epoch: nothing but decoding since
-        the last epoch (the same requests, none admitted or preempted), that epoch younger
+        the last epoch (the same requests, none admitted or preempted, no chunk of a
+        prompt computed: a crash mid-prompt resumes at its last chunk), that epoch younger
         than the interval, nothing else waiting to be logged, requests still running."""
         return (self._interval > 0 and not self._unpushed and not self._want_full
+                and not self.engine.step_prompt_tokens
                 and not self._adapters_pending
                 and time.monotonic() - self._last_epoch_t < self._interval
                 and self._requests_shape() == self._shape

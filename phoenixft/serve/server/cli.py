@@ -125,7 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
                         ring_bytes=sizes["--recovery-ring-bytes"],
                         read_timeout_s=args.request_read_timeout,
                         keep_finished=args.keep_finished_requests,
-                        keep_finished_s=args.keep_finished_seconds)
+                        keep_finished_s=args.keep_finished_seconds,
+                        recovery=not args.no_recovery)
     except ValueError as exc:
         sock.close()
         print(f"phoenixft serve: {exc}", file=sys.stderr)
@@ -176,6 +177,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--log-dir", default=None,
                    help="where the engines keep their recovery log (default: /dev/shm, one "
                         "directory per run dir)")
+    s.add_argument("--no-recovery", action="store_true",
+                   help="serve without the recovery log and the standby engine: an engine "
+                        "crash ends the requests in flight (to measure what recovery costs)")
     s.add_argument("--recovery-ring-bytes", default="16MiB", metavar="BYTES",
                    help="the shared-memory ring that carries each step's log records to the "
                         "log executor (default 16MiB, at least 1MiB); an adapter must fit it "

@@ -54,6 +54,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ring-bytes", type=int, default=16 << 20)
     ap.add_argument("--compact-bytes", type=int, default=256 << 20)
     ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--no-log", action="store_true", help="no recovery log (--no-recovery)")
     return ap.parse_args(argv)
 
 
@@ -70,6 +71,9 @@ class EngineServer:
         from phoenixft.serve.recovery.recorder import Recorder
         from phoenixft.serve.recovery.restore import RecoveryReport, recover
 
+        if self.args.no_log:  # serving without recovery: nothing to resume, nothing kept
+            return Ready(os.getpid(), RecoveryReport().as_dict(), [],
+                         dict(self.engine.adapters.current))
         lock = lock_log(self.args.log_dir, wait_s=10.0)  # the crashed engine's executor is gone
         try:
             report = recover(self.engine, self.args.log_dir) if segments(self.args.log_dir) \
@@ -177,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:  # a bad model directory: one line, the front reports it
         sys.stderr.write(f"phoenixft engine: {exc}\n")
         os._exit(2)
-    executor = start_executor(engine.runner, args.log_dir, args.ring_bytes)  # warm, idle
+    executor = (None if args.no_log  # warm, idle
+                else start_executor(engine.runner, args.log_dir, args.ring_bytes))
     engine.warm_up()
     ch = wire.connect(args.socket)
     ch.send(Hello(os.getpid(), args.role))

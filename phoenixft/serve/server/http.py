@@ -54,7 +54,7 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
               ring_bytes: int = 16 << 20, compact_bytes: int = 256 << 20,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, keep_finished: int = DEFAULT_KEEP,
-              keep_finished_s: float = DEFAULT_KEEP_S) -> FastAPI:
+              keep_finished_s: float = DEFAULT_KEEP_S, recovery: bool = True) -> FastAPI:
     """Validate the model (config, tokenizer, that the weights files are readable; the
     engines load the weights) and the limits, and return the app; the engine processes run
     while the app lives (`app.state.supervisor.start()`, or the app's startup), and
@@ -87,7 +87,8 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
                                   on_message=backend.on_message,
                                   on_ready=lambda ready, timing: _on_ready(ready, timing),
                                   emit=events.emit, ring_bytes=ring_bytes,
-                                  compact_bytes=compact_bytes, sock_dir=sock_dir)
+                                  compact_bytes=compact_bytes, sock_dir=sock_dir,
+                                  recovery=recovery)
     backend.supervisor = supervisor
     supervisor.on_change = lambda: status()
     h = OpenAIHandlers(spec, backend, metrics, model_dir,

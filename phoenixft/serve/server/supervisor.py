@@ -119,10 +119,14 @@ class EngineSupervisor:
                  work_dir: str | Path, *, threads: int | None = None,
                  on_message: Callable[[Message], None], on_ready: Callable[[Ready, dict], None],
                  emit: Callable[..., None], ring_bytes: int = 16 << 20,
-                 compact_bytes: int = 256 << 20, sock_dir: str | None = None) -> None:
+                 compact_bytes: int = 256 << 20, sock_dir: str | None = None,
+                 recovery: bool = True) -> None:
+        # recovery off (`--no-recovery`): one engine, no recovery log, no standby; its crash
+        # ends the requests in flight
         self.model_dir, self.engine_config = str(model_dir), engine_config
         self.log_dir, self.work_dir = Path(log_dir), Path(work_dir)  # log: outlives engines
         self.threads, self.ring_bytes, self.compact_bytes = threads, ring_bytes, compact_bytes
+        self.recovery = recovery
         self.on_message, self.on_ready, self.emit = on_message, on_ready, emit
         remove_stale_socket_dirs()
         self._sock_dir = sock_dir or make_socket_dir()
@@ -150,6 +154,8 @@ class EngineSupervisor:
                "--ring-bytes", str(self.ring_bytes), "--compact-bytes", str(self.compact_bytes)]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
+        if not self.recovery:
+            cmd += ["--no-log"]
         log = logs / f"engine-{role}-{int(time.time() * 1000)}.log"
         with log.open("wb") as out:
             p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -166,7 +172,7 @@ class EngineSupervisor:
             return self._await_ready(self.active, timeout_s)
         threading.Thread(target=self._accept, daemon=True, name="phoenixft-accept").start()
         self.active = self._spawn("active")
-        self.standby = self._spawn("standby")
+        self.standby = self._spawn("standby") if self.recovery else None
         threading.Thread(target=self._watch, daemon=True, name="phoenixft-engine-watch").start()
         ready = self._await_ready(self.active, timeout_s)
         try:
@@ -267,7 +273,8 @@ class EngineSupervisor:
         standby = self.standby
         try:
             if standby is None:
-                raise RuntimeError("no standby engine")
+                raise RuntimeError("no standby engine" if self.recovery else
+                                   "serving with --no-recovery (no log, no standby)")
             self._await_channel(standby, 300.0)
             standby.channel.send(Activate())
             self.active, self.standby = standby, None
