@@ -89,15 +89,15 @@ SIZES = {
 }
 
 
-def build_bench_model(out: Path, size: str = "tiny") -> str:
-    """A random byte-vocab Llama of the given size (512 positions)."""
+def build_bench_model(out: Path, size: str = "tiny", max_positions: int = 512) -> str:
+    """A random byte-vocab Llama of the given size (512 positions by default)."""
     import torch
 
     from phoenixft.models.llama import LlamaConfig, LlamaForCausalLM, save_hf
 
     torch.manual_seed(0)
     shape = SIZES[size]
-    cfg = LlamaConfig(**shape, max_position_embeddings=512)
+    cfg = LlamaConfig(**shape, max_position_embeddings=max_positions)
     model = LlamaForCausalLM(cfg)
     save_hf(model, out)
     return (f"random Llama ({size}), {model.num_params() / 1e6:.1f}M params, "
@@ -304,14 +304,22 @@ def run(cfg: ServeBenchConfig) -> dict:
                 "transformers": transformers.__version__, "machine": platform.machine(),
                 "kv_bytes_per_token": eng.runner.kv_bytes_per_token,
                 "kv_pool": {"blocks": eng.config.num_blocks, "block_size": eng.config.block_size,
-                            "bytes": 2 * eng.runner.k_cache.numel() * 4},
+                            "bytes": 2 * eng.runner.k_cache.numel()
+                            * eng.runner.k_cache.element_size()},
                 "results": rows}
 
 
 def show(result: dict, opts: BenchOptions) -> None:
-    """Per concurrency level: both systems' tokens/s and TTFT, the speedup and its ceiling."""
+    """Per concurrency level: both systems' tokens/s and TTFT, the speedup and its ceiling
+    (the open loop: `serve_open.show`)."""
     from rich.console import Console
     from rich.table import Table
+
+    if result.get("bench") == "serve-open":
+        from phoenixft.bench import serve_open
+
+        serve_open.show(result)
+        return
 
     t = Table(title=f"phoenixft bench serve: {result['model']}, {result['threads']} threads")
     for col in ("concurrent", "engine tok/s", "transformers tok/s", "speedup", "ceiling",
@@ -332,6 +340,13 @@ def show(result: dict, opts: BenchOptions) -> None:
 
 def measure(opts: BenchOptions) -> dict:
     args = opts.own
+    if args.open_loop:
+        from phoenixft.bench import serve_open
+
+        result = {"bench": "serve-open", **serve_open.measure_open(args)}
+        result["comparisons"] = serve_open.comparisons(result)
+        result["goals"] = [g.as_dict() for g in serve_open.goals(result)]
+        return result
     return run(ServeBenchConfig(concurrency=args.concurrency, rounds=args.rounds, size=args.size,
                                 repeats=args.repeats, threads=opts.threads, model_dir=args.model))
 
@@ -367,4 +382,19 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
                    help="repeats per level, alternating the systems; median shown")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--out", default=None, help="write the JSON result here")
+    o = p.add_argument_group("open loop (--open-loop: Poisson arrivals and a burst, trace "
+                             "lengths, over HTTP; see phoenixft/bench/serve_open.py)")
+    o.add_argument("--open-loop", action="store_true")
+    o.add_argument("--rates", nargs="+", default=["0.5", "1", "2"],
+                   help="request rates (requests/s); a burst (all at once) is always added")
+    o.add_argument("--requests", type=int, default=32, help="requests at each rate")
+    o.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16"])
+    o.add_argument("--length-scale", type=float, default=0.25,
+                   help="the trace's lengths times this (1: as recorded)")
+    o.add_argument("--max-model-len", type=int, default=2048)
+    o.add_argument("--kv-cache-memory", default="256MiB")
+    o.add_argument("--hf-batch", type=int, default=16,
+                   help="transformers: the most requests in one static batch")
+    o.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=command(measure, show))

@@ -19,6 +19,7 @@ from phoenixft.bench import (
     recovery,
     serve,
     serve_ft,
+    serve_open,
     sharded,
     torchft_side,
 )
@@ -85,6 +86,11 @@ SUITE: list[Entry] = [
     _bench("serve-medium", serve, "1 process x 2 torch threads, a 54M-parameter model",
            ["--size", "medium", "--concurrency", "8", "32", "--rounds", "2", "--repeats", "1"],
            ["--size", "medium"], bench="serve"),
+    _bench("serve-open", serve_open, "phoenixft serve (front + engine, + standby and log "
+           "executor with recovery) x 2 torch threads, transformers in the bench process "
+           "x 2 threads, one at a time",
+           ["--open-loop", "--size", "medium", "--requests", "8", "--rates", "1"],
+           ["--open-loop", "--size", "medium"], bench="serve"),
     _bench("serve-ft", serve_ft, "engine 1 torch thread + log executor process; front + 2 "
            "engines end to end", ["--contexts", "256,1024", "--blocks", "110"]),
     _bench("torchft", torchft_side, "2 members x 1 torch thread each (+1 spare / +1 "
