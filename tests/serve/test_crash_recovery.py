@@ -38,18 +38,21 @@ def test_engine_killed_three_times_clients_get_the_uninterrupted_tokens(long_mod
 @pytest.mark.timeout(420)
 def test_a_bfloat16_server_killed_twice_clients_get_the_uninterrupted_tokens(
         long_model_bf16, tmp_path):
-    """The checkpoint says bfloat16 and `--dtype auto` serves it so: the recovery log
-    carries its KV words raw, and the resumed engine recomputes no prompt token."""
-    _streams_through_kills(long_model_bf16, tmp_path, (20, 90), max_tokens=400)
+    """`--dtype bfloat16` (the checkpoint is bfloat16 too, so the reference's `auto` is
+    the same): the recovery log carries its KV words raw, and the resumed engine
+    recomputes no prompt token."""
+    _streams_through_kills(long_model_bf16, tmp_path, (20, 90), max_tokens=400,
+                           extra=("--dtype", "bfloat16"))
 
 
-def _streams_through_kills(model, tmp_path, kill_at: tuple[int, ...], max_tokens: int) -> None:
+def _streams_through_kills(model, tmp_path, kill_at: tuple[int, ...], max_tokens: int,
+                           extra: tuple[str, ...] = ()) -> None:
     """8 streams (7 SSE clients, 1 official `openai` client) through an engine SIGKILL
     after each count of tokens in `kill_at`: every client gets the uninterrupted run's
     tokens, with no gap or duplicate, and no prompt token is recomputed."""
     ps = prompts(8, 300)
     ref = reference(model, ps, max_tokens)
-    server = Server(model, tmp_path / "run", free_port())
+    server = Server(model, tmp_path / "run", free_port(), extra)
     try:
         clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
                                            **params(i, max_tokens)}) for i, p in enumerate(ps[:7])]
