@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from phoenixft.cluster.store import free_port
+
 
 def build_model(out: Path, tiny: bool) -> str:
     import torch
@@ -178,7 +180,7 @@ def end_to_end(model: str, args, tmp: Path) -> dict:
     """`phoenixft serve` with streaming clients; the engine SIGKILLed mid-generation."""
     import signal
 
-    port = _free_port()
+    port = free_port()
     run_dir = tmp / "e2e"
     proc = subprocess.Popen([sys.executable, "-m", "phoenixft.serve.server.cli", "serve", model,
                              "--port", str(port), "--threads", str(args.threads),
@@ -244,13 +246,6 @@ def _after_kill(arrivals: list[list[float]], rec: dict, t_kill: float) -> dict:
             "kill_to_next_token_max_s": max(nxt),
             "stall_s": statistics.median(max(g) for g in gaps),
             "usual_gap_s": statistics.median(statistics.median(g) for g in gaps)}
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ok(base: str) -> bool:

@@ -33,13 +33,14 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from phoenixft.cluster.store import free_port
 
 LENGTHS = Path(__file__).parent / "data" / "azure_conv_2023_lengths.json"
 SUSTAIN = 0.9  # completed requests/s over the offered rate that counts as keeping up
@@ -123,18 +124,12 @@ def summarize(recs: list[dict], rate: float) -> dict:
 
 
 # -- the engine, over HTTP --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProc:
     """`phoenixft serve` in its own process group, stopped by PID (SIGKILL to the group)."""
 
     def __init__(self, model: str, *, dtype: str, threads: int, max_len: int, kv: str,
                  recovery: bool, run_dir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "phoenixft.serve.server.cli", "serve", model,
                "--port", str(self.port), "--dtype", dtype, "--threads", str(threads),
@@ -277,7 +272,7 @@ def measure_open(args) -> dict:
     import torch
     import transformers
 
-    from phoenixft.bench.serve import build_bench_model
+    from phoenixft.bench.bench_models import build_bench_model
     from phoenixft.serve.server.cli import parse_bytes
 
     rng = random.Random(args.seed)
