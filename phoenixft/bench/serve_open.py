@@ -124,6 +124,27 @@ def summarize(recs: list[dict], rate: float) -> dict:
 
 
 # -- the engine, over HTTP --------------------------------------------------------------
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float,
+                 poll_s: float = 0.1) -> None:
+    """Wait until the `phoenixft serve` process `proc` answers 200 at `base`/health;
+    RuntimeError (with its stderr's tail) if it exits first, TimeoutError after
+    `timeout_s`. Readiness is a state, polled with a deadline."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"phoenixft serve exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"phoenixft serve did not become ready in {timeout_s:g} s")
+        time.sleep(poll_s)  # polling a state, bounded by the deadline
+
+
 class ServerProc:
     """`phoenixft serve` in its own process group, stopped by PID (SIGKILL to the group)."""
 
@@ -138,21 +159,11 @@ class ServerProc:
                "--run-dir", str(run_dir)] + ([] if recovery else ["--no-recovery"])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while True:  # readiness is a state: /health answers 200
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"phoenixft serve exited: {self.proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError("phoenixft serve did not become ready in 300 s")
-            time.sleep(0.1)  # polling a state, bounded by the deadline
+        try:
+            wait_healthy(self.proc, self.base, 300.0)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from phoenixft.bench.serve_open import wait_healthy
 from phoenixft.serve import LLM, EngineConfig, SamplingParams
 from tests.support.waiting import free_port as free_port
 
@@ -35,18 +36,7 @@ class Server:
              "--served-model-name", "tiny", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        deadline = time.monotonic() + 120
-        while True:  # readiness is a state: /health answers ok
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server not ready")
-            time.sleep(0.05)  # polling a state with a deadline
+        wait_healthy(self.proc, self.base, 120.0, poll_s=0.05)
 
     def status(self) -> dict:
         return json.loads((self.run_dir / "status.json").read_text())
