@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from phoenixft import extras
+
 # (module, attribute) pairs whose register(subparsers) adds top-level subcommands.
 _COMMANDS = [
     "phoenixft.launch.cli",      # run, demo, status
@@ -71,6 +73,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # an optional dependency: one line naming its extra
+        line = extras.hint(exc, _command_name(args))
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    words = [getattr(args, "command", None), getattr(args, "bench", None)]
+    return "phoenixft " + " ".join(w for w in words if w)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
-
-import psutil
+from typing import TYPE_CHECKING, Protocol
 
 from phoenixft.observe.steps import StepEvent
+
+if TYPE_CHECKING:  # imported where used: a base install (no psutil) builds the CLI too
+    import psutil
 
 
 class ProcessTree:
@@ -45,6 +46,9 @@ class ProcessTree:
     recorded process that is still the same process (PID and start time both match)."""
 
     def __init__(self, argv: list[str], *, log: Path, env: dict[str, str] | None = None) -> None:
+        import psutil  # the bench extra
+
+        self._ps = psutil
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = log.open("wb")
         self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
@@ -56,7 +60,7 @@ class ProcessTree:
         """The live descendants now (remembered for `kill`)."""
         try:
             kids = self.root.children(recursive=True)
-        except psutil.NoSuchProcess:
+        except self._ps.NoSuchProcess:
             kids = []
         for k in kids:
             self._seen.setdefault(k.pid, k)
@@ -66,8 +70,8 @@ class ProcessTree:
         """True if `pid` is a live process of this tree: nothing else is ever signalled."""
         p = self._seen.get(pid)
         try:
-            return p is not None and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
+            return p is not None and p.is_running() and p.status() != self._ps.STATUS_ZOMBIE
+        except self._ps.NoSuchProcess:
             return False
 
     def kill(self) -> None:
@@ -81,7 +85,7 @@ class ProcessTree:
             try:
                 if p.is_running():  # compares the start time too: a reused PID is left alone
                     p.kill()
-            except psutil.NoSuchProcess:
+            except self._ps.NoSuchProcess:
                 pass
         try:
             self.popen.wait(timeout=10)

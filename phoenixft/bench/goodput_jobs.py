@@ -18,8 +18,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 from phoenixft.bench.faults import JsonlTail, ProcessTree, StepFault
 from phoenixft.bench.harness import EXAMPLE
 from phoenixft.observe.steps import StepEvent
@@ -163,6 +161,8 @@ class TorchrunJob:
                 for e in new if e.get("event") == "step"]
 
     def victims(self) -> dict[int, int]:
+        import psutil  # the bench extra (not at module level: the CLI imports this module)
+
         out = {}
         for p in self.tree.refresh():
             try:
