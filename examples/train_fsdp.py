@@ -41,8 +41,10 @@ def parallelize(model: LlamaForCausalLM, mesh, bf16: bool = False, dp_shard: int
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if bf16 else MixedPrecisionPolicy())
     names = mesh.mesh_dim_names
-    dp = mesh["dp_shard"] if len(names) > 1 else mesh
-    if dp_shard not in (-1, dp.size()):
+    # FSDP2 over the data-parallel dimensions: ("dp_shard",), or ("dp_replicate",
+    # "dp_shard") for plain FSDP2's own HSDP under torchrun
+    dp = mesh[tuple(n for n in names if n != "tp")] if "tp" in names else mesh
+    if dp_shard not in (-1, mesh["dp_shard"].size() if len(names) > 1 else dp.size()):
         raise ValueError(f"--dp-shard {dp_shard}: the mesh's dp_shard dimension has "
                          f"{dp.size()} ranks (ranks / --tp); pass -1 to take it")
     for block in model.model.layers:
@@ -96,6 +98,27 @@ def under_phoenixft(args) -> None:
     for step in sess.steps(args.steps):
         for j in step.microbatches():
             step.backward(loss_of(model, windows, step.index, j))
+        if args.clip:
+            step.clip_grad_norm_(args.clip)  # the global norm over every rank's shards
+
+
+def clip_reference(model, max_norm: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_`; with tensor parallelism over the MLPs only, the gradients
+    live on two meshes, whose per-parameter norms torch's function cannot stack: the norm
+    is then taken per mesh (reduced over its ranks) and the two combined, as torchtitan's
+    clipping reduces a DTensor norm with `full_tensor()`."""
+    from torch.distributed.tensor import DTensor
+    params = [p for p in model.parameters() if p.grad is not None]
+    meshes = {id(p.grad.device_mesh): p.grad.device_mesh for p in params}
+    if len(meshes) == 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    groups = [[p for p in params if p.grad.device_mesh is mesh] for mesh in meshes.values()]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g]).full_tensor() for g in groups]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for g in groups:
+        torch.nn.utils.clip_grads_with_norm_(g, max_norm, total)  # (takes the parameters)
+    return total
 
 
 def under_torchrun(args) -> None:
@@ -107,17 +130,25 @@ def under_torchrun(args) -> None:
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, windows = build(args)
-    mesh = (init_device_mesh(args.device, (world,), mesh_dim_names=("dp_shard",))
-            if args.tp == 1 else
-            init_device_mesh(args.device, (world // args.tp, args.tp),
-                             mesh_dim_names=("dp_shard", "tp")))
+    if args.dp_shard not in (-1, world // args.tp):  # HSDP: FSDP2's own replicate dimension
+        if args.tp != 1:
+            raise SystemExit("this example's torchrun path runs HSDP without --tp")
+        mesh = init_device_mesh(args.device, (world // args.dp_shard, args.dp_shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    elif args.tp == 1:
+        mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = init_device_mesh(args.device, (world // args.tp, args.tp),
+                                mesh_dim_names=("dp_shard", "tp"))
     parallelize(model, mesh, args.bf16, args.dp_shard)
-    dp_rank, tp_rank = divmod(rank, args.tp)
+    dp_rank, tp_rank = divmod(rank, args.tp)  # (HSDP: the rank's place over both dp dims)
     opt = optimizer(args)([p for p in model.parameters() if p.requires_grad])
-    losses = []
+    losses, norms = [], []
     for index in range(1, args.steps + 1):
         loss = loss_of(model, windows, index, dp_rank)
         loss.backward()
+        if args.clip:
+            norms.append(float(clip_reference(model, args.clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         # the step's mean loss as phoenixft reports it: each dp rank's loss summed over
@@ -135,7 +166,8 @@ def under_torchrun(args) -> None:
     if rank == 0 and args.out:
         from phoenixft.train.digest import state_digest
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "final_state_digest": state_digest(state)}, f)
+            json.dump({"losses": losses, "final_state_digest": state_digest(state),
+                       "grad_norms": norms}, f)
     dist.destroy_process_group()
 
 
@@ -156,6 +188,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=None,
                     help="under phoenixft: microbatches per step over all ranks (default one "
                          "per rank); keep it when resuming onto another number of ranks")
+    ap.add_argument("--clip", type=float, default=0.0,
+                    help="clip gradients to this global norm (torchtitan's max_norm; 0: no clipping)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: this worker's GPU (the mesh's groups then use NCCL)")
     ap.add_argument("--bf16", action="store_true",

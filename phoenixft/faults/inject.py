@@ -46,7 +46,9 @@ WHEN:
     step=T:phase=P          at phase P of step T: backward (a sharded model: as it
                             starts the step's first gradient reduce-scatter, inside the
                             backward pass), reduce (before the gradient all-reduce),
-                            update (after it, before the optimizer step), snapshot (in the
+                            clip (in step.clip_grad_norm_, before its norm's all-reduce
+                            of a sharded model), update (after the all-reduce and any
+                            clip, before the optimizer step), snapshot (in the
                             middle of copying snapshot T), replicate (snapshot T copied,
                             its replicas not sent), commit (all its copies acknowledged)
     gen=G                   while it recovers into generation G, once that generation's
@@ -70,7 +72,7 @@ KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot", "sl
 # kinds that land inside the snapshot thread, at a point of their own (the caller does the
 # damage: `garbles`, `rots`), instead of at a step's start or phase
 LANDS_AT = {"garble": "received", "rot": "written", "flip": "reduced"}
-PHASES = ("start", "backward", "reduce", "update", "snapshot", "replicate", "commit")
+PHASES = ("start", "backward", "reduce", "clip", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch", "every")
 FLIP_WHERE = ("grad", "param", "optim")
 

@@ -69,8 +69,13 @@ class FlatZero1(StateLayout):
         self.flat.gather_grads(out)
         out[self.flat.numel:].zero_()  # the padding
 
-    def grad_views(self, grads: torch.Tensor) -> list[torch.Tensor]:
-        return list(self.flat.unflatten(grads[:self.flat.numel]).values())
+    def clip(self, grads: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The norm of the all-reduced gradient (every rank holds it whole: no collective),
+        per parameter as torch's; its clip coefficient applied to the flat region at once."""
+        views = list(self.flat.unflatten(grads[:self.flat.numel]).values())
+        norm = torch.nn.utils.get_total_norm(views, norm_type)
+        grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
 
     def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
                before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:

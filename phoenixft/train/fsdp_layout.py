@@ -36,7 +36,9 @@ finished microbatch can be kept (no in-step recovery, no computing ahead).
 
 A job resumed onto another world size or mesh shape reshards (`reshard`); a running job
 cannot change its world size (survivors' shards were cut by `fully_shard` for the old
-one): it needs spares. Not yet: clipping by the global norm, HSDP's replicate dimension.
+one): it needs spares (HSDP, `hsdp_layout.py`, has replica groups that can leave).
+Clipping by the global norm (`clip`) takes the norm over every shard, its all-reduces on
+the mesh's groups.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from torch import nn
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.comm.swap_group import SwapGroup, init_world, sub_group
 from phoenixft.train import quota
+from phoenixft.train.clip import clip_grad_norm_
 from phoenixft.train.digest import state_digest
 from phoenixft.train.layout import StateLayout
 from phoenixft.train.zero import SchedulerFactory
@@ -91,6 +94,7 @@ class Fsdp2Layout(StateLayout):
         self._fsdp_params: list = []
         self._before_reduce_scatter = before_reduce_scatter
         self._grad_scale: float | None = None  # W/M when M != W (see `bind`)
+        self._settled = False  # this step's gradients are final (`_settle_grads`)
         self._placement: dict[str, list] = {}  # see `_placement`
 
     # -- identity ----------------------------------------------------------------------
@@ -215,6 +219,7 @@ class Fsdp2Layout(StateLayout):
             return
         self.group.latch(CommFailure("the generation was left"))  # (and its siblings)
         self.model.reset_iter_state()
+        self._settled = False
         for fp in self._fsdp_params:
             unsharded = getattr(fp, "_unsharded_param", None)
             if unsharded is not None:
@@ -229,17 +234,30 @@ class Fsdp2Layout(StateLayout):
     def write_grads(self, out: torch.Tensor) -> None:
         pass
 
-    def grad_views(self, grads: torch.Tensor) -> list[torch.Tensor]:
-        raise NotImplementedError("step.clip_grad_norm_ with an FSDP2 model is not supported "
-                                  "yet (its gradients are sharded DTensors)")
-
-    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
-               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
+    def _settle_grads(self) -> None:
+        """The step's averaged gradient on the parameters (`.grad`), once per step: by
+        `clip` or else by `update`."""
+        if self._settled:
+            return
+        self._settled = True
         if self._grad_scale is not None:
             with torch.no_grad():
                 for p in self.model.parameters():
                     if p.grad is not None:
                         _local(p.grad).mul_(self._grad_scale)
+
+    def clip(self, grads: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The global norm over every rank's gradient shards (`train/clip.py`): its
+        all-reduces run on the mesh's groups, so a failure in them is latched and raised
+        by the session, and the step redone, like a failure in backward."""
+        self._settle_grads()
+        return clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                               max_norm, norm_type)
+
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
+               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
+        self._settle_grads()
+        self._settled = False  # (the next step's gradients)
         self.opt.step()  # pre-hooks wait for the previous snapshot's copy; no collective
         if self.sched is not None:
             self.sched.step()

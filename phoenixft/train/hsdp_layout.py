@@ -182,11 +182,13 @@ class HsdpLayout(Fsdp2Layout):
         return next((g.failure for g in self.dims.values() if g.failure is not None), None)
 
     def relocate(self) -> None:
-        """The group's gradients are kept when none of its collectives failed: every
-        one of them completed (a generation that leaves the group as it was does not
-        interrupt them), so they hold whole microbatches."""
-        self._kept = self.failure() is None
+        """The group's gradients are kept when none of its collectives failed and no clip
+        replaced them by the step's mean (`_settle_grads`): every one of them completed (a
+        generation that leaves the group as it was does not interrupt them), so they hold
+        whole microbatches. Otherwise the step is redone."""
+        self._kept = self.failure() is None and not self._settled
         self._reduced = None
+        self._settled = False
         if not self._kept:
             super().relocate()
             return
@@ -222,14 +224,24 @@ class HsdpLayout(Fsdp2Layout):
             self._rep_ops.allreduce(flat, what)
         self._reduced, self._grad_scale = flat, self.dp_shard / m
 
-    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
-               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
+    def _settle_grads(self) -> None:
+        """The cross-group mean onto the parameters' gradient shards (once a step: by
+        `clip`, else by `update`): every group then holds the same gradient, and the
+        norm over one group's shards (`clip`) is the global norm."""
+        if self._settled:
+            return
+        self._settled = True
         off = 0
         with torch.no_grad():
             for g in self._grads():
                 n = g.numel()
                 g.copy_(self._reduced[off:off + n].view_as(g)).mul_(self._grad_scale)
                 off += n
+
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
+               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
+        self._settle_grads()
+        self._settled = False
         self._reduced = None
         self.opt.step()
         if self.sched is not None:

@@ -188,8 +188,12 @@ class StateLayout(ABC):
         """Copy this rank's accumulated gradients into `out` (`grad_numel()` elements)."""
 
     @abstractmethod
-    def grad_views(self, grads: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views of a gradient region (for clipping by the global norm)."""
+    def clip(self, grads: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip the step's averaged gradient (`grads`: the reduced region of the step's
+        all-reduce; a sharded layout's own gradients) by its global norm, exactly as
+        `torch.nn.utils.clip_grad_norm_` does, and return that norm, the same on every
+        rank. Called after the step's all-reduce, before `update`; collective where the
+        gradients are sharded (a failure is latched like the passes', `failure()`)."""
 
     @abstractmethod
     def update(self, grads: torch.Tensor, ops: GroupOps, what: str,

@@ -367,7 +367,8 @@ class Session:
 
     def _clip(self, st: Step, max_norm: float, norm_type: float) -> torch.Tensor:
         """`Step.clip_grad_norm_`: the global norm of the averaged gradient, computed and
-        applied per parameter exactly as `torch.nn.utils.clip_grad_norm_` does."""
+        applied per parameter exactly as `torch.nn.utils.clip_grad_norm_` does (over every
+        shard of a sharded model: `layout.clip`)."""
         if len(st.done) < len(st.ids):
             raise RuntimeError(f"step {st.index}: clip_grad_norm_ must come after every "
                                "microbatch's backward (it reduces the step's gradients)")
@@ -380,10 +381,13 @@ class Session:
         except CommFailure as exc:  # recovered when the loop body returns; the step reruns
             st.failure = exc
             return torch.tensor(float("nan"))
-        views = self.state.layout.grad_views(st.grads)
-        norm = torch.nn.utils.get_total_norm(views, norm_type)
-        # torch's clip coefficient, applied to the whole flat gradient at once
-        st.grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        layout = self.state.layout
+        self.member.injector.at_step(self.rank, st.index, "clip")
+        norm = layout.clip(st.grads, max_norm, norm_type)
+        failed = layout.failure()  # (a sharded layout's norm all-reduce, latched)
+        if failed is not None:
+            st.failure = failed
+            return torch.tensor(float("nan"))
         return norm
 
     def _complete(self, st: Step) -> None:
