@@ -115,8 +115,16 @@ class Persistence:
     keep: int = 2  # bases kept, with their deltas and manifests
     cpu_share: float = 0.05
     resume: bool = False  # the job must start from a persisted step, never afresh
+    # a new job's start: a checkpoint in torch.distributed.checkpoint's default format
+    # (ours, torchtitan's, or any dcp.save of torchtitan's keys), sharded models only
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
+        if self.init_from is not None and not self.init_from.strip():
+            raise ConfigError("{init_from} is empty: name the checkpoint's directory")
+        if self.init_from is not None and self.resume:
+            raise ConfigError("{init_from} starts a new job and {resume} continues one: "
+                              "give one of them")
         if self.url is not None and not self.url.strip():
             raise ConfigError("{url} is empty: name a directory or s3://bucket/prefix")
         for name in ("every", "keep"):

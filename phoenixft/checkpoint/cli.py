@@ -14,13 +14,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     ls = verbs.add_parser("ls", help="committed steps (manifests), newest last")
     verify = verbs.add_parser("verify", help="read every record of every kept step (or one) "
-                              "and check its checksums")
+                              "and check its checksums, and every checkpoint in DCP's format "
+                              "(checkpoint/step-N, or URL itself)")
     verify.add_argument("--step", type=int, default=None)
     inspect = verbs.add_parser("inspect", help="a step's manifest, records and tensors")
     inspect.add_argument("--step", type=int, default=None, help="default: the newest")
-    export = verbs.add_parser("export", help="a step as a Hugging Face model directory")
+    export = verbs.add_parser("export", help="a step as a Hugging Face model directory, or "
+                              "(--format dcp) as a torch.distributed.checkpoint checkpoint")
     export.add_argument("--step", type=int, default=None, help="default: the newest")
     export.add_argument("--to", required=True, help="output directory (new or empty)")
+    export.add_argument("--format", choices=["hf", "dcp"], default="hf",
+                        help="hf: config.json + model.safetensors (the model); dcp: DCP's "
+                             "default format (.metadata + .distcp) with the model, the "
+                             "optimizer state and the step under torchtitan's keys, which "
+                             "dcp.load(state, checkpoint_id=DIR) and --init-from read")
     export.add_argument("--force", action="store_true", help="write into a non-empty --to "
                         "directory (its config.json and model.safetensors are replaced)")
     for v in (ls, verify, inspect, export):
@@ -91,11 +98,33 @@ def _ls(args) -> int:
     return 0
 
 
+def _dcp_dirs(tier) -> list[str]:
+    """The checkpoints in DCP's default format under a persist URL (`checkpoint/step-N`),
+    or the URL itself when it is one."""
+    if tier.fs.exists(f"{tier.root}/.metadata"):
+        return [tier.url]
+    found = tier.fs.glob(f"{tier.root}/checkpoint/step-*")
+    return [f"{tier.url}/checkpoint/{p.rstrip('/').rsplit('/', 1)[-1]}" for p in sorted(found)]
+
+
+def _verify_dcp(urls: list[str]) -> int:
+    from phoenixft.checkpoint import dcp_checkpoint
+    bad = 0
+    for url in urls:
+        problems = dcp_checkpoint.verify(url)
+        bad += len(problems)
+        print(f"{url}: " + ("ok" if not problems else "BAD: " + "; ".join(problems)))
+    return bad
+
+
 def _verify(args) -> int:
     from phoenixft.checkpoint.export import read_fixed
     from phoenixft.checkpoint.integrity import IntegrityError
     from phoenixft.checkpoint.manifests import scan
     tier = _tier(args.url)
+    dcp_dirs = _dcp_dirs(tier) if args.step is None else []
+    if dcp_dirs and not tier.manifests():  # (a DCP checkpoint alone: torchtitan's, an export)
+        return 1 if _verify_dcp(dcp_dirs) else 0
     steps = [_step(tier, args.step)] if args.step is not None else tier.manifests()
     if not steps:
         raise LookupError(f"{tier.url} holds no committed checkpoint (no manifest)")
@@ -122,6 +151,7 @@ def _verify(args) -> int:
                 fixed[key] = f"BAD: {exc}"
                 bad += 1
             print(f"step {s} model tensors {key[0]}: {fixed[key]}")
+    bad += _verify_dcp(dcp_dirs)
     print(f"{args.url}: {len(steps)} committed step(s), {bad} bad (record(s), manifest(s) "
           "or model file(s))")
     return 1 if bad else 0
@@ -132,9 +162,9 @@ def _inspect(args) -> int:
     m = tier.read_manifest(s)
     print(json.dumps({k: v for k, v in m.items() if k != "model"}, indent=1))
     meta = m["model"]["meta"]
-    if m.get("dcp"):
-        print(f"in torch.distributed.checkpoint's format: {tier.url}/{m['dcp']} "
-              "(load it with dcp.load and HuggingFaceStorageReader)")
+    for url in _dcp_dirs(tier):
+        print(f"in torch.distributed.checkpoint's default format: {url} "
+              "(dcp.load(state, checkpoint_id=...) reads it, or --init-from)")
     trained = len(meta["params"]) if "params" in meta else f"{meta.get('layout')} sharded"
     print(f"model: {trained} trainable tensors, {meta['numel']} parameters "
           f"({meta['dtype']}), config: {'yes' if meta.get('config') else 'none'}, "
@@ -147,10 +177,15 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from phoenixft.checkpoint.export import check_target, export_hf
+    from phoenixft.checkpoint.export import check_target, export_dcp, export_hf
     check_target(args.to, args.force)
     tier = _tier(args.url)
     s = _step(tier, args.step)
+    if args.format == "dcp":
+        out = export_dcp(tier, s, args.to)
+        print(f"wrote step {s} of {args.url} to {out} (DCP's default format: .metadata, "
+              "*.distcp; model, optimizer and train_state.step)")
+        return 0
     out = export_hf(tier, s, args.to)
     print(f"wrote step {s} of {args.url} to {out} (config.json, model.safetensors)")
     return 0

@@ -1,12 +1,11 @@
-"""A base record in torch.distributed.checkpoint's format: one rank's snapshot blob as a
-safetensors file that `torch.distributed.checkpoint.load` reads with its
-`HuggingFaceStorageReader`, and that gives the exact blob back.
+"""A sharded model's base record: one rank's snapshot blob as a safetensors file with
+torch.distributed.checkpoint's sharding information, that gives the exact blob back.
 
 A sharded model's snapshot (`Fsdp2Layout`) says in its header where each of its tensors
 lies in the whole one (`meta["opt"]["dcp"]`: global size and offsets, per parameter).
-Every rank writes its file into the step's directory, ``dcp/s{step:010d}/``; each file
-carries DCP's sharding info (``DCP_SHARDING_INFO``: the saved offsets of each tensor), so
-the directory is one DCP checkpoint of the whole model, loadable onto any mesh:
+Each rank writes its file as ``r{rank}/s{step:010d}.shards`` (`tiers.py`); each file
+carries DCP's sharding info (``DCP_SHARDING_INFO``: the saved offsets of each tensor), in
+the names DCP's `HuggingFaceStorageReader` reads:
 
 - a parameter's local shard under its fully qualified name (``layers.0.attn.q.weight``),
 - its optimizer state under ``optimizer.state.<fqn>.<key>`` (as `get_optimizer_state_dict`
@@ -20,8 +19,12 @@ No pickle anywhere: safetensors headers are JSON, its data raw. The file's own m
 the blob byte for byte (padding included) and the caller verifies that checksum, so a
 damaged file is found and named like any other record.
 
-A directory is a whole checkpoint only when every rank of the step wrote a base there:
-rank 0 then writes ``COMMITTED`` into it, after the step's manifest (`persist.py`).
+A base is one rank's part of a step, so it is never left where a DCP reader would take
+it for a checkpoint: not named ``*.safetensors``, not in a directory of its own. (Before
+0.2 the ranks' files of a step shared ``dcp/s{step}/``, which DCP's reader loaded without
+complaint while some ranks' files were missing, leaving holes.) A whole step in DCP's
+default format is `dcp_export.py`'s. `decode` checks the file's sharding info against
+the blob's own placement, so an edited one is named (`ckpt verify`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from phoenixft.checkpoint.slots import HEADER_BYTES
 
 OPT_PREFIX = "optimizer.state."
 LOCAL_PREFIX = "phoenixft.rank"
-COMMITTED = "COMMITTED"
 
 
 def dcp_map(header: dict) -> dict | None:
@@ -68,25 +70,20 @@ def encode(blob, header: dict, step: int, rank: int, checksum: str) -> bytes:
     """The safetensors file of a verified blob whose header has a placement map."""
     from safetensors.torch import save
 
-    placement = dcp_map(header)
     raw = np.frombuffer(blob, dtype=np.uint8)
     local = f"{LOCAL_PREFIX}{rank}."
     tensors: dict[str, torch.Tensor] = {local + "header": torch.from_numpy(raw[:HEADER_BYTES].copy())}
-    sharding: dict[str, dict] = {local + "header": {"saved_offsets": [0]}}
+    keys, sharding = _keys(header, rank)
     names, gaps, pos = {}, [], HEADER_BYTES
-    for e in header["entries"]:
+    for e, key in zip(header["entries"], keys):
         start = HEADER_BYTES + e["offset"]
         gaps.append(raw[pos:start])
         pos = start + e["nbytes"]
         t = (torch.from_numpy(raw[start:pos].copy()).view(getattr(torch, e["dtype"]))
              .view(e["shape"]))
-        public = public_name(e["name"], e["shape"], rank, placement)
-        key, offsets = public if public else (local + e["name"], [0] * len(e["shape"]))
         tensors[key], names[key] = t, e["name"]
-        sharding[key] = {"saved_offsets": offsets}
     gaps.append(raw[pos:HEADER_BYTES + header["data_nbytes"]])
     tensors[local + "gaps"] = torch.from_numpy(np.concatenate(gaps).copy())
-    sharding[local + "gaps"] = {"saved_offsets": [0]}
     info = {"step": step, "rank": rank, "blob_nbytes": len(raw), "checksum": checksum,
             "names": names}
     return save(tensors, metadata={"DCP_SHARDING_INFO": json.dumps(sharding),
@@ -94,15 +91,36 @@ def encode(blob, header: dict, step: int, rank: int, checksum: str) -> bytes:
                                    "phoenixft": json.dumps(info)})
 
 
-def info_of(data: bytes, where: str) -> dict:
-    """The `phoenixft` metadata of a base file (IntegrityError if unreadable)."""
+def _keys(header: dict, rank: int) -> tuple[list[str], dict[str, dict]]:
+    """Each blob entry's key in the file, and the file's DCP sharding info."""
+    placement = dcp_map(header)
+    local = f"{LOCAL_PREFIX}{rank}."
+    keys, sharding = [], {local + "header": {"saved_offsets": [0]}}
+    for e in header["entries"]:
+        public = public_name(e["name"], e["shape"], rank, placement)
+        key, offsets = public if public else (local + e["name"], [0] * len(e["shape"]))
+        keys.append(key)
+        sharding[key] = {"saved_offsets": offsets}
+    sharding[local + "gaps"] = {"saved_offsets": [0]}
+    return keys, sharding
+
+
+def _file_meta(data: bytes, where: str) -> dict:
     try:
         n = int.from_bytes(data[:8], "little")
-        head = json.loads(data[8:8 + n])
-        return json.loads(head["__metadata__"]["phoenixft"])
+        return json.loads(data[8:8 + n])["__metadata__"]
     except (ValueError, KeyError, TypeError):
         raise IntegrityError(f"{where}: not a phoenixft DCP base (unreadable safetensors "
                              "header: truncated or overwritten)") from None
+
+
+def info_of(data: bytes, where: str) -> dict:
+    """The `phoenixft` metadata of a base file (IntegrityError if unreadable)."""
+    try:
+        return json.loads(_file_meta(data, where)["phoenixft"])
+    except (ValueError, KeyError, TypeError):
+        raise IntegrityError(f"{where}: not a phoenixft DCP base (no phoenixft metadata in "
+                             "its safetensors header)") from None
 
 
 def decode(data: bytes, where: str) -> tuple[dict, bytearray]:
@@ -134,4 +152,12 @@ def decode(data: bytes, where: str) -> tuple[dict, bytearray]:
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise IntegrityError(f"{where}: its tensors do not make a snapshot blob ({exc!r}): "
                              "damaged or not written by phoenixft") from None
+    try:
+        said = json.loads(_file_meta(data, where)["DCP_SHARDING_INFO"])
+    except (ValueError, KeyError, TypeError):
+        said = None
+    if said != _keys(head, info["rank"])[1]:
+        raise IntegrityError(f"{where}: its DCP sharding metadata (DCP_SHARDING_INFO) does not "
+                             "say where its shards lie (edited or damaged): a DCP reader would "
+                             "put them in the wrong place")
     return info, out

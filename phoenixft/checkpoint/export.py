@@ -75,6 +75,76 @@ def sharded_params(tier: FsspecTier, step: int, manifest: dict) -> dict[str, tor
     return full
 
 
+def _sharded_optim(tier: FsspecTier, step: int, manifest: dict) -> dict:
+    """`sharded_params` for the optimizer state: (param name, key) -> whole tensor; a
+    scalar (Adam's step) as rank 0 holds it."""
+    full: dict[tuple[str, str], torch.Tensor] = {}
+    covered: dict[tuple[str, str], int] = {}
+    written: set[tuple] = set()
+    for r in range(manifest["world_size"]):
+        hdr, tensors = blob_tensors(tier.get(step, r, manifest), step,
+                                    f"{tier.url} rank {r} step {step}")
+        placement = dcp_map(hdr) or {}
+        for entry, local in tensors.items():
+            if not entry.startswith("o."):
+                continue
+            name, _, kind = entry[2:].rpartition(".")
+            key = (name, kind)
+            if local.dim() == 0:
+                full.setdefault(key, local.clone())
+                continue
+            size, offsets = placement[name]
+            if local.numel() == 0 or (key, *offsets) in written:
+                continue
+            written.add((key, *offsets))
+            if key not in full:
+                full[key], covered[key] = local.new_zeros(size), 0
+            full[key][tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))] = local
+            covered[key] += local.numel()
+    short = sorted(k for k, n in covered.items() if n != full[k].numel())
+    if short:
+        raise IntegrityError(f"step {step} of {tier.url}: the ranks' optimizer shards do not "
+                             f"cover {short[0][0]}'s {short[0][1]} exactly once")
+    return full
+
+
+def _flat_optim(tier: FsspecTier, step: int, manifest: dict) -> dict:
+    """A data-parallel job's optimizer state (ZeRO-1 shards of one flat buffer) per
+    parameter."""
+    meta = manifest["model"]["meta"]
+    shards: dict[str, list[torch.Tensor]] = {}
+    for r in range(manifest["world_size"]):
+        _, tensors = blob_tensors(tier.get(step, r, manifest), step, f"{tier.url} rank {r} step {step}")
+        for k, v in tensors.items():
+            if k.startswith("opt."):
+                shards.setdefault(k[4:], []).append(v)
+    out = {}
+    for kind, parts in shards.items():
+        flat = parts[0] if parts[0].dim() == 0 else torch.cat(parts)
+        for name, shape, off in meta["params"]:
+            n = 1
+            for d in shape:
+                n *= d
+            out[(name, kind)] = flat.clone() if flat.dim() == 0 else flat[off:off + n].view(shape).clone()
+    return out
+
+
+def training_state(tier: FsspecTier, step: int) -> tuple[dict, dict, dict, dict]:
+    """A committed step whole: (model fqn -> tensor, (fqn, key) -> optimizer tensor,
+    fqn -> its param group's hyper-parameters, the manifest). The param groups are named
+    only when the optimizer has one (the snapshot does not say which parameter is in
+    which group)."""
+    model, manifest = model_state(tier, step)
+    meta = manifest["model"]["meta"]
+    sharded = meta.get("layout") == "fsdp2"
+    optim = _sharded_optim(tier, step, manifest) if sharded else _flat_optim(tier, step, manifest)
+    hdr, _ = blob_tensors(tier.get(step, 0, manifest), step, f"{tier.url} rank 0 step {step}")
+    groups = (hdr.get("opt") or {}).get("param_groups") or []
+    names = {n for n, _ in optim} | (set(model) - set(read_fixed(tier, manifest)))
+    by_name = {n: groups[0] for n in names} if len(groups) == 1 else {}
+    return model, optim, by_name, manifest
+
+
 def read_fixed(tier: FsspecTier, manifest: dict) -> dict[str, torch.Tensor]:
     """The untrained tensors a manifest names, verified (checksum, when the manifest has
     one, and the safetensors format): IntegrityError names the file and what is wrong."""
@@ -97,6 +167,17 @@ def read_fixed(tier: FsspecTier, manifest: dict) -> dict[str, torch.Tensor]:
         return load_safetensors(data)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise IntegrityError(f"{where}: not a readable safetensors file ({exc})") from None
+
+
+def export_dcp(tier: FsspecTier, step: int, out_dir: str) -> str:
+    """A committed step as a checkpoint in DCP's default format (`dcp_checkpoint.py`)."""
+    from phoenixft.checkpoint import dcp_checkpoint
+
+    model, optim, groups, _ = training_state(tier, step)
+    for alias, target in tier.read_manifest(step)["model"]["meta"].get("aliases", {}).items():
+        if target in model:
+            model[alias] = model[target]  # (a torch state dict names a tied weight twice)
+    return dcp_checkpoint.write(out_dir, dcp_checkpoint.titan_state(model, optim, groups, step))
 
 
 def export_hf(tier: FsspecTier, step: int, out_dir: str | Path) -> Path:

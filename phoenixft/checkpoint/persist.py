@@ -339,12 +339,7 @@ class Persister:
             "step": ready, "job_id": self.job.job_id, "generation": self.job.generation,
             "world_size": self.job.world_size, "time": time.time(), "records": records,
             "model": self.job.model}
-        whole_dcp = all(r.get("codec") == "dcp" for r in records)
-        if whole_dcp:  # every rank's base is in the step's DCP directory: one checkpoint
-            manifest["dcp"] = f"dcp/s{ready:010d}"
         self.tier.write_manifest(ready, manifest)
-        if whole_dcp:
-            self.tier.mark_dcp_committed(ready, manifest)
         kv.raise_to(store, Keys.PERSISTED, ready)
         with self._cond:
             self._committed = ready

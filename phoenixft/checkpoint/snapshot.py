@@ -142,6 +142,9 @@ class Snapshotter:
         self._committed_step = -1  # the newest of this thread's snapshots seen committed
         self._begun_step = -1
         self._last_taken: int | None = None  # the thread's previous snapshot (gaps allowed)
+        # the step the job started from (0, or a checkpoint's with --init-from): no step
+        # before it was ever snapshotted, so its own snapshot waits for no commit
+        self.origin = 0
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._stopped = False
@@ -276,7 +279,7 @@ class Snapshotter:
         # The other slot must hold a committed snapshot before this one may be overwritten:
         # the thread's previous snapshot (it saw the commit), or for a new generation's
         # first snapshot the restored step, step - 1.
-        if self._last_taken is None:
+        if self._last_taken is None and step > self.origin:
             self._wait_committed(store, step - 1)
         self._last_taken = step
         cpu0 = time.thread_time()

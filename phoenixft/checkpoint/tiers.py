@@ -9,8 +9,8 @@ A snapshot travels as a *blob*: its slot bytes (header JSON + aligned tensor byt
   ``s3://bucket/prefix`` (s3fs). It stores *base* records (the whole blob,
   zstd-compressed when a sample of it shrinks by 15% or more, raw otherwise) and *delta*
   records against a base (`delta.py`), and the manifests that commit a step. A sharded
-  model's bases are written in torch.distributed.checkpoint's format instead
-  (`dcp_base.py`: one safetensors file per rank in the step's directory).
+  model's bases are safetensors files with torch.distributed.checkpoint's sharding
+  information instead (`dcp_base.py`: one `.shards` file per rank, beside its records).
 
 Guarantees of every tier: `get` returns only bytes whose checksum matches what `put`
 stored, else raises `IntegrityError` naming the file or key (a torn write, a flipped
@@ -117,8 +117,8 @@ class ShmTier:
 
 _RECORD = b"PHXREC1\0"
 _LEN = struct.Struct("<Q")
-_NAME = re.compile(r"s(\d+)\.(base|delta)$")
-_DCP_NAME = re.compile(r"s(\d+)/r(\d+)\.safetensors$")
+_NAME = re.compile(r"s(\d+)\.(base|delta|shards)$")
+_DCP_NAME = re.compile(r"s(\d+)/r(\d+)\.safetensors$")  # (bases before 0.2: see `legacy_dcp_path`)
 
 
 class FsspecTier:
@@ -126,8 +126,12 @@ class FsspecTier:
 
     Layout: ``r{rank}/s{step:010d}.{base|delta}`` (a JSON header, then the blob, raw or
     zstd-compressed as its header's ``codec`` says, or the delta),
-    ``dcp/s{step:010d}/r{rank:05d}.safetensors`` (a base in DCP's format, `dcp_base.py`),
-    ``manifests/{step:010d}.json``."""
+    ``r{rank}/s{step:010d}.shards`` (a sharded model's base: safetensors with DCP's
+    sharding information, `dcp_base.py`), ``manifests/{step:010d}.json``, and
+    ``checkpoint/step-{step}/`` (a whole checkpoint in DCP's default format,
+    `dcp_export.py`). No directory holds one rank's part of a step under a name a DCP
+    reader takes for a checkpoint: `.shards` files are not `*.safetensors`, and a DCP
+    directory's `.metadata` is written last."""
 
     name = "persistent"
 
@@ -190,19 +194,22 @@ class FsspecTier:
     def record_path(self, step: int, rank: int, kind: str) -> str:
         return self._path(f"r{rank}", f"s{step:010d}.{kind}")
 
-    def dcp_dir(self, step: int) -> str:
-        return self._path("dcp", f"s{step:010d}")
+    def shards_path(self, step: int, rank: int) -> str:
+        """A sharded model's base (`dcp_base.py`)."""
+        return self.record_path(step, rank, "shards")
 
-    def dcp_path(self, step: int, rank: int) -> str:
-        return f"{self.dcp_dir(step)}/r{rank:05d}.safetensors"
+    def legacy_dcp_path(self, step: int, rank: int) -> str:
+        """Where phoenixft before 0.2 wrote a sharded base: read, never written (its
+        directory looked like a DCP checkpoint while other ranks' files were missing)."""
+        return self._path("dcp", f"s{step:010d}", f"r{rank:05d}.safetensors")
 
     def locate(self, step: int, rank: int, kind: str) -> str:
-        """Where (step, rank)'s record of `kind` is: a base in DCP's format when there is
+        """Where (step, rank)'s record of `kind` is: a sharded model's base when there is
         one, else the record file (which may not exist)."""
         if kind == "base":
-            dcp = self.dcp_path(step, rank)
-            if self.fs.exists(dcp):
-                return dcp
+            for path in (self.shards_path(step, rank), self.legacy_dcp_path(step, rank)):
+                if self.fs.exists(path):
+                    return path
         return self.record_path(step, rank, kind)
 
     def put(self, step: int, rank: int, blob, *, base: tuple[int, bytes] | None = None,
@@ -222,9 +229,9 @@ class FsspecTier:
         else:
             kind = "base"
             hdr = blob_header(blob)
-            if dcp_base.dcp_map(hdr) is not None:  # a sharded model: DCP's format
+            if dcp_base.dcp_map(hdr) is not None:  # a sharded model: DCP's sharding info
                 data = dcp_base.encode(blob, hdr, step, rank, full)
-                self.write_atomic(self.dcp_path(step, rank), data)
+                self.write_atomic(self.shards_path(step, rank), data)
                 return RecordInfo(step, rank, kind, full, len(data), codec="dcp")
             codec = self._base_codec(blob)
             meta = {"codec": codec}
@@ -297,7 +304,7 @@ class FsspecTier:
             names = " or ".join(f"s{step:010d}.{k}" for k in kinds)
             raise MissingRecord(f"{self._url_of(self._path(f'r{rank}'))}/{names}: missing "
                                 f"(no record of step {step}, rank {rank})")
-        if path.endswith(".safetensors"):
+        if path.endswith((".shards", ".safetensors")):
             return self._read_dcp(path, step, rank)
         header, payload = self._read_record(path)
         if header["kind"] == "base":  # (records from before the codec field: zstd)
@@ -341,28 +348,21 @@ class FsspecTier:
             for path in self.fs.ls(rank_dir, detail=False):
                 m = _NAME.search(path)
                 if m:
-                    out.append(RecordInfo(int(m.group(1)), rank, m.group(2), "", 0))
+                    kind = "base" if m.group(2) == "shards" else m.group(2)
+                    out.append(RecordInfo(int(m.group(1)), rank, kind, "", 0))
         return sorted(out, key=lambda r: (r.step, r.rank))
 
     def delete(self, step: int, rank: int) -> None:
-        for kind in ("delta", "base"):
+        for kind in ("delta", "base", "shards"):
             path = self.record_path(step, rank, kind)
             if self.fs.exists(path):
                 self.fs.rm(path)
-        path = self.dcp_path(step, rank)
+        path = self.legacy_dcp_path(step, rank)
         if self.fs.exists(path):
             self.fs.rm(path)
-            left = self.fs.glob(f"{self.dcp_dir(step)}/*.safetensors")
-            if not left and self.fs.exists(self.dcp_dir(step)):
-                self.fs.rm(self.dcp_dir(step), recursive=True)  # (its COMMITTED mark too)
-
-    def mark_dcp_committed(self, step: int, manifest: dict) -> str:
-        """Say in a step's DCP directory that it is a whole checkpoint (every rank's base
-        is there, and the step is committed); returns the directory's URL."""
-        self.write_atomic(f"{self.dcp_dir(step)}/{dcp_base.COMMITTED}",
-                          json.dumps({"step": step, "job_id": manifest["job_id"],
-                                      "world_size": manifest["world_size"]}).encode())
-        return self._url_of(self.dcp_dir(step))
+            where = path.rsplit("/", 1)[0]
+            if not self.fs.glob(f"{where}/*.safetensors"):
+                self.fs.rm(where, recursive=True)  # (its COMMITTED mark too)
 
     # -- manifests ----------------------------------------------------------------------
     def manifest_path(self, step: int) -> str:

@@ -94,8 +94,15 @@ def summary(store: dist.Store, run_dir: Path, last_generation: int, failures: li
             "persisted_step": kv.get_int(store, Keys.PERSISTED, -1),
             "committed_step": kv.get_int(store, Keys.COMMITTED, -1),
             "resumed_from": kv.get_int(store, Keys.RESUMED_FROM, -1),
+            # the final state in DCP's default format (a job with --persist), or why not
+            "checkpoint": _text(store, Keys.result("checkpoint")),
+            "checkpoint_error": _text(store, Keys.result("checkpoint_error")),
             "microbatch_passes": kv.get_int(store, Keys.MB_COUNT, 0),
             "world_sizes": world_sizes(store, last_generation)}
+
+
+def _text(store: dist.Store, key: str) -> str | None:
+    return store.get(key).decode() if store.check([key]) else None
 
 
 def world_sizes(store: dist.Store, last_generation: int) -> list[int]:

@@ -41,7 +41,7 @@ from phoenixft.faults.inject import format_env
 from phoenixft.launch.config import AgentConfig, LaunchError
 from phoenixft.launch.forkserver import Forked, ForkServer, worker_env_defaults
 from phoenixft.launch.janitor import remove_node_shm
-from phoenixft.launch.resume import newest_persisted, persisted_job
+from phoenixft.launch.resume import check_init_from, newest_persisted, persisted_job
 from phoenixft.launch.rundir import RunDirLock, set_aside_previous_run
 from phoenixft.launch.store_access import StoreAccess
 from phoenixft.observe.events import EventFollower, EventLog, write_json_atomic
@@ -110,6 +110,7 @@ class Agent:
         self.access = StoreAccess.open(self.cfg)
         store = self.access.connect()
         if self.cfg.node_rank == 0:  # node 0 names the job (after setting the last run aside)
+            check_init_from(self.cfg)
             job = persisted_job(self.cfg) or uuid.uuid4().hex[:12]
             if store.compare_set(Keys.JOB_ID, "", job).decode() != job:
                 raise LaunchError(f"the store at {self.access.public} already holds job "

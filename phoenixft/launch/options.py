@@ -122,6 +122,11 @@ OPTIONS = (
     _opt("--resume", path="persistence.resume", action="store_true",
          help="continue the job whose checkpoints are in --persist URL from its newest "
               "committed step"),
+    _opt("--init-from", path="persistence.init_from", metavar="DIR",
+         help="start a new job from a checkpoint in torch.distributed.checkpoint's default "
+              "format (a .metadata file and .distcp shards: phoenixft's final checkpoint, "
+              "torchtitan's, or dcp.save of torchtitan's keys): the sharded model's "
+              "parameters, its optimizer state and the step (train_state.step)"),
     _opt("--metrics-port", path="metrics_port", type=int, metavar="P",
          help="serve Prometheus metrics of the run (steps, step time, failures, recovery "
               "time, spares, snapshots) on this port"),

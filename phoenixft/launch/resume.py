@@ -31,6 +31,27 @@ from phoenixft.launch.config import AgentConfig, LaunchError
 CHECK_S = 60.0  # the storage check at launch answers within this, or the launch is refused
 
 
+def check_init_from(cfg: AgentConfig) -> None:
+    """`--init-from DIR` names a readable checkpoint in DCP's default format (its
+    `.metadata`, unpickled safely) with a model in it, or the launch is refused."""
+    url = cfg.persistence.init_from
+    if not url:
+        return
+    from phoenixft.checkpoint import dcp_checkpoint
+    from phoenixft.checkpoint.integrity import IntegrityError
+
+    try:
+        keys = _within(lambda: dcp_checkpoint.saved_keys(url), CHECK_S)
+    except IntegrityError as exc:
+        raise LaunchError(f"--init-from: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - storage errors: one line, not a traceback
+        raise LaunchError(f"--init-from {url}: cannot be read ({type(exc).__name__}: {exc})") from None
+    if not any(not k.startswith(("optimizer.", "train_state.", "lr_scheduler.", "dataloader."))
+               for k in keys):
+        raise LaunchError(f"--init-from {url}: the checkpoint holds no model tensors (only "
+                          f"{', '.join(sorted(keys)[:3])}...)")
+
+
 def persisted_job(cfg: AgentConfig) -> str | None:
     """The job id to run with (the persisted one with --resume, a new one otherwise),
     holding the URL's writer lease; None without --persist. LaunchError when the

@@ -264,6 +264,11 @@ class Fsdp2Layout(StateLayout):
         if before_gather is not None:
             before_gather(lambda: None)
 
+    def load_dcp(self, url: str) -> int:
+        """Each rank reads its own shards (`train/dcp_io.py`); the tp copies too."""
+        from phoenixft.train.dcp_io import load_sharded
+        return load_sharded(self.model, self.opt, url)
+
     def start_from_rank0(self, ops: GroupOps) -> None:
         if self._init_digest is None:  # built on the meta device: initialised by the user
             return

@@ -204,6 +204,14 @@ class StateLayout(ABC):
         `gathered()` waits for it (the fingerprint vote's result is awaited there, and
         an update it rejects is undone after `gathered()`)."""
 
+    def load_dcp(self, url: str) -> int:
+        """At a fresh start, this rank's state from a checkpoint in DCP's default format
+        (`--init-from`); returns its step. Not collective."""
+        raise ValueError(
+            f"--init-from {url}: starting from a torch.distributed.checkpoint directory needs "
+            "a sharded model (setup(parallelize=...)); a data-parallel model loads its "
+            "weights with sess.load_state(...) before the loop")
+
     @abstractmethod
     def start_from_rank0(self, ops: GroupOps) -> None:
         """Collective, at a fresh start: every rank takes rank 0's initial parameters."""

@@ -389,8 +389,15 @@ class Member:
                  in_flight: Step | None, first: bool) -> tuple[str, Step | None]:
         if point.step >= 0:
             return recovery.restore(ctx, state, point, in_flight, new_member=first)
-        # fresh start: everyone takes rank 0's initial parameters
         state.zero_grad()
+        url = self.cfg.persistence.init_from
+        if url:  # a new job started from a DCP checkpoint: every rank reads its own shards
+            state.step = state.layout.load_dcp(url)
+            if self.rank == 0:  # (the summary's losses start after it, as a resumed job's)
+                self.store.set(Keys.RESUMED_FROM, str(state.step))
+                self.events.emit("initialized_from", url=url, step=state.step)
+            return "init_from", None
+        # fresh start: everyone takes rank 0's initial parameters
         state.layout.start_from_rank0(self.ops)
         state.step = 0
         return "init", None
@@ -414,7 +421,8 @@ class Member:
             on_damaged_source=lambda src, detail: self._report_damaged(plan, src, detail),
             persister=self.persister, on_copied=self.seal.record)
         self.seal.reset()  # (a restore may have replaced the state the last seal hashed)
-        if fresh:
+        if fresh:  # (at step 0, or at an --init-from checkpoint's step)
+            self.snap.origin = state.step
             self.snapshot(state)
 
     def _record(self, plan: Plan, state: RankState, point: RestorePoint, source: str,

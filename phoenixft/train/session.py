@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -416,14 +417,37 @@ class Session:
         self.member.snapshot(state)
         self._flip(st, "optim")
 
+    def _write_checkpoint(self, full: dict[str, torch.Tensor], persist_url: str) -> None:
+        """The final state as a checkpoint in DCP's default format under the persist URL
+        (`train/dcp_io.py`), from the tensors gathered for the digest. A failure is said
+        (event, summary) and leaves the persisted records as they are."""
+        from phoenixft.checkpoint.dcp_checkpoint import checkpoint_url, write
+        from phoenixft.train.dcp_io import final_state
+
+        url = checkpoint_url(persist_url, self.state.step)
+        t0 = time.perf_counter()
+        try:
+            write(url, final_state(self.state.model, self.state.layout.optimizer, full,
+                                   self.state.step))
+        except Exception as exc:  # noqa: BLE001 - storage errors of every kind: said, not raised
+            self.events.emit("checkpoint_failed", url=url, error=f"{type(exc).__name__}: {exc}"[:500])
+            self.store.set(Keys.result("checkpoint_error"), f"{url}: {exc}"[:500])
+            return
+        self.events.emit("checkpoint", url=url, step=self.state.step,
+                         seconds=round(time.perf_counter() - t0, 3))
+        self.store.set(Keys.result("checkpoint"), url)
+
     def _finish(self) -> None:
         member = self.member
         member.snap.wait_copied()
         member.flush_persisted(self.state.step)
         self.events.emit("snapshot_stats", rank=self.rank, gen=self.generation,
                          **{k: round(v, 4) for k, v in member.snap.stats.items()})
-        digest = state_digest(self.full_state())
+        full = self.full_state()
+        digest = state_digest(full)
         if self.rank == 0:  # before the barrier: no member leaves before the result exists
+            if member.cfg.persistence.url:
+                self._write_checkpoint(full, member.cfg.persistence.url)
             self.store.set(Keys.result("final_step"), str(self.state.step))
             self.store.set(Keys.result("digest"), digest)
             self.events.emit("done", step=self.state.step, digest=digest)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
-from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, verify_blob
+from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, blob_tensors, verify_blob
 from phoenixft.checkpoint.tiers import FsspecTier, ShmTier
 
 
@@ -183,10 +183,11 @@ def sharded_blob(tmp_path, step: int, rank: int, rows: slice, value: float) -> b
 
 
 @pytest.mark.parametrize("where", ["directory", "s3"])
-def test_a_sharded_base_is_a_dcp_checkpoint_and_gives_its_blob_back(tmp_path, request, where):
+def test_a_sharded_base_gives_its_blob_back_and_no_dcp_reader_takes_it_alone(tmp_path, request,
+                                                                              where):
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from safetensors.torch import load
+    from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 
     url = str(tmp_path / "ckpt") if where == "directory" else request.getfixturevalue("s3_url") + "/dcp"
     t = FsspecTier(url)
@@ -202,25 +203,32 @@ def test_a_sharded_base_is_a_dcp_checkpoint_and_gives_its_blob_back(tmp_path, re
     assert t.get(5, 0) == later
     assert sorted((r.step, r.rank, r.kind) for r in t.list()) == [
         (4, 0, "base"), (4, 1, "base"), (5, 0, "delta")]
+    parts = [load(t.fs.cat_file(t.shards_path(4, r))) for r in range(2)]
+    assert torch.equal(parts[1]["w"], blob_tensors(blobs[1], 4)[1]["p.w"])  # DCP's names
+    assert "optimizer.state.w.step" not in parts[1]  # a scalar is written once
+    assert "phoenixft.rank1.rng.torch" in parts[1]  # rank-local state kept apart
     if where == "directory":
-        # plain DCP reads the directory as one checkpoint of the whole tensors
-        state = {"w": torch.zeros(6, 5), "optimizer.state.w.exp_avg": torch.zeros(6, 5),
-                 "optimizer.state.w.step": torch.tensor(0.0)}
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(t.dcp_dir(4)))
-        parts = [load_file(t.dcp_path(4, r)) for r in range(2)]
-        assert torch.equal(state["w"], torch.cat([p["w"] for p in parts]))
-        assert torch.equal(state["optimizer.state.w.exp_avg"],
-                           torch.cat([p["optimizer.state.w.exp_avg"] for p in parts]))
-        assert float(state["optimizer.state.w.step"]) == 4.0
-        assert "optimizer.state.w.step" not in parts[1]  # a scalar is written once
-        assert "phoenixft.rank1.rng.torch" in parts[1]  # rank-local state kept apart
+        # one rank's part of a step is never where a DCP reader takes it for a checkpoint
+        for d in (tmp_path / "ckpt", tmp_path / "ckpt" / "r0"):
+            for reader in (HuggingFaceStorageReader(str(d)), FileSystemReader(str(d))):
+                with pytest.raises((Exception, dcp.CheckpointException)):  # (either reader's)
+                    dcp.load({"w": torch.zeros(6, 5)}, storage_reader=reader)
+    # the DCP sharding metadata edited (a shard said to lie elsewhere): named
+    head_n = int.from_bytes(t.fs.cat_file(t.shards_path(4, 1))[:8], "little")
+    data = t.fs.cat_file(t.shards_path(4, 1))
+    edited = data[8:8 + head_n].replace(b'[3, 0]', b'[0, 0]')
+    assert edited != data[8:8 + head_n]
+    with t.fs.open(t.shards_path(4, 1), "wb") as fh:
+        fh.write(data[:8] + edited + data[8 + head_n:])
+    with pytest.raises(IntegrityError, match="r1/s0000000004.shards: its DCP sharding"):
+        t.get(4, 1)
     # a flipped byte in a shard: named, never loaded
-    data = bytearray(t.fs.cat_file(t.dcp_path(4, 1)))
+    data = bytearray(data)
     data[-7] ^= 0x10
-    with t.fs.open(t.dcp_path(4, 1), "wb") as fh:
+    with t.fs.open(t.shards_path(4, 1), "wb") as fh:
         fh.write(bytes(data))
-    with pytest.raises(IntegrityError, match="r00001.safetensors"):
+    with pytest.raises(IntegrityError, match="s0000000004.shards"):
         t.get(4, 1)
     t.delete(4, 0)
     t.delete(4, 1)
-    assert not t.fs.exists(t.dcp_dir(4))
+    assert not t.fs.exists(t.shards_path(4, 0)) and not t.fs.exists(t.shards_path(4, 1))
