@@ -121,6 +121,23 @@ def clip_reference(model, max_norm: float) -> torch.Tensor:
     return total
 
 
+def save_like_torchtitan(model, opt, step: int, where: str) -> None:
+    """dcp.save of the state torchtitan's checkpointer saves: the model's keys at the top
+    level, the optimizer's state dict flattened, the step (`phoenixft run --init-from`
+    starts a job from such a directory)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = {**get_model_state_dict(model),
+             "optimizer": get_optimizer_state_dict(model, opt, options=flat),
+             "train_state": {"step": torch.tensor(step, dtype=torch.int32)}}
+    dcp.save(state, checkpoint_id=where)
+
+
 def under_torchrun(args) -> None:
     """The plain FSDP2 loop phoenixft is compared with: one microbatch per data-parallel
     rank and step (microbatch j = the rank's dp coordinate), FSDP2's own gradient average,
@@ -158,6 +175,8 @@ def under_torchrun(args) -> None:
             total.zero_()
         dist.all_reduce(total)
         losses.append(float(total) / (world // args.tp))
+    if args.save_dcp:
+        save_like_torchtitan(model, opt, args.steps, args.save_dcp)
     state = {}
     for name, p in model.named_parameters():  # the final state, as phoenixft digests it
         state[f"model.{name}"] = p.full_tensor().detach()
@@ -168,6 +187,7 @@ def under_torchrun(args) -> None:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "final_state_digest": state_digest(state),
                        "grad_norms": norms}, f)
+    dist.barrier()  # (a rank tearing gloo down while another still works may abort it)
     dist.destroy_process_group()
 
 
@@ -194,6 +214,9 @@ def main() -> None:
                     help="cuda: this worker's GPU (the mesh's groups then use NCCL)")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 parameters in compute, fp32 reduction (MixedPrecisionPolicy)")
+    ap.add_argument("--save-dcp", default=None, metavar="DIR",
+                    help="under plain torchrun: at the end, dcp.save the model, optimizer and "
+                         "step as torchtitan's checkpointer lays them out")
     ap.add_argument("--out", default=None,
                     help="under plain torchrun: rank 0 writes the per-step losses and the final "
                          "state's digest here (JSON)")

@@ -88,7 +88,9 @@ def write(url: str, state: dict) -> str:
 # -- reading -----------------------------------------------------------------------------
 _DCP_MODULES = {"torch.distributed.checkpoint.metadata"}
 _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-            ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+            ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+            # (a collective dcp.save records its checkpoint_id, a path, in storage_meta)
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):

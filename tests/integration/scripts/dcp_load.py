@@ -1,4 +1,5 @@
-"""Load a phoenixft base with plain torch.distributed.checkpoint, under plain torchrun,
+"""Load a checkpoint in DCP's default format (`phoenixft ckpt export --format dcp`) with
+plain torch.distributed.checkpoint's default reader, under plain torchrun,
 into the same model built without phoenixft (transformers' Llama from the job's config),
 sharded with FSDP2 over this run's ranks; rank 0 writes the loaded parameters, whole, to
 a safetensors file. Nothing of phoenixft is imported here.
@@ -13,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -33,7 +33,7 @@ def main() -> None:
     with torch.no_grad():  # every value must come from the checkpoint
         for t in state.values():
             getattr(t, "_local_tensor", t).fill_(float("nan"))
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(ckpt))
+    dcp.load(state, checkpoint_id=ckpt)
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().contiguous()
             for k, v in state.items()}
     if dist.get_rank() == 0:
