@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parents[2] / "phoenixft"
 
 # Parts and their layer: a module may import its own part or a part of a lower layer.
 LAYERS = {
-    "observe": 0, "faults": 0, "models": 0, "platform": 0, "config": 0,
+    "observe": 0, "faults": 0, "models": 0, "platform": 0, "config": 0, "extras": 0,
     "comm": 1, "cluster": 1,
     "checkpoint": 2,
     "train": 3, "launch": 3, "serve": 3, "simulate": 3,
