@@ -102,6 +102,12 @@ class Failure:
     t_fail: float
     t_detect: float
 
+    @property
+    def detect_s(self) -> float:
+        """t_detect - t_fail, never below 0: the two are read from different processes'
+        wall clocks (an exit seen within a millisecond printed "detected in -0 ms")."""
+        return round(max(0.0, self.t_detect - self.t_fail), 4)
+
 
 class Leader:
     """The job's decider, run by the agent that holds the lead: reads failure reports and
@@ -206,7 +212,7 @@ class Leader:
         for f in new:
             self.failures.append(f)
             self.events.emit("failure", wid=f.wid, rank=f.rank, kind=f.kind, detail=f.detail,
-                             gen=self.plan.generation, detect_s=round(f.t_detect - f.t_fail, 4),
+                             gen=self.plan.generation, detect_s=f.detect_s,
                              role="active" if f.rank is not None else "spare")
         member_failures = [f for f in new if f.rank is not None]
         if member_failures:

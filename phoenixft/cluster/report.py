@@ -52,7 +52,7 @@ def recoveries(store: dist.Store, last_generation: int, failures: list) -> list[
                         # a straggler swapped for a spare did not fail
                         "kind": f.kind if f else ("straggler" if plan.reason.startswith(
                             "straggler") else "unknown"),
-                        "detect_s": round(f.t_detect - f.t_fail, 4) if f else None,
+                        "detect_s": f.detect_s if f else None,
                         "recover_s": rec["recover_s"], "lost_steps": rec["lost_steps"],
                         "restore_step": rec["restore_step"],
                         "source": restore_source(store, plan, rank)})

@@ -524,6 +524,9 @@ class Agent:
             return
         step = kv.get_int(store, Keys.PROGRESS, 0)
         last, t_last = self._progress
+        if last == 0 and step > 0:  # a resumed job has no loss before its first step:
+            # waiting for step 10's of a job resumed at 14 printed no progress line at all
+            last = kv.get_int(store, Keys.RESUMED_FROM, 0)
         every_steps, every_s = self._cadence
         now = time.monotonic()
         if every_steps is not None:

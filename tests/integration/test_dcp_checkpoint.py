@@ -114,9 +114,12 @@ def test_a_torchtitan_layout_checkpoint_from_plain_torchrun_starts_a_job(tmp_pat
     longer = _plain_torchrun(tmp_path / "longer", 2, "--steps", str(STEPS))
     job = run_script(tmp_path / "run", FSDP, "--nproc", "2", "--spares", "1",
                      "--init-from", str(saved), "--inject", "kill:rank=1:step=6",
-                     timeout=240, script_args=("--steps", str(STEPS)))
+                     "--log-every", "2", timeout=240, script_args=("--steps", str(STEPS)))
     assert job.rc == 0, job.out[-3000:]
     assert job.of("initialized_from")[0]["step"] == 4
+    # progress lines from the first step after the checkpoint's (none before step 2's
+    # loss, which this job never had, were printed at all)
+    assert [ln.split()[1] for ln in job.out.splitlines() if ln.startswith("step ")] == ["6", "8"]
     assert job.summary["losses"] == longer["losses"][4:]
     assert job.summary["final_state_digest"] == longer["final_state_digest"]
     # a directory that is not a DCP checkpoint is refused at launch, in one line

@@ -71,3 +71,11 @@ def test_a_hang_before_the_start_stops_the_job_by_name(tmp_path):
     assert not leader.try_start()
     assert leader.plan.kind is PlanKind.ABORT
     assert "n0w2 hung during start-up" in leader.fatal
+
+
+def test_detection_time_is_never_negative():
+    """t_fail and t_detect come from two processes' clocks: an exit seen within a
+    millisecond once printed "detected in -0 ms"."""
+    from phoenixft.cluster.leader import Failure
+    assert Failure("n0w1", 1, "exit", "killed", t_fail=10.0003, t_detect=10.0).detect_s == 0.0
+    assert Failure("n0w1", 1, "exit", "killed", t_fail=10.0, t_detect=10.25).detect_s == 0.25
