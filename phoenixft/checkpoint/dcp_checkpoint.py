@@ -219,12 +219,16 @@ def _covered(size: Iterable[int], chunks) -> int:
     """Elements of a tensor of `size` covered by `chunks`; -1 when chunks overlap or leave
     its bounds (they must tile it)."""
     size = list(size)
-    mask = torch.zeros(size, dtype=torch.int8) if size else torch.zeros((), dtype=torch.int8)
-    for c in chunks:
-        off, sz = list(c.offsets), list(c.sizes)
-        if any(o < 0 or o + s > n for o, s, n in zip(off, sz, size)):
+    boxes = [(list(c.offsets), list(c.sizes)) for c in chunks]
+    total = 0
+    for i, (off, sz) in enumerate(boxes):
+        if len(off) != len(size) or any(o < 0 or o + s > n for o, s, n in zip(off, sz, size)):
             return -1
-        mask[tuple(slice(o, o + s) for o, s in zip(off, sz))] += 1
-    if bool((mask > 1).any()):
-        return -1
-    return int(mask.sum())
+        vol = 1
+        for s in sz:
+            vol *= s
+        total += vol
+        for off2, sz2 in boxes[:i]:  # (a handful of chunks a tensor: one per saving rank)
+            if vol and all(o < o2 + s2 and o2 < o + s for o, s, o2, s2 in zip(off, sz, off2, sz2)):
+                return -1
+    return total
