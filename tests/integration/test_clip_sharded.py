@@ -59,33 +59,35 @@ def test_fsdp2_clip_is_torchs_and_survives_kills_in_the_clip_and_in_backward(tmp
 
 
 @pytest.mark.timeout(500)
-def test_fsdp2_with_tp_clip_over_two_meshes_survives_a_kill_in_the_clip(tmp_path):
+def test_fsdp2_with_tp_clip_over_two_meshes_survives_kills_in_the_clip_and_in_backward(tmp_path):
     """The torchrun reference clips per mesh as phoenixft does (torch's own function
     refuses two meshes), so it is checked too: the (2, 2) mesh trains what plain FSDP2 on
     the 2 data-parallel ranks does with torch's own clip_grad_norm_, within 1e-5."""
     ref = _plain_torchrun(tmp_path / "plain", 4, "--steps", str(STEPS), "--tp", "2",
                           "--clip", CLIP)
     _clipped(ref)
-    job = _job(tmp_path / "tp", "--nproc", "4", "--spares", "1",
-               "--inject", "kill:rank=1:step=4:phase=clip", script_args=("--tp", "2"))
-    assert job.summary["final_state_digest"] == ref["final_state_digest"]
-    assert job.summary["losses"] == ref["losses"]
-    _recovered(job, 1)
+    for where, rank in (("clip", 1), ("backward", 2)):
+        job = _job(tmp_path / where, "--nproc", "4", "--spares", "1",
+                   "--inject", f"kill:rank={rank}:step=4:phase={where}", script_args=("--tp", "2"))
+        assert job.summary["final_state_digest"] == ref["final_state_digest"], where
+        assert job.summary["losses"] == ref["losses"], where
+        _recovered(job, rank)
     torchs = _plain_torchrun(tmp_path / "dp2", 2, "--steps", str(STEPS), "--clip", CLIP)
     for x, y in zip(ref["grad_norms"] + ref["losses"], torchs["grad_norms"] + torchs["losses"],
                     strict=True):
         assert abs(x - y) <= 1e-5 * abs(y), (x, y)
 
 
-@pytest.mark.timeout(400)
-def test_hsdp_clip_is_fsdp2s_own_hsdp_with_torchs_clip_through_a_kill_in_the_clip(tmp_path):
+@pytest.mark.timeout(500)
+def test_hsdp_clip_is_fsdp2s_own_hsdp_with_torchs_clip_through_kills(tmp_path):
     """2 replica groups x 2: the state bit for bit that of plain FSDP2's HSDP (a 2-D
     mesh) with torch's clip_grad_norm_."""
     ref = _plain_torchrun(tmp_path / "plain", 4, "--steps", str(STEPS), "--dp-shard", "2",
                           "--clip", CLIP)
     _clipped(ref)
-    job = _job(tmp_path / "killed", "--nproc", "4", "--spares", "1",
-               "--inject", "kill:rank=3:step=4:phase=clip", script_args=("--dp-shard", "2"))
-    assert job.summary["final_state_digest"] == ref["final_state_digest"]
-    _same_losses(job.summary["losses"], ref["losses"])
-    _recovered(job, 3)
+    for where, rank in (("clip", 3), ("backward", 0)):
+        job = _job(tmp_path / where, "--nproc", "4", "--spares", "1", "--inject",
+                   f"kill:rank={rank}:step=4:phase={where}", script_args=("--dp-shard", "2"))
+        assert job.summary["final_state_digest"] == ref["final_state_digest"], where
+        _same_losses(job.summary["losses"], ref["losses"])
+        _recovered(job, rank)

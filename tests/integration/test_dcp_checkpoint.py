@@ -14,7 +14,6 @@ torchtitan user reads and writes it:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from phoenixft.checkpoint import dcp_checkpoint
 from phoenixft.observe.events import read_events
 from phoenixft.train.digest import state_digest
 from tests.integration.test_sharded import FSDP, _plain_torchrun
-from tests.support.jobs import ROOT, kill_members, kill_tree, load, run_script, start
+from tests.support.jobs import ROOT, kill_members, kill_tree, load, plain_torchrun, run_script, start
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration]
@@ -59,17 +58,8 @@ def _plain_load(tmp_path: Path, config: Path, ckpt: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     out = tmp_path / "loaded.safetensors"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHOENIXFT_")}
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2",
-                          str(ROOT / "tests/integration/scripts/dcp_final_load.py"),
-                          str(config), ckpt, str(out)], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        log, _ = p.communicate(timeout=180)
-    finally:
-        kill_tree(p.pid)
-    assert p.returncode == 0, log[-3000:]
+    plain_torchrun(2, ROOT / "tests/integration/scripts/dcp_final_load.py", str(config), ckpt,
+                   str(out), cwd=tmp_path)
     return load_file(out), json.loads(Path(str(out) + ".json").read_text())
 
 

@@ -9,7 +9,6 @@ another number of ranks."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import torch
 
 from phoenixft.checkpoint.tiers import FsspecTier
 from tests.integration.test_hotswap import survivors_kept_pids
-from tests.support.jobs import ROOT, kill_tree, run_script
+from tests.support.jobs import ROOT, plain_torchrun, run_script
 
 FSDP = ROOT / "examples" / "train_fsdp.py"
 STEPS = 8
@@ -67,16 +66,7 @@ def _plain_torchrun(tmp_path: Path, nproc: int, *script_args: str) -> dict:
     """The same script under plain torchrun (no phoenixft): its losses and final digest."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "losses.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHOENIXFT_")}
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", str(nproc), str(FSDP), "--out", str(out),
-                          *script_args], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        log, _ = p.communicate(timeout=240)
-    finally:
-        kill_tree(p.pid)
-    assert p.returncode == 0, log[-3000:]
+    plain_torchrun(nproc, FSDP, "--out", str(out), *script_args)
     return json.loads(out.read_text())
 
 
@@ -217,17 +207,8 @@ def _plain_dcp_loads_the_base(tmp_path: Path, tier: FsspecTier) -> None:
     subprocess.run([sys.executable, "-m", "phoenixft.cli", "ckpt", "export", tier.url,
                     "--step", str(step), "--to", str(exported)], check=True, timeout=120)
     out = tmp_path / "loaded.safetensors"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHOENIXFT_")}
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(ROOT / "tests/integration/scripts/dcp_load.py"),
-                          str(exported / "config.json"), str(where), str(out)],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    try:
-        log, _ = p.communicate(timeout=180)
-    finally:
-        kill_tree(p.pid)
-    assert p.returncode == 0, log[-3000:]
+    plain_torchrun(2, ROOT / "tests/integration/scripts/dcp_load.py",
+                   str(exported / "config.json"), str(where), str(out), cwd=tmp_path)
     loaded, ours = load_file(out), load_file(exported / "model.safetensors")
     assert sorted(loaded) == sorted(ours)
     for k in ours:

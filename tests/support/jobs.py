@@ -61,6 +61,22 @@ def kill_tree(pid: int) -> None:
         p.kill()
 
 
+def plain_torchrun(nproc: int, script: Path, *args: str, cwd: Path = ROOT,
+                   timeout: float = 240) -> str:
+    """`script` under plain torchrun (--standalone, no phoenixft environment), its process
+    tree killed by PID whatever happens; its log. It must exit 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHOENIXFT_")}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", str(nproc), str(script), *args], cwd=cwd,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log, _ = p.communicate(timeout=timeout)
+    finally:
+        kill_tree(p.pid)
+    assert p.returncode == 0, log[-3000:]
+    return log
+
+
 def kill_members(run_dir: Path) -> None:
     """SIGKILL any worker listed in status.json that is still alive (orphans of a
     killed agent), checking its command line so a reused PID is left alone (a worker

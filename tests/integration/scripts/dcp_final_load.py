@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from dcp_load import sharded_llama  # (this script's directory: nothing of phoenixft)
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -24,21 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def main() -> None:
     config_path, ckpt, out = sys.argv[1:4]
     assert "phoenixft" not in sys.modules
-    dist.init_process_group("gloo")
-    with open(config_path) as f:
-        model = LlamaForCausalLM(LlamaConfig(**json.load(f)))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_llama(config_path)
     opt = torch.optim.AdamW(model.parameters(), lr=1.0)  # (the checkpoint's lr replaces it)
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     state = {**get_model_state_dict(model),

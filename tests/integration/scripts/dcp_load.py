@@ -19,9 +19,9 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def main() -> None:
-    config_path, ckpt, out = sys.argv[1:4]
-    assert "phoenixft" not in sys.modules
+def sharded_llama(config_path: str) -> LlamaForCausalLM:
+    """transformers' Llama of the job's config, FSDP2 over this run's ranks (per block,
+    then the root), in a process group this opens."""
     dist.init_process_group("gloo")
     with open(config_path) as f:
         model = LlamaForCausalLM(LlamaConfig(**json.load(f)))
@@ -29,6 +29,13 @@ def main() -> None:
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def main() -> None:
+    config_path, ckpt, out = sys.argv[1:4]
+    assert "phoenixft" not in sys.modules
+    model = sharded_llama(config_path)
     state = model.state_dict()
     with torch.no_grad():  # every value must come from the checkpoint
         for t in state.values():
