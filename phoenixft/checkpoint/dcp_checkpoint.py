@@ -62,7 +62,8 @@ def titan_state(model: dict[str, torch.Tensor], optim: dict[tuple[str, str], tor
 
 def write(url: str, state: dict) -> str:
     """Save `state` (`titan_state`) at `url` (a directory or an fsspec URL) from this one
-    process; returns the URL."""
+    process; returns the URL. A failure (RuntimeError, naming the cause) removes the
+    directory it began."""
     import fsspec
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -71,9 +72,20 @@ def write(url: str, state: dict) -> str:
     for name in (METADATA, SIDECAR):  # no old .metadata beside new data, ever
         if fs.exists(f"{path}/{name}"):
             fs.rm(f"{path}/{name}")
-    with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=FsspecWriter(url, sync_files=True), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=FsspecWriter(url, sync_files=True), no_dist=True)
+    except (Exception, dcp.CheckpointException) as exc:  # (DCP's is a BaseException)
+        try:  # no half-written directory left behind (a full disk, a lost connection)
+            if fs.exists(path) and not fs.exists(f"{path}/{METADATA}"):
+                fs.rm(path, recursive=True)
+        except OSError:
+            pass
+        # (DCP's exception holds each rank's (exception, traceback))
+        cause = next(iter(getattr(exc, "failures", {}).values()), (exc, None))[0]
+        raise RuntimeError(f"{url}: writing the checkpoint failed "
+                           f"({type(cause).__name__}: {cause})") from None
     files = {}
     for p in sorted(fs.ls(path, detail=False)):
         name = p.rstrip("/").rsplit("/", 1)[-1]
