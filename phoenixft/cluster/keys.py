@@ -190,6 +190,7 @@ class Keys:
 
     # -- progress and results (rank 0) ---------------------------------------------------
     UNIT = "unit"  # every rank at setup: ranks per failure unit (an HSDP replica group)
+    MIN_WORLD = "min_world"  # node 0's agent at start: --min-nproc (workers check it at setup)
     MB_COUNT = "mb_count"  # add-counter: microbatch forward+backward passes, all ranks
     PROGRESS = "progress"  # rank 0: last completed step
 

@@ -240,8 +240,12 @@ class Leader:
                 self.events.emit("worker_left", wid=w.wid, note="its replica group left the job")
                 continue
             if rep["kind"] == ReportKind.ERROR:
-                self._abort(f"the training script raised on worker {rep['wid']}:\n{rep['detail']}",
-                            error=True)
+                detail = rep["detail"].strip()
+                if detail.startswith("phoenixft: ") and "\n" not in detail:  # what to change
+                    self._abort(detail.removeprefix("phoenixft: "), error=True)
+                else:
+                    self._abort(f"the training script raised on worker {rep['wid']}:\n"
+                                f"{rep['detail']}", error=True)
                 return []
             if rep["kind"] == ReportKind.FATAL:
                 self._abort(f"recovery is impossible: {rep['detail']}")

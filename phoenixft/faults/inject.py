@@ -204,11 +204,21 @@ class Injector:
         self.specs = specs
         self.hooks = hooks
 
-    def check_plan(self, per_rank: list[int], receivers: set[int] | None = None) -> None:
+    def check_plan(self, per_rank: list[int], receivers: set[int] | None = None,
+                   votes: bool = True) -> None:
         """Refuse a spec that can never fire: rank R computes `per_rank[R]` microbatches
         per step, so its J-th (from 0) exists only when J < per_rank[R]; a garble needs
-        rank R among `receivers`, the ranks that hold a replica (None: not checked)."""
+        rank R among `receivers`, the ranks that hold a replica (None: not checked). And a
+        flip of gradients or parameters where no rank holds a copy to vote with (`votes`
+        False): it would change the job's result with nothing to find it."""
         for s in self.specs:
+            if s.kind == "flip" and s.where in ("grad", "param") and not votes:
+                raise InjectSpecError(
+                    f"--inject {s} could never be found: no other rank holds this one's "
+                    f"{'gradients' if s.where == 'grad' else 'parameters'} to vote with (a "
+                    "sharded model without replica groups, one rank, or --fingerprint-every "
+                    "0); give the job replicas (data parallel, or HSDP's dp_shard=), or flip "
+                    "where=optim, which the rank's own seal finds")
             if s.kind == "garble" and receivers is not None and s.rank not in receivers:
                 raise InjectSpecError(
                     f"--inject {s} can never fire: rank {s.rank} holds no replica (replicas "

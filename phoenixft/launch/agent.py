@@ -116,6 +116,8 @@ class Agent:
                 raise LaunchError(f"the store at {self.access.public} already holds job "
                                   f"{store.get(Keys.JOB_ID).decode()}: start a fresh "
                                   "`phoenixft store` for each job")
+            if self.cfg.min_nproc is not None:  # (setup checks the layout can shrink so)
+                store.set(Keys.MIN_WORLD, str(self.cfg.min_nproc))
         return store
 
     def _new_leader(self, store) -> Leader:

@@ -27,7 +27,12 @@ import traceback
 
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
+from phoenixft.config import ConfigError
+from phoenixft.faults.inject import InjectSpecError
 from phoenixft.platform import die_with_parent
+
+# what the user changes (flags, setup's arguments): one line, not our traceback
+ONE_LINE = (ConfigError, InjectSpecError)
 
 
 class _RoomlessTolerant:
@@ -114,7 +119,7 @@ def run_script(script: str, args: list[str], module: bool = False) -> tuple[int,
             runpy.run_module(script, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(script, run_name="__main__")
-    except ScriptNeedsChange as exc:
+    except (ScriptNeedsChange, *ONE_LINE) as exc:
         text = f"phoenixft: {exc}"
         print(text, file=sys.stderr)
         return 1, text

@@ -65,7 +65,24 @@ class Fingerprinter:
         names = sorted(unique)  # (every rank lists the same names: `_act` decodes the mask)
         return sum(1 << min(names.index(n), 62) for n in set(changed))
 
-    def begin(self, st: Step, state: RankState, grads: torch.Tensor, total: int) -> None:
+    def final(self, state: RankState) -> None:
+        """After the last step, the checks the next step would have run before its update
+        (a step's vote and seal cover what the step before left: a flip on the last step
+        escaped them and the job ended, saved and reported another state): the seal of
+        this rank's unique state against its last snapshot, and the vote on what the ranks
+        must hold alike, over a zero gradient every rank holds. Raises like `begin`: the
+        session then recovers (the rank named is replaced, every rank restores the last
+        committed snapshot) and checks again."""
+        if not self.cfg.every:
+            return
+        lay = state.layout
+        total = lay.grad_numel()
+        zeros = torch.zeros(total, dtype=lay.master_dtype, device=lay.device)
+        self.begin(Step(state.step + 1, [], 0), state, zeros, total, every_step=True)
+        self.settle()
+
+    def begin(self, st: Step, state: RankState, grads: torch.Tensor, total: int,
+              every_step: bool = False) -> None:
         """Step `st`, all-reduced (`grads`: the reduced gradient region, at the start of a
         buffer of `total` elements), not yet updated: the seal, and when it is the vote's
         turn its digests and its all-reduce, left running through the optimizer step when
@@ -78,8 +95,8 @@ class Fingerprinter:
         rank, world = member.rank, member.world_size
         mask = self.seal_mask(state)
         lay = state.layout
-        parts = lay.fingerprinted(grads) if self.cfg.every and not st.index % self.cfg.every \
-            else None
+        due = self.cfg.every and (every_step or not st.index % self.cfg.every)
+        parts = lay.fingerprinted(grads) if due else None
         classes = [c for c in lay.vote_classes(world) if len(c) > 1]
         if parts is None or not classes:
             if mask:

@@ -50,6 +50,7 @@ from torch import nn
 
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.comm.swap_group import SwapGroup, init_world, sub_group
+from phoenixft.config import ConfigError
 from phoenixft.train import quota
 from phoenixft.train.clip import clip_grad_norm_
 from phoenixft.train.digest import state_digest
@@ -117,8 +118,9 @@ class Fsdp2Layout(StateLayout):
                     "(--min-nproc, --respawn) is not supported yet: give it spares instead")
             return False
         if world_size % self.tp:
-            raise ValueError(f"{world_size} ranks cannot form tensor-parallel groups of "
-                             f"tp={self.tp}: run a multiple of {self.tp} ranks")
+            raise ConfigError(f"--nproc {world_size}: {world_size} ranks cannot form tensor-"
+                              f"parallel groups of tp={self.tp} (--tp): run a multiple of "
+                              f"{self.tp} ranks")
         self.group = init_world(rank, world_size)
         self.mesh = self._make_mesh(rank, world_size)
         for g in self._all_groups():
@@ -195,7 +197,7 @@ class Fsdp2Layout(StateLayout):
         # FSDP2's own average, bit for bit that of a plain FSDP2 script.
         d = self.data_ranks(self.group.size())
         if microbatches % d:
-            raise ValueError(
+            raise ConfigError(
                 f"{microbatches} microbatches a step cannot be shared evenly by {d} "
                 f"data-parallel ranks: FSDP2's collectives need every rank to run as many "
                 f"forward and backward passes as the others. Choose microbatches= a multiple "

@@ -43,6 +43,7 @@ import torch
 
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.comm.swap_group import sub_group
+from phoenixft.config import ConfigError
 from phoenixft.train import quota
 from phoenixft.train.fsdp_layout import MESH_DIMS, Fsdp2Layout, _local
 
@@ -73,8 +74,9 @@ class HsdpLayout(Fsdp2Layout):
 
     def join(self, rank: int, world_size: int) -> bool:
         if world_size % self.unit:
-            raise ValueError(f"{world_size} ranks cannot form replica groups of dp_shard x tp "
-                             f"= {self.unit}: run a multiple of {self.unit} ranks")
+            raise ConfigError(f"--nproc {world_size}: {world_size} ranks cannot form replica "
+                              f"groups of dp_shard x tp = {self.unit} (--dp-shard, --tp): run a "
+                              f"multiple of {self.unit} ranks")
         if self.group is not None:
             if rank % self.unit != self._local:
                 raise RuntimeError(f"a replica group member keeps its place in its group: this "
@@ -171,7 +173,7 @@ class HsdpLayout(Fsdp2Layout):
                 self.dims[dim].swap(dim_ops, generation)
         self._tp_ops = groups.get(next((n for n in groups if n.startswith("tp.")), ""), None)
         if microbatches % self.dp_shard:
-            raise ValueError(
+            raise ConfigError(
                 f"{microbatches} microbatches a step cannot be shared evenly by the "
                 f"{self.dp_shard} data-parallel ranks of a replica group: FSDP2's collectives "
                 f"need every rank of a group to run as many forward and backward passes. "
@@ -251,16 +253,17 @@ class HsdpLayout(Fsdp2Layout):
 
     def fingerprinted(self, grads: torch.Tensor) -> dict[str, list[torch.Tensor]] | None:
         """The groups hold the same shards: of the cross-group gradient sum, of the
-        parameters and of the optimizer state (a vote across groups covers all three)."""
-        if self._reduced is None:
-            return None
+        parameters and of the optimizer state (a vote across groups covers all three).
+        Outside a step (the check after the last one) there is no gradient sum: the vote
+        covers the other two."""
         params, opt = [], []
         for p in self.model.parameters():
             if p.requires_grad:
                 params.append(_local(p))
                 opt += [_local(v) for _, v in sorted(self.opt.state.get(p, {}).items())
                         if torch.is_tensor(v)]
-        return {"reduced gradient shards": [self._reduced], "parameter shards": params,
+        reduced = [self._reduced] if self._reduced is not None else []
+        return {"reduced gradient shards": reduced, "parameter shards": params,
                 "optimizer state shards": opt}
 
     def vote_classes(self, world_size: int) -> list[list[int]]:

@@ -35,6 +35,7 @@ from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
 from phoenixft.cluster.protocol import register_worker
 from phoenixft.comm.collectives import CommFailure
+from phoenixft.config import ConfigError
 from phoenixft.observe.events import EventLog
 from phoenixft.train import model_io, quota
 from phoenixft.train.config import SessionConfig
@@ -168,7 +169,7 @@ class Session:
             raise ValueError(f"dp_shard={dp_shard} needs parallelize=: the replica groups "
                              "shard the model with FSDP2")
         if parallelize is not None and self.cfg.stragglers.action == "rebalance":
-            raise ValueError("--straggler rebalance gives ranks different numbers of "
+            raise ConfigError("--straggler rebalance gives ranks different numbers of "
                              "microbatches, and a sharded model's ranks must run as many "
                              "passes (FSDP2's collectives): use --straggler swap or report")
         if parallelize is None:
@@ -184,12 +185,37 @@ class Session:
                                tracked=tracked, policy=self.cfg.policy, m=microbatches or 0)
         self._warm_up(optimizer)
         self._pending = self.member.start(self.state)
+        self._check_min_world(layout)
         m = self.state.m_for(self.world_size)
         # (a garble is checked against the job's first placement: a spare or a respawned
         # worker sets up later, when the ranks that receive replicas may have changed)
+        lay = self.state.layout
+        votes = bool(self.cfg.fingerprints.every) and lay.fingerprinted(
+            torch.zeros(lay.grad_numel(), dtype=lay.master_dtype, device=lay.device)) is not None \
+            and any(len(c) > 1 for c in lay.vote_classes(self.world_size))
         self.member.injector.check_plan(
-            [len(ids) for ids in self.state.layout.plan(m, self.world_size)],
-            receivers=self.member.replica_receivers() if self.generation == 0 else None)
+            [len(ids) for ids in lay.plan(m, self.world_size)],
+            receivers=self.member.replica_receivers() if self.generation == 0 else None,
+            votes=votes)
+
+    def _check_min_world(self, layout) -> None:
+        """`--min-nproc` that this layout can never shrink to is refused at set-up, not at
+        the first failure: a plain FSDP2 model keeps its world size (its shards were cut
+        for it), and HSDP's replica groups leave whole."""
+        m = kv.get_int(self.store, Keys.MIN_WORLD, -1) if self.store is not None else -1
+        world = self.world_size
+        if m < 0 or m >= world:
+            return
+        if isinstance(layout, HsdpLayout):
+            if m % layout.unit:
+                raise ConfigError(f"--min-nproc {m}: HSDP's replica groups of {layout.unit} "
+                                  f"ranks (--dp-shard x --tp) leave the job whole, so it can "
+                                  f"only shrink to a multiple of {layout.unit}")
+        elif isinstance(layout, Fsdp2Layout):
+            raise ConfigError(f"--min-nproc {m}: a plain FSDP2 model keeps its world size "
+                              f"({world} ranks; fully_shard cut each rank's shards for it): "
+                              "give the job spares (--spares), or replica groups that can "
+                              "leave whole (setup(dp_shard=...), --dp-shard)")
 
     def _warm_up(self, factory) -> None:
         """Pay lazy imports and first-call costs now, not on activation: constructing and
@@ -207,6 +233,13 @@ class Session:
             raise RuntimeError("call Session.setup() before Session.steps()")
         state, member = self.state, self.member
         while True:
+            if state.step >= total and self._pending is not None \
+                    and self._pending.speculative is not None:
+                # a spare activated by the checks after the last step computed ahead from
+                # the last snapshot: nothing is left to compute, it joins
+                st, self._pending = self._pending, None
+                self._pending = member.enter(member.plan, state, st)
+                continue
             if state.step >= total:
                 try:
                     self._finish()
@@ -286,8 +319,11 @@ class Session:
         lay = self.state.layout
         parts = list((lay.fingerprinted(grads if grads is not None else torch.empty(0))
                       or {}).values())
-        if where == "grad":
-            t = parts[0][0] if parts else grads
+        if where == "grad":  # (a sharded model's reduced gradients are its parameters')
+            t = parts[0][0] if parts and parts[0] else grads
+            if t is None or not t.numel():
+                t = next(_local(p.grad) for p in self.state.model.parameters()
+                         if p.grad is not None and _local(p.grad).numel())
         elif where == "param":
             t = parts[1][0] if len(parts) > 1 else next(
                 _local(p) for p in self.state.model.parameters() if p.numel())
@@ -440,6 +476,8 @@ class Session:
     def _finish(self) -> None:
         member = self.member
         member.snap.wait_copied()
+        # the vote and the seal the next step would have run (a flip on the last step)
+        self._fingerprints.final(self.state)
         member.flush_persisted(self.state.step)
         self.events.emit("snapshot_stats", rank=self.rank, gen=self.generation,
                          **{k: round(v, 4) for k, v in member.snap.stats.items()})

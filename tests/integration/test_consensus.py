@@ -167,3 +167,61 @@ def test_hsdp_replica_groups_outvote_the_one_whose_shards_differ(tmp_path, tmp_p
     assert vote["found"] == [f"rank 1's {what} differ from the majority's"]
     assert job.summary["quarantined"] == ["n0w1"]
     assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
+
+
+# a flip on the last step: the grad vote of step 12 finds it in that step; a parameter or
+# an optimizer-state flip is found by the checks the job runs after its last step (what
+# step 13 would have run before its update), named as step 13's
+LAST = {"grad": (12, "rank 2's reduced gradients (step 12) differ from the majority's"),
+        "param": (13, "rank 2's parameters (step 13) differ from the majority's"),
+        "optim": (13, "rank 2's optimizer state changed in memory after snapshot 12 was "
+                      "copied (opt.exp_avg)")}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where", ["grad", "param", "optim"])
+def test_a_flip_on_the_last_step_is_found_before_the_job_ends(tmp_path, reference, where):
+    """The job never ends, saves or reports a state its own checks would reject one step
+    later: the final digest and the saved model are the failure-free run's."""
+    from safetensors.torch import load_file
+
+    job = run(tmp_path, "--nproc", "4", "--spares", "1",
+              "--inject", f"flip:rank=2:step={STEPS}:where={where}", steps=STEPS,
+              script_args=("--data", "ids"))
+    assert job.rc == 0, job.out[-3000:]
+    step, found = LAST[where]
+    [vote] = job.of("fingerprint_mismatch")
+    assert (vote["step"], vote["outvoted"], vote["found"]) == (step, [2], [found])
+    assert job.summary["quarantined"] == ["n0w2"]
+    assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
+    assert job.summary["losses"] == reference.summary["losses"]
+    ours = load_file(tmp_path / "model" / "model.safetensors")
+    theirs = load_file(reference.run_dir / "model" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(ours[k].equal(theirs[k]) for k in ours)
+
+
+FSDP = ROOT / "examples" / "train_fsdp.py"
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_optimizer_flip_on_the_last_step_is_found_by_the_seal(tmp_path, tmp_path_factory):
+    """A plain FSDP2 model (no replicas): its optimizer state flipped after the last
+    snapshot is found by the rank's seal in the check after the last step; the job ends on
+    the failure-free digest. A gradient or parameter flip, which no rank could find (no
+    copy to vote with), is refused at set-up in one line instead of changing the result."""
+    ref = run_script(tmp_path_factory.mktemp("fsdp-sdc-ref"), FSDP, "--nproc", "2",
+                     script_args=("--steps", "6"))
+    assert ref.rc == 0, ref.out[-3000:]
+    job = run_script(tmp_path / "optim", FSDP, "--nproc", "2", "--spares", "1",
+                     "--inject", "flip:rank=1:step=6:where=optim", script_args=("--steps", "6"))
+    assert job.rc == 0, job.out[-3000:]
+    [vote] = job.of("fingerprint_mismatch")
+    assert (vote["step"], vote["outvoted"]) == (7, [1])
+    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
+    for where in ("grad", "param"):
+        bad = run_script(tmp_path / where, FSDP, "--nproc", "2", "--inject",
+                         f"flip:rank=1:step=3:where={where}", script_args=("--steps", "4"))
+        assert bad.rc != 0 and bad.summary.get("final_state_digest") is None
+        assert (f"phoenixft: job stopped: --inject flip:rank=1:step=3:where={where} could never "
+                "be found: no other rank holds") in bad.out, bad.out[-2000:]
+        assert "Traceback" not in bad.out
