@@ -109,6 +109,17 @@ class Failure:
         return round(max(0.0, self.t_detect - self.t_fail), 4)
 
 
+def _what_to_change(rep: dict) -> str | None:
+    """A worker's error that is the user's to change (a flag, a setup argument: the
+    worker says it in one line, `launch/worker.py`), as the job's one line; None for a
+    script's own error, which keeps its traceback."""
+    detail = str(rep.get("detail", "")).strip()
+    if rep.get("kind") == ReportKind.ERROR and detail.startswith("phoenixft: ") \
+            and "\n" not in detail:
+        return detail.removeprefix("phoenixft: ")
+    return None
+
+
 class Leader:
     """The job's decider, run by the agent that holds the lead: reads failure reports and
     heartbeats, decides each next generation (`policy.py`) and publishes its plan, writes
@@ -154,10 +165,11 @@ class Leader:
                             f"still for {self.cfg.timeouts.heartbeat_timeout_s:g} s; see "
                             f"{self.run_dir / 'logs' / (rep['wid'] + '.log')}")
                 return False
+            change = _what_to_change(rep)
             why = rep["detail"] if rep["kind"] == ReportKind.ERROR else (
                 f"{rep['detail']} before it created phoenixft.Session() and joined the job; "
                 f"see {self.run_dir / 'logs' / (rep['wid'] + '.log')}")
-            self._abort(f"worker {rep['wid']} exited during start-up: {why}",
+            self._abort(change or f"worker {rep['wid']} exited during start-up: {why}",
                         error=rep["kind"] == ReportKind.ERROR)
             return False
         # a few requests a tick however many nodes and workers there are: the nodes that
@@ -240,12 +252,8 @@ class Leader:
                 self.events.emit("worker_left", wid=w.wid, note="its replica group left the job")
                 continue
             if rep["kind"] == ReportKind.ERROR:
-                detail = rep["detail"].strip()
-                if detail.startswith("phoenixft: ") and "\n" not in detail:  # what to change
-                    self._abort(detail.removeprefix("phoenixft: "), error=True)
-                else:
-                    self._abort(f"the training script raised on worker {rep['wid']}:\n"
-                                f"{rep['detail']}", error=True)
+                self._abort(_what_to_change(rep) or f"the training script raised on worker "
+                            f"{rep['wid']}:\n{rep['detail']}", error=True)
                 return []
             if rep["kind"] == ReportKind.FATAL:
                 self._abort(f"recovery is impossible: {rep['detail']}")

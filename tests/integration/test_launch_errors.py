@@ -129,3 +129,32 @@ def test_script_that_raises_stops_the_job_with_its_traceback(tmp_path):
     assert "ValueError: user bug at step 3" in err
     job = load(run_dir, p.returncode, out)
     assert not job.of("recovered"), "a script error must not be 'recovered' by a spare"
+
+
+FSDP = ROOT / "examples" / "train_fsdp.py"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launch, script, message", [
+    (["--nproc", "3"], ["--tp", "2"],
+     "--nproc 3: 3 ranks cannot form tensor-parallel groups of tp=2 (--tp): run a multiple of 2"),
+    (["--nproc", "4"], ["--dp-shard", "3"],
+     "--nproc 4: 4 ranks cannot form replica groups of dp_shard x tp = 3"),
+    (["--nproc", "2", "--straggler", "rebalance"], [],
+     "--straggler rebalance gives ranks different numbers of microbatches"),
+    (["--nproc", "4", "--min-nproc", "2"], [],
+     "--min-nproc 2: a plain FSDP2 model keeps its world size (4 ranks"),
+    (["--nproc", "4", "--min-nproc", "3"], ["--dp-shard", "2"],
+     "--min-nproc 3: HSDP's replica groups of 2 ranks (--dp-shard x --tp) leave the job whole"),
+])
+def test_a_sharded_setup_the_flags_cannot_make_is_one_line(tmp_path, launch, script, message):
+    """Found when the workers set up (the launcher cannot see the script's layout), said
+    in one line naming the flags, before any step: not the workers' traceback, and not at
+    the first failure."""
+    p = phoenixft("run", "--run-dir", str(tmp_path / "run"), *launch, str(FSDP), "--steps", "3",
+                  *script, timeout=100)
+    kill_members(tmp_path / "run")
+    assert p.returncode != 0
+    err = p.stdout + p.stderr
+    assert f"phoenixft: job stopped: {message}" in err, err[-3000:]
+    assert "Traceback" not in err and "raised on worker" not in err
