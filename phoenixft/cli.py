@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from phoenixft import extras
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `phoenixft ckpt inspect ... | head`: the reader had enough
+        # (stdout to /dev/null, so the interpreter's final flush does not raise again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a command killed by SIGPIPE
     except ModuleNotFoundError as exc:  # an optional dependency: one line naming its extra
         line = extras.hint(exc, _command_name(args))
         if line is None:

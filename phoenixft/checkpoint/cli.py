@@ -36,8 +36,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _tier(url: str):
+    """The URL's tier; LookupError when nothing is there (a mistyped path must not read
+    as an empty checkpoint directory)."""
     from phoenixft.checkpoint.tiers import FsspecTier
-    return FsspecTier(url)
+    tier = FsspecTier(url)
+    try:  # (info, not exists: an object store's exists() says False for no credentials)
+        tier.fs.info(tier.root)
+    except FileNotFoundError:
+        raise LookupError(f"{url}: no such directory (or object-store prefix): nothing to "
+                          "read") from None
+    return tier
 
 
 def _step(tier, step: int | None) -> int:
@@ -66,6 +74,8 @@ def cmd_ckpt(args) -> int:
         return {"ls": _ls, "verify": _verify, "inspect": _inspect, "export": _export}[args.verb](args)
     except (LookupError, IntegrityError, ValueError) as exc:
         print(f"phoenixft ckpt {args.verb}: error: {exc}", file=sys.stderr)
+    except BrokenPipeError:
+        raise  # (its reader stopped reading: cli.main ends quietly)
     except Exception as exc:  # noqa: BLE001 - storage errors (s3fs, botocore): one line
         print(f"phoenixft ckpt {args.verb}: error: {explain(args.url, exc)}", file=sys.stderr)
     return 2

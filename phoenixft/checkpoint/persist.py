@@ -177,9 +177,18 @@ class Persister:
                         -1 if self._pending is None else self._pending)
             if self._latest > taken:  # (not one being written: it would be written twice)
                 self._take(self._latest)  # the last step offered is persisted, off the stride too
-            return self._wait_locked(
+            ok = self._wait_locked(
                 lambda: (self._committed if self.rank == 0 else self._done_step) >= step,
                 deadline, failed=lambda: self._failed_step >= step)
+        if ok and self.rank == 0:  # the job's last commit: records no manifest needs go
+            # (a rank's record of a step that never committed stayed for good otherwise:
+            # garbage is collected when a base commits, and no base may come again)
+            try:
+                self._collect_garbage()
+            except Exception as exc:  # noqa: BLE001 - storage errors: said, never raised
+                self._emit("persist_failed", step=step, error=f"garbage collection: {exc}"[:500],
+                           errors=self.stats.errors)
+        return ok
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (bounded) until nothing is pending or being written; False at the deadline.

@@ -159,7 +159,9 @@ class AgentConfig:
         if self.spares < 0:
             raise ConfigError(f"{{spares}} must be >= 0, got {self.spares}")
         self._check_local_workers()
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        if self.nnodes < 1:
+            raise ConfigError(f"{{nnodes}} must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"{{node_rank}} must be in [0, {{nnodes}}={self.nnodes}), got "
                               f"{self.node_rank}")
         if (self.nnodes > 1 or self.external_store) and not self.store:

@@ -95,6 +95,12 @@ def test_the_final_state_is_a_dcp_checkpoint_that_plain_torch_loads(tmp_path, fi
     meta.write_bytes(bytes(data))
     bad = _cli("ckpt", "verify", str(exported))
     assert bad.returncode == 1 and ".metadata: checksum mismatch" in bad.stdout, bad.stdout
+    # `ckpt inspect URL | head`: its reader gone, it ends quietly (141, as on SIGPIPE)
+    p = subprocess.Popen([sys.executable, "-m", "phoenixft.cli", "ckpt", "inspect", str(url)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 @pytest.mark.timeout(500)
@@ -174,3 +180,4 @@ def test_no_directory_is_ever_loadable_with_missing_shards(tmp_path, finished):
     assert killed.rc == -9 and killed.of("persisted")
     assert _loadable_dirs(tmp_path / "midrun", template, None) == []
     assert _loadable_dirs(ckpt, template, None) == []
+

@@ -48,6 +48,7 @@ def phoenixft(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--nproc", "2", "--replicas", "2"], "--replicas must be in [0, 1]: a job of 2 ranks has 1 peer"),
     (["--log-every", "0"], "--log-every must be a number of steps >= 1"),
     (["--log-every", "nans"], "--log-every must be a number of steps >= 1"),
+    (["--nnodes", "0"], "--nnodes must be >= 1, got 0"),
 ])
 def test_bad_arguments_one_clear_line(tmp_path, args, message):
     r = phoenixft("run", "--run-dir", str(tmp_path), *args, "examples/train_gpt.py")

@@ -386,3 +386,21 @@ def test_persist_and_resume_refuse_what_cannot_be_right(tmp_path):
                         "examples/train_gpt.py"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "--resume needs --persist" in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_record_no_manifest_needs_is_collected_when_the_job_ends(tmp_path):
+    """A record of a step that never committed (planted while the job holds: a rank 5 the
+    job does not have, step 3) was kept for good, since garbage is collected when a base
+    commits and this job's every other record is a delta (--persist-every 50). The job's
+    last commit collects it."""
+    url = tmp_path / "ckpt"
+    orphan = url / "r5" / "s0000000003.delta"
+
+    def plant() -> None:
+        orphan.parent.mkdir()
+        orphan.write_bytes(b"a record of a step that never committed")
+
+    job, _ = storage_changes_while_held(tmp_path / "run", str(url), plant)
+    assert job.rc == 0, job.out[-3000:]
+    assert not orphan.exists()
