@@ -46,11 +46,38 @@ class _Watched:
             self.recent.popleft()
 
 
+class NotAStatus(ValueError):
+    """status.json holds JSON that is not a job's status."""
+
+
+def _agents_alive(run_dir: Path) -> bool | None:
+    """Whether a process still holds the run directory (an agent's `.lock.n<k>` names its
+    PID, `rundir.py`); None when no lock file says (a job of an older phoenixft)."""
+    locks = list(run_dir.glob(".lock.n*"))
+    if not locks:
+        return None
+    for lock in locks:
+        try:
+            pid = int(lock.read_text().strip() or 0)
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, ValueError):
+            continue
+        # `phoenixft run ...` or `python -m phoenixft.cli run ...` (a reused PID is not)
+        if pid and "run" in args and any(a.endswith("phoenixft") or a == "phoenixft.cli"
+                                         for a in args):
+            return True
+    return False
+
+
 def _view(run_dir: Path, seen: _Watched) -> tuple[Group, bool]:
     try:
         st = json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
         return Group(Text(f"waiting for {run_dir / 'status.json'} ...")), False
+    if not isinstance(st, dict) or not isinstance(st.get("members", []), list) or not all(
+            isinstance(m, dict) for m in st.get("members", [])):
+        raise NotAStatus(f"{run_dir / 'status.json'} is not a phoenixft job's status (a JSON "
+                         "object with a list of members expected): is this a run directory?")
     seen.update()
     recent = seen.recent
     rate = ""
@@ -94,10 +121,24 @@ def watch(run_dir: Path, interval: float, wait_s: float = 60.0) -> int:
     if not _appeared(run_dir, interval, wait_s):
         return 2
     seen = _Watched(run_dir)
-    view, done = _view(run_dir, seen)
-    with Live(view, refresh_per_second=4) as live:
-        while not done:
-            time.sleep(interval)  # a display refresh, not synchronisation
-            view, done = _view(run_dir, seen)
-            live.update(view)
-    return 0
+    try:
+        view, done = _view(run_dir, seen)
+        with Live(view, refresh_per_second=4) as live:
+            while not done:
+                time.sleep(interval)  # a display refresh, not synchronisation
+                view, done = _view(run_dir, seen)
+                live.update(view)
+                if not done and _agents_alive(run_dir) is False:
+                    view, done = _view(run_dir, seen)  # (it may have ended just now)
+                    if not done:
+                        live.update(view)
+                        break
+            else:
+                return 0
+    except NotAStatus as exc:
+        print(f"phoenixft status: {exc}", file=sys.stderr)
+        return 2
+    print(f"phoenixft status: no agent holds {run_dir} any more (its .lock.n* names no "
+          "running process) and the job never wrote its end: it died (killed, or its machine "
+          "lost); the last state it wrote is shown above", file=sys.stderr)
+    return 1

@@ -143,3 +143,23 @@ def test_a_full_run_dir_disk_mid_run_costs_records_not_training(tmp_path, tmp_pa
     _once(out, rf"the run directory {re.escape(str(run_dir))} is writable again \(\d+ event")
     assert not list(run_dir.rglob("*.tmp")), list(run_dir.rglob("*.tmp"))
     assert job.of("run_dir_writable")
+
+
+@pytest.mark.timeout(120)
+def test_status_watch_on_a_dead_job_or_a_foreign_status_file_ends(tmp_path):
+    """The agent SIGKILLed with its workers (`node:` fault): status.json still says the job
+    runs; `--watch` ends, saying no agent holds the run directory any more. A status.json
+    of another shape is one line, not a traceback."""
+    job = run(tmp_path / "run", "--nproc", "2", "--inject", "node:rank=0:step=3", steps=20)
+    assert job.rc == -9
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["kind"] == "run"
+    r = subprocess.run([*PHOENIXFT, "status", str(tmp_path / "run"), "--watch", "--interval",
+                        "0.1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr
+    assert f"no agent holds {tmp_path / 'run'} any more" in r.stderr
+    for shape in ("[]", '{"members": 5}'):
+        (tmp_path / "run" / "status.json").write_text(shape)
+        r = subprocess.run([*PHOENIXFT, "status", str(tmp_path / "run"), "--watch"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "is not a phoenixft job's status" in r.stderr

@@ -44,6 +44,17 @@ def test_commands_register_under_phoenixft_cli():
     assert bench.threads == 2 and callable(bench.func)
 
 
+@pytest.mark.parametrize("command", [["serve", "d"], ["generate", "d", "--prompt", "x"]])
+@pytest.mark.parametrize("threads", ["-1", "0", "two"])
+def test_threads_below_one_is_a_usage_error_not_torchs(command, threads, capsys):
+    from phoenixft.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*command, "--threads", threads])
+    assert exc.value.code == 2
+    assert "argument --threads: must be" in capsys.readouterr().err
+
+
 def test_engine_thread_failure_reaches_waiters(hf_models):
     engine = LLMEngine(hf_models["llama"][0])
 

@@ -11,13 +11,24 @@ import argparse
 import sys
 
 
+def _threads(text: str) -> int:
+    """--threads: a number of torch threads >= 1 (torch raised on 0 or -1, deep inside)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", metavar="MODEL_DIR",
                    help="Hugging Face directory: config.json + *.safetensors")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's, at most 2048)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=_threads, default=None,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="tokens computed in one step (prefill chunks and decodes)")

@@ -55,12 +55,14 @@ def run(app, sock: socket.socket, *, model_dir: str, log_level: str,
         except RuntimeError as exc:
             print(f"phoenixft serve: {exc}", file=sys.stderr)
             return 1
-        spec = app.state.spec
+        spec, sup = app.state.spec, app.state.supervisor
         host, port = sock.getsockname()[:2]
+        how = (f"an engine process and a warm standby, recovery log in {sup.log_dir}"
+               if sup.recovery else "one engine process, no recovery log and no standby "
+               "(--no-recovery: a crash fails its requests)")
         print(f"serving {model_dir} ({spec.model_config.model_type}, max_model_len "
               f"{spec.max_model_len}, {spec.config.num_blocks} KV blocks of "
-              f"{spec.config.block_size}) on http://{host}:{port}; an engine process and a "
-              f"warm standby, recovery log in {app.state.supervisor.log_dir}", flush=True)
+              f"{spec.config.block_size}) on http://{host}:{port}; {how}", flush=True)
         config = uvicorn.Config(app, log_level=log_level, http=timed_h11(read_timeout_s),
                                 timeout_keep_alive=5)
         uvicorn.Server(config).run(sockets=[sock])
