@@ -91,6 +91,7 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
                                   recovery=recovery)
     backend.supervisor = supervisor
     supervisor.on_change = lambda: status()
+    supervisor.on_lost = backend.on_lost
     h = OpenAIHandlers(spec, backend, metrics, model_dir,
                        model_name or Path(model_dir).resolve().name)
 

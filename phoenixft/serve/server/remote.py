@@ -246,6 +246,14 @@ class RemoteEngine:
             for rid in list(self.pending):
                 self._fail(rid, RequestFailed(f"the engine failed: {msg.error}"))
 
+    def on_lost(self, error: str) -> None:
+        """No engine serves any more (`--no-recovery` and the engine died, or no standby
+        could take over): every request in flight ends at once with the error (they
+        waited forever, and /health counted them as running)."""
+        self.stats = {}
+        for rid in list(self.pending):
+            self._fail(rid, EngineDead(f"the engine stopped: {error}"))
+
     def _deliver(self, rid: str, out: RequestOutput) -> None:
         with self._lock:
             p = self.pending.get(rid)

@@ -143,6 +143,8 @@ class EngineSupervisor:
         self._stopped = False
         self._pending_hello: dict[int, EngineProc] = {}
         self.on_change: Callable[[], None] = lambda: None  # e.g. rewrite status.json
+        # no engine serves any more (`error` says why): fail the requests in flight
+        self.on_lost: Callable[[str], None] = lambda error: None
 
     # -- processes -----------------------------------------------------------------------
     def _spawn(self, role: str) -> EngineProc:
@@ -248,12 +250,15 @@ class EngineSupervisor:
     # -- failures ------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stopped:
-            procs = [p for p in (self.active, self.standby) if p is not None]
+            # (an engine whose exit was handled has no pidfd: selecting its closed one
+            # raised EBADF and ended this thread)
+            procs = [p for p in (self.active, self.standby) if p is not None and p.pidfd >= 0]
             ready, _, _ = select.select([p.pidfd for p in procs], [], [], 0.5)
             for p in procs:
                 if p.pidfd in ready:
                     p.popen.wait()
                     os.close(p.pidfd)
+                    p.pidfd = -1
                     if self._stopped:
                         return
                     if p is self.active:
@@ -284,6 +289,8 @@ class EngineSupervisor:
             self.emit("engine_lost", error=self.error)
             if standby is not None:
                 standby.settled.set()
+            self.on_lost(self.error)  # every request in flight ends now, with the error
+            self.on_change()
             return
         recover_s = round(time.time() - t_detect, 4)
         self.emit("engine_recovered", pid=standby.pid, recover_s=recover_s,
