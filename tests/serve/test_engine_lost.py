@@ -1,18 +1,29 @@
-"""`phoenixft serve --no-recovery`: one engine, no log, no standby. Its engine SIGKILLed
-under 32 streams: every client's request ends at once with an error (they waited forever,
-/health counted them as running, and the front's watcher died on the closed pidfd), and
-/health says the engine is gone."""
+"""An engine that stops serving. `phoenixft serve --no-recovery` (one engine, no log, no
+standby), its engine SIGKILLed under 32 streams: every client's request ends at once with
+an error (they waited forever, /health counted them as running, and the front's watcher
+died on the closed pidfd), and /health says the engine is gone. With recovery, the engine
+SIGSTOPped under 32 streams: hung, not dead, it is found by its heartbeat's deadline and
+replaced by the standby like a dead one."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
 import httpx
 import pytest
 
-from tests.support.serving import Server, SSEClient, free_port, params, prompts, wait_tokens
+from tests.support.serving import (
+    Server,
+    SSEClient,
+    free_port,
+    params,
+    prompts,
+    reference,
+    wait_tokens,
+)
 
 
 @pytest.mark.timeout(300)
@@ -46,4 +57,48 @@ def test_no_recovery_engine_killed_under_32_streams_every_request_ends_with_an_e
                        json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
         assert r.status_code >= 500 and "the engine stopped" in r.text, r.text
     finally:
+        server.stop()
+
+
+@pytest.mark.timeout(420)
+def test_a_hung_engine_is_replaced_by_the_standby_and_32_streams_go_on(long_model, tmp_path):
+    """The active engine SIGSTOPped mid-decode (every stream stalled until SIGCONT, and
+    /health said ok): its heartbeat stands still, the front SIGKILLs it after its deadline
+    (5 s), the standby replays the log, and every stream ends with the uninterrupted run's
+    tokens, without a gap or a duplicate, and no prompt token computed again."""
+    n, max_tokens = 32, 160  # (every stream still decoding when the engine stops)
+    ps = prompts(n, 40)
+    ref = reference(long_model, ps, max_tokens)
+    server = Server(long_model, tmp_path / "run", free_port())
+    pid = None
+    try:
+        clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
+                                           **params(i, max_tokens)}) for i, p in enumerate(ps)]
+        server.wait_standby_warm()
+        for c in clients:
+            c.start()
+        wait_tokens(clients, 3)
+        server.wait_logged(n)
+        pid = server.status()["engine_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        assert not any(c.done for c in clients)  # stopped mid-decode: all of them wait
+        for c in clients:
+            c.join(180)
+        for i, c in enumerate(clients):
+            assert c.error is None and c.done, (i, c.error)
+            assert "".join(c.texts) == ref[i], i
+            assert c.ids == list(range(1, max_tokens + 1))  # no gap, no duplicate
+        [hung] = server.events("engine_hung")
+        assert hung["pid"] == pid and hung["role"] == "active" and hung["silent_s"] > 5
+        [rec] = server.events("engine_recovered")
+        assert rec["report"]["resumed"] > 0  # (those that had not finished when it stopped)
+        metrics = httpx.get(server.base + "/metrics", timeout=10).text
+        assert re.search(r"phoenixft_prompt_tokens_recomputed\{[^}]*\} 0\.0", metrics)
+        assert server.status()["engine_pid"] != pid
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)  # (gone by now when the front killed it)
+            except ProcessLookupError:
+                pass
         server.stop()

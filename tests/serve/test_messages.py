@@ -26,6 +26,7 @@ ONE_OF_EACH = [
     M.AdapterRefused("tok", "too big"),
     M.LogFailed("disk full"),
     M.Fatal("RuntimeError()"),
+    M.Beat(),
 ]
 
 

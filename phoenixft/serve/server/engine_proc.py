@@ -27,11 +27,13 @@ import time
 from phoenixft.platform import die_with_parent
 
 from .messages import (
+    BEAT_S,
     Abort,
     Activate,
     AdapterLoaded,
     AdapterRefused,
     Add,
+    Beat,
     Failed,
     Fatal,
     Hello,
@@ -163,6 +165,13 @@ class EngineServer:
                 os._exit(0)
 
 
+def _beat(ch) -> None:
+    """This process is alive, said every BEAT_S on its own thread (a busy decode loop
+    beats on: torch releases the GIL; a stopped or wedged process does not)."""
+    while ch.send(Beat()):
+        time.sleep(BEAT_S)  # a heartbeat's period, not a wait for a state
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     die_with_parent(args.parent)
@@ -186,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.warm_up()
     ch = wire.connect(args.socket)
     ch.send(Hello(os.getpid(), args.role))
+    threading.Thread(target=_beat, args=(ch,), daemon=True, name="phoenixft-beat").start()
     if args.role == "standby" and not isinstance(ch.recv(), Activate):
         os._exit(0)
     server = EngineServer(engine, ch, args, executor)

@@ -142,6 +142,15 @@ class LogFailed(Message, op="log_failed"):
 
 
 @dataclass
+class Beat(Message, op="beat"):
+    """The engine process is alive (its heartbeat thread, every `BEAT_S`): an engine the
+    front stops hearing from is hung (SIGSTOP, a stuck kernel) and is replaced."""
+
+
+BEAT_S = 0.5
+
+
+@dataclass
 class Fatal(Message, op="fatal"):
     """The engine is ending on this error."""
 

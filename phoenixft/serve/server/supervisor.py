@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .messages import Activate, Hello, Message, Ready
+from .messages import Activate, Beat, Hello, Message, Ready
 from .wire import Channel
 
 
@@ -43,6 +43,7 @@ class EngineProc:
     # set once the front has taken this engine over (caught its clients up from the log):
     # the engine's outputs are read only then, so none can overtake the catch-up
     settled: threading.Event = field(default_factory=threading.Event)
+    heard: float = field(default_factory=time.monotonic)  # its last message (a Beat at least)
 
     @property
     def pid(self) -> int:
@@ -120,13 +121,16 @@ class EngineSupervisor:
                  on_message: Callable[[Message], None], on_ready: Callable[[Ready, dict], None],
                  emit: Callable[..., None], ring_bytes: int = 16 << 20,
                  compact_bytes: int = 256 << 20, sock_dir: str | None = None,
-                 recovery: bool = True) -> None:
+                 recovery: bool = True, hang_timeout_s: float = 5.0) -> None:
         # recovery off (`--no-recovery`): one engine, no recovery log, no standby; its crash
         # ends the requests in flight
         self.model_dir, self.engine_config = str(model_dir), engine_config
         self.log_dir, self.work_dir = Path(log_dir), Path(work_dir)  # log: outlives engines
         self.threads, self.ring_bytes, self.compact_bytes = threads, ring_bytes, compact_bytes
         self.recovery = recovery
+        # an engine not heard from for this long (its heartbeat thread beats every BEAT_S)
+        # is hung: SIGKILLed, so it is replaced like a dead one
+        self.hang_timeout_s = hang_timeout_s
         self.on_message, self.on_ready, self.emit = on_message, on_ready, emit
         remove_stale_socket_dirs()
         self._sock_dir = sock_dir or make_socket_dir()
@@ -213,6 +217,9 @@ class EngineSupervisor:
             msg = proc.channel.recv()
             if msg is None:
                 return
+            proc.heard = time.monotonic()
+            if isinstance(msg, Beat):
+                continue
             if isinstance(msg, Ready):
                 with self._lock:
                     proc.ready = msg
@@ -220,6 +227,7 @@ class EngineSupervisor:
                 while not proc.settled.wait(1.0):  # outputs wait for on_ready (see settled)
                     if self._stopped or proc.popen.poll() is not None:
                         return
+                proc.heard = time.monotonic()  # (its beats were not read meanwhile)
                 continue
             if proc is self.active:
                 self.on_message(msg)
@@ -253,6 +261,7 @@ class EngineSupervisor:
             # (an engine whose exit was handled has no pidfd: selecting its closed one
             # raised EBADF and ended this thread)
             procs = [p for p in (self.active, self.standby) if p is not None and p.pidfd >= 0]
+            self._kill_hung(procs)
             ready, _, _ = select.select([p.pidfd for p in procs], [], [], 0.5)
             for p in procs:
                 if p.pidfd in ready:
@@ -269,6 +278,23 @@ class EngineSupervisor:
                     elif p is self.standby:
                         self.emit("standby_lost", pid=p.pid, rc=p.popen.returncode)
                         self.standby = self._spawn("standby")
+
+    def _kill_hung(self, procs: list[EngineProc]) -> None:
+        """SIGKILL an engine whose heartbeat stood still for `hang_timeout_s` (a SIGSTOP,
+        a wedged device): its exit is then seen like any other and the standby takes
+        over. Only engines being read are judged: one connected, and an active one once
+        the front took it over (`settled`; its beats wait unread before that)."""
+        now = time.monotonic()
+        for p in procs:
+            if p.channel is None or (p is self.active and not p.settled.is_set()):
+                continue
+            silent = now - p.heard
+            if silent > self.hang_timeout_s and p.popen.poll() is None:
+                self.emit("engine_hung", pid=p.pid, role=p.role, silent_s=round(silent, 3))
+                try:
+                    p.popen.kill()
+                except ProcessLookupError:
+                    pass
 
     def _failover(self, dead: EngineProc) -> None:
         t_detect = time.time()
