@@ -13,6 +13,7 @@ import signal
 import time
 
 import httpx
+import psutil
 import pytest
 
 from tests.support.serving import (
@@ -101,4 +102,46 @@ def test_a_hung_engine_is_replaced_by_the_standby_and_32_streams_go_on(long_mode
                 os.kill(pid, signal.SIGCONT)  # (gone by now when the front killed it)
             except ProcessLookupError:
                 pass
+        server.stop()
+
+
+@pytest.mark.timeout(420)
+def test_a_dead_log_executor_is_restarted_and_a_later_crash_recomputes_nothing(
+        long_model, tmp_path):
+    """The recovery log's executor SIGKILLed under 8 streams: a new one takes the log over
+    (said on the console and in the event log) and the engine logs on, so the engine's
+    own SIGKILL after it costs no prompt token (it recomputed 502 of them: nothing logged
+    after the executor died), and every stream ends with the uninterrupted tokens."""
+    n, max_tokens = 8, 900  # (the streams still decoding after the restart)
+    ps = prompts(n, 60)
+    ref = reference(long_model, ps, max_tokens)
+    server = Server(long_model, tmp_path / "run", free_port())
+    try:
+        clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
+                                           **params(i, max_tokens)}) for i, p in enumerate(ps)]
+        server.wait_standby_warm()
+        for c in clients:
+            c.start()
+        wait_tokens(clients, 3)
+        server.wait_logged(n)
+        engine = psutil.Process(server.status()["engine_pid"])
+        [executor] = [p for p in engine.children()
+                      if "phoenixft.serve.recovery.executor" in " ".join(p.cmdline())]
+        executor.kill()
+        deadline = time.monotonic() + 60
+        while not server.events("log_executor_restarted"):
+            assert time.monotonic() < deadline, "the dead executor was never replaced"
+            time.sleep(0.05)  # polling the event log for a state, bounded
+        server.wait_logged(n)  # the new executor commits epochs, all 8 still running
+        server.kill_engine()
+        for c in clients:
+            c.join(180)
+        for i, c in enumerate(clients):
+            assert c.error is None and c.done, (i, c.error)
+            assert "".join(c.texts) == ref[i], i
+        [restart] = server.events("log_executor_restarted")
+        assert f"code -{signal.SIGKILL}" in restart["error"] and restart["pid"] != executor.pid
+        metrics = httpx.get(server.base + "/metrics", timeout=10).text
+        assert re.search(r"phoenixft_prompt_tokens_recomputed\{[^}]*\} 0\.0", metrics), metrics
+    finally:
         server.stop()

@@ -27,6 +27,7 @@ ONE_OF_EACH = [
     M.LogFailed("disk full"),
     M.Fatal("RuntimeError()"),
     M.Beat(),
+    M.LogRestarted("the log executor process exited with code -9", 1234),
 ]
 
 

@@ -164,11 +164,17 @@ def test_the_thread_executor_writes_the_same_log(hf_models, tmp_path):
 @pytest.mark.timeout(120)
 def test_a_second_writer_is_refused_and_a_dead_executor_is_reported(hf_models, tmp_path):
     """One log, one writer: a second engine's executor cannot take a live one's log; an
-    executor process that dies (SIGKILL) stops recording with an error, serving goes on."""
+    executor process that dies (SIGKILL) is replaced by a new one that takes the log over
+    from its last commit (said through on_restart) and the log goes on; one that dies
+    more than MAX_RESTARTS times stops recording with an error, serving goes on."""
+    from phoenixft.serve.recovery.recorder import MAX_RESTARTS
+
     path = hf_models["llama"][0]
     errors: list[str] = []
+    restarts: list[tuple[str, int]] = []
     eng = recording_engine(path, tmp_path / "log", on_error=errors.append,
                            epoch_interval_s=0)  # every step asks after the executor
+    eng.recorder.on_restart = lambda why, pid: restarts.append((why, pid))
     eng.step()
     assert eng.recorder.drain()
     other = LLMEngine(path, CFG)
@@ -177,9 +183,16 @@ def test_a_second_writer_is_refused_and_a_dead_executor_is_reported(hf_models, t
     other.step()
     assert not second.drain(5.0) and "held by another writer" in second.failed
     second.close()
-    os.kill(eng.recorder.executor.pid, signal.SIGKILL)
-    eng.recorder.executor.proc.wait()
-    eng.step()
+    for k in range(MAX_RESTARTS + 1):
+        dead = eng.recorder.executor.pid
+        os.kill(dead, signal.SIGKILL)
+        eng.recorder.executor.proc.wait()
+        eng.step()
+        if k < MAX_RESTARTS:  # replaced: recording goes on, into the same log
+            assert eng.recorder.failed is None and len(restarts) == k + 1
+            why, pid = restarts[-1]
+            assert "exited with code -9" in why and pid != dead
+            assert eng.recorder.drain()
     assert eng.recorder.failed and "exited" in eng.recorder.failed
     assert len(errors) == 2
     finish(eng, {})  # serving goes on without the log

@@ -59,6 +59,9 @@ class RecorderStats:
     errors: list[str] = field(default_factory=list)
 
 
+MAX_RESTARTS = 3  # executors that may die before the log is given up (`_restart`)
+
+
 class Recorder(StepRecorder):
     """The engine's `StepRecorder` (its guarantees are that class's docstring).
 
@@ -68,7 +71,8 @@ class Recorder(StepRecorder):
     def __init__(self, engine, log_dir: str | Path, *, first_epoch: int = 0, first_seq: int = 0,
                  ring_bytes: int = 16 << 20, compact_bytes: int = 256 << 20,
                  on_error: Callable[[str], None] | None = None, executor=None,
-                 mode: str = "auto", epoch_interval_s: float = 0.02) -> None:
+                 mode: str = "auto", epoch_interval_s: float = 0.02,
+                 on_restart: Callable[[str, int], None] | None = None) -> None:
         if not 0 <= epoch_interval_s <= 1:  # NaN fails too
             raise ValueError(f"epoch_interval_s={epoch_interval_s}: give 0 (an epoch every "
                              f"step) to 1 s")
@@ -79,6 +83,10 @@ class Recorder(StepRecorder):
         self.ring = self.executor.ring
         self.state = StateRegion()
         self.on_error = on_error or (lambda msg: None)
+        # the executor died and a new one took the log over: (why, its pid)
+        self.on_restart = on_restart or (lambda why, pid: None)
+        self._mode, self._compact_bytes = mode, compact_bytes
+        self.restarts = 0
         self.epoch = first_epoch  # the next epoch to enqueue
         self.failed: str | None = None
         self._coalesced = 0
@@ -148,10 +156,59 @@ class Recorder(StepRecorder):
         """The executor's own error (in shared memory), and if `alive`, whether its process
         or thread still lives (a system call: asked before each epoch is pushed, not on the
         steps merged into one)."""
-        msg = self.ring.error() or (self.executor.dead() if alive else None)
+        msg = self.ring.error()
+        if msg is None and alive:
+            dead = self.executor.dead()
+            if dead is not None:
+                if self.restarts < MAX_RESTARTS and self._restart(dead):
+                    return True
+                msg = dead
         if msg is not None:
             self._fail(msg)
         return msg is None
+
+    def check(self) -> None:
+        """Between steps, while the engine idles: a dead executor is found (and replaced)
+        now, not when the next request comes."""
+        if self.failed is None:
+            self._check_executor()
+
+    def _restart(self, why: str) -> bool:
+        """The executor died (a SIGKILL, the OOM killer) while the log itself is sound: a
+        new executor takes it over, from its last commit (a torn tail cut off), numbering
+        its records on from there; the next epoch is a full checkpoint (the epochs the dead
+        one had not committed are in it) with the live adapters logged again. Said through
+        `on_restart`. False when no executor could be started (then the log has failed)."""
+        from .executor import start_executor
+        from .log import cut_after_commit, replay
+
+        try:
+            self.executor.stop(timeout_s=1.0)
+        except Exception:  # noqa: BLE001 - what is left of a dead executor
+            pass
+        try:
+            rep = replay(self.dir)
+            cut_after_commit(self.dir, rep)
+            self.executor = start_executor(self.engine.runner, self.dir, self.ring.capacity,
+                                           self._mode)
+        except Exception as exc:  # noqa: BLE001 - then the log fails, and says why
+            self._errors.append(f"restarting the log executor failed: {exc!r}")
+            return False
+        self.restarts += 1
+        self.ring = self.executor.ring
+        self.ring.control[R.PROCESSED] = rep.last_commit
+        start = json.dumps({"first_seq": rep.next_seq,
+                            "compact_bytes": self._compact_bytes}).encode()
+        self.ring.push(TASK_START, self.epoch, start)
+        self._want_full, self._unpushed = True, True
+        # (the new executor holds no adapter's record: the checkpoint needs every version kept)
+        self._adapters_pending = [self.adapter_payload(a)
+                                  for a in self.engine.adapters.versions.values()]
+        self.executor.wake()
+        self.on_restart(f"{why}; a new one (pid {self.executor.pid}) took the log over from "
+                        f"its last commit (epoch {rep.last_commit}), a full checkpoint next",
+                        self.executor.pid)
+        return True
 
     def _requests_shape(self) -> tuple:
         sch = self.engine.scheduler

@@ -39,6 +39,7 @@ from .messages import (
     Hello,
     LoadAdapter,
     LogFailed,
+    LogRestarted,
     Outputs,
     Ready,
     Resumed,
@@ -86,7 +87,8 @@ class EngineServer:
             self.engine, self.args.log_dir, first_epoch=report.last_commit + 1,
             first_seq=report.next_seq, compact_bytes=self.args.compact_bytes,
             executor=self.executor,
-            on_error=lambda msg: self.ch.send(LogFailed(msg)))
+            on_error=lambda msg: self.ch.send(LogFailed(msg)),
+            on_restart=lambda why, pid: self.ch.send(LogRestarted(why, pid)))
         resumed = [Resumed(s.seq_id, s.num_prompt_tokens, s.completion_token_ids, s.emitted)
                    for s in self.engine.seqs.values()]
         return Ready(os.getpid(), report.as_dict(), resumed, dict(self.engine.adapters.current))
@@ -154,6 +156,8 @@ class EngineServer:
                 self.wake.wait(0.5)
                 self.wake.clear()
                 if time.monotonic() - last_stats > 0.5:
+                    if self.recorder is not None:
+                        self.recorder.check()
                     self.ch.send(Outputs([], self.stats()))
                     last_stats = time.monotonic()
                 continue

@@ -142,6 +142,15 @@ class LogFailed(Message, op="log_failed"):
 
 
 @dataclass
+class LogRestarted(Message, op="log_restarted"):
+    """The recovery log's executor died and a new one took the log over; the engine logs
+    on (a crash before the restart's full checkpoint recomputes what it lost)."""
+
+    error: str
+    pid: int
+
+
+@dataclass
 class Beat(Message, op="beat"):
     """The engine process is alive (its heartbeat thread, every `BEAT_S`): an engine the
     front stops hearing from is hung (SIGSTOP, a stuck kernel) and is replaced."""

@@ -21,6 +21,7 @@ stream by request id (`Last-Event-ID`), and answers a retried request with the s
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +43,7 @@ from .messages import (
     Fatal,
     LoadAdapter,
     LogFailed,
+    LogRestarted,
     Message,
     Outputs,
     Ready,
@@ -88,6 +90,7 @@ class RemoteEngine:
         self.stats: dict = {}
         self.recomputed_prompt_tokens = 0
         self.log_errors: list[str] = []  # the active engine's recovery log stopped working
+        self.log_restarts: list[str] = []  # its executor died and a new one took over
         self.on_event: Callable[..., None] = lambda name, **fields: None
         self.adapters: dict[str, int] = {}  # name -> current version
         # load_adapter's token -> where its AdapterLoaded/AdapterRefused goes
@@ -239,6 +242,11 @@ class RemoteEngine:
             loop, fut = self._replies.get(msg.token, (None, None))
             if fut is not None:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(msg))
+        elif isinstance(msg, LogRestarted):  # said where people look; logging goes on
+            self.log_restarts.append(msg.error)
+            self.on_event("log_executor_restarted", error=msg.error, pid=msg.pid)
+            print(f"phoenixft serve: the recovery log's executor died: {msg.error}",
+                  file=sys.stderr, flush=True)
         elif isinstance(msg, LogFailed):  # the engine serves on, but a crash now would lose work
             self.log_errors.append(msg.error)
             self.on_event("log_failed", error=msg.error)
