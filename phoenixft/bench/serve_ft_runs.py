@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -213,6 +214,9 @@ def end_to_end(model: str, args, tmp: Path) -> dict:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        # the log a front with --run-dir keeps for its restart: this one never restarts
+        from phoenixft.serve.server.http import default_log_dir
+        shutil.rmtree(default_log_dir(run_dir), ignore_errors=True)
 
 
 def _stream(base: str, bodies: list[dict]) -> tuple[list[list[float]], list]:

@@ -19,6 +19,7 @@ import psutil
 
 from phoenixft.bench.serve_open import wait_healthy
 from phoenixft.serve import LLM, EngineConfig, SamplingParams
+from phoenixft.serve.server.http import default_log_dir
 from tests.support.waiting import free_port as free_port
 
 MAX_LEN = 1024
@@ -91,9 +92,12 @@ class Server:
         it) remove the recovery log they leave in /dev/shm on purpose."""
         try:
             status = self.status()
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # (read while the front rewrote it)
             status = {}
-        log_dir, janitor = status.get("log_dir"), status.get("janitor_pid")
+        # (the run directory names its log: status.json may be unreadable at this moment,
+        # and its log then stayed in /dev/shm for good)
+        log_dir = status.get("log_dir") or default_log_dir(self.run_dir)
+        janitor = status.get("janitor_pid")
         for pid in self.pids():
             if pid == janitor:
                 continue  # it cleans up once the front and the engines are gone
