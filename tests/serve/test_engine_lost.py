@@ -61,6 +61,19 @@ def test_no_recovery_engine_killed_under_32_streams_every_request_ends_with_an_e
         server.stop()
 
 
+def _streaming(server: Server, ps: list[list[int]], max_tokens: int) -> list[SSEClient]:
+    """One stream per prompt, started once the standby is warm; returns when every one
+    has tokens and the recovery log holds them all running."""
+    clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
+                                       **params(i, max_tokens)}) for i, p in enumerate(ps)]
+    server.wait_standby_warm()
+    for c in clients:
+        c.start()
+    wait_tokens(clients, 3)
+    server.wait_logged(len(ps))
+    return clients
+
+
 @pytest.mark.timeout(420)
 def test_a_hung_engine_is_replaced_by_the_standby_and_32_streams_go_on(long_model, tmp_path):
     """The active engine SIGSTOPped mid-decode (every stream stalled until SIGCONT, and
@@ -73,13 +86,7 @@ def test_a_hung_engine_is_replaced_by_the_standby_and_32_streams_go_on(long_mode
     server = Server(long_model, tmp_path / "run", free_port())
     pid = None
     try:
-        clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
-                                           **params(i, max_tokens)}) for i, p in enumerate(ps)]
-        server.wait_standby_warm()
-        for c in clients:
-            c.start()
-        wait_tokens(clients, 3)
-        server.wait_logged(n)
+        clients = _streaming(server, ps, max_tokens)
         pid = server.status()["engine_pid"]
         os.kill(pid, signal.SIGSTOP)
         assert not any(c.done for c in clients)  # stopped mid-decode: all of them wait
@@ -117,13 +124,7 @@ def test_a_dead_log_executor_is_restarted_and_a_later_crash_recomputes_nothing(
     ref = reference(long_model, ps, max_tokens)
     server = Server(long_model, tmp_path / "run", free_port())
     try:
-        clients = [SSEClient(server.base, {"model": "tiny", "prompt": p, "stream": True,
-                                           **params(i, max_tokens)}) for i, p in enumerate(ps)]
-        server.wait_standby_warm()
-        for c in clients:
-            c.start()
-        wait_tokens(clients, 3)
-        server.wait_logged(n)
+        clients = _streaming(server, ps, max_tokens)
         engine = psutil.Process(server.status()["engine_pid"])
         [executor] = [p for p in engine.children()
                       if "phoenixft.serve.recovery.executor" in " ".join(p.cmdline())]
