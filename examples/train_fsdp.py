@@ -109,11 +109,11 @@ def clip_reference(model, max_norm: float) -> torch.Tensor:
     clipping reduces a DTensor norm with `full_tensor()`."""
     from torch.distributed.tensor import DTensor
     params = [p for p in model.parameters() if p.grad is not None]
-    meshes = {id(p.grad.device_mesh): p.grad.device_mesh for p in params}
+    meshes = {p.grad.device_mesh: None for p in params}  # (equal meshes are one: DeviceMesh's ==)
     if len(meshes) == 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
-    groups = [[p for p in params if p.grad.device_mesh is mesh] for mesh in meshes.values()]
+    groups = [[p for p in params if p.grad.device_mesh == mesh] for mesh in meshes]
     norms = [torch.nn.utils.get_total_norm([p.grad for p in g]).full_tensor() for g in groups]
     total = torch.linalg.vector_norm(torch.stack(norms))
     for g in groups:
