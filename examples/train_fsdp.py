@@ -106,7 +106,9 @@ def clip_reference(model, max_norm: float) -> torch.Tensor:
     """torch's `clip_grad_norm_`; with tensor parallelism over the MLPs only, the gradients
     live on two meshes, whose per-parameter norms torch's function cannot stack: the norm
     is then taken per mesh (reduced over its ranks) and the two combined, as torchtitan's
-    clipping reduces a DTensor norm with `full_tensor()`."""
+    clipping reduces a DTensor norm with `full_tensor()`. Meshes are told apart by value
+    (`==`): FSDP2's units hold equal meshes that are distinct objects, and grouping them by
+    object stacked more partial norms, a total different in the last bit."""
     from torch.distributed.tensor import DTensor
     params = [p for p in model.parameters() if p.grad is not None]
     meshes = {p.grad.device_mesh: None for p in params}  # (equal meshes are one: DeviceMesh's ==)
