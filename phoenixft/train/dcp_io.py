@@ -22,6 +22,11 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else t).detach().cpu()
 
 
+def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """id(parameter) -> its param group."""
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
 def final_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                 full: dict[str, torch.Tensor], step: int) -> dict:
     """`full` (a layout's `full_state`: ``model.<fqn>``, ``optim.<key>.<fqn>``, or a flat
@@ -42,7 +47,7 @@ def final_state(model: nn.Module, optimizer: torch.optim.Optimizer,
             for n in ([name] if name else params):  # (a flat layout's scalar: every one)
                 optim[(n, kind)] = value
     groups = {}
-    by_param = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    by_param = _group_of(optimizer)
     for name, p in params.items():
         group = by_param.get(id(p))
         if group is None and len(optimizer.param_groups) == 1:
@@ -67,7 +72,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, url: str) -
     state: dict[str, object] = dict(params)
     state.update({k: b for k, b in model.named_buffers() if k in saved})
     fresh: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    group_of = _group_of(optimizer)
     hyper: dict[str, tuple[dict, str]] = {}
     for name, p in params.items():
         prefix = f"{ckpt.OPT}.state.{name}."

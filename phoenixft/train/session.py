@@ -187,12 +187,13 @@ class Session:
         self._pending = self.member.start(self.state)
         self._check_min_world(layout)
         m = self.state.m_for(self.world_size)
+        lay = self.state.layout
+        # whether a vote can ever compare this rank's gradients and parameters with a copy
+        votes = bool(self.cfg.fingerprints.every) \
+            and lay.fingerprinted(torch.empty(0)) is not None \
+            and any(len(c) > 1 for c in lay.vote_classes(self.world_size))
         # (a garble is checked against the job's first placement: a spare or a respawned
         # worker sets up later, when the ranks that receive replicas may have changed)
-        lay = self.state.layout
-        votes = bool(self.cfg.fingerprints.every) and lay.fingerprinted(
-            torch.zeros(lay.grad_numel(), dtype=lay.master_dtype, device=lay.device)) is not None \
-            and any(len(c) > 1 for c in lay.vote_classes(self.world_size))
         self.member.injector.check_plan(
             [len(ids) for ids in lay.plan(m, self.world_size)],
             receivers=self.member.replica_receivers() if self.generation == 0 else None,
@@ -233,14 +234,13 @@ class Session:
             raise RuntimeError("call Session.setup() before Session.steps()")
         state, member = self.state, self.member
         while True:
-            if state.step >= total and self._pending is not None \
-                    and self._pending.speculative is not None:
-                # a spare activated by the checks after the last step computed ahead from
-                # the last snapshot: nothing is left to compute, it joins
-                st, self._pending = self._pending, None
-                self._pending = member.enter(member.plan, state, st)
-                continue
             if state.step >= total:
+                if self._pending is not None and self._pending.speculative is not None:
+                    # a spare activated by the checks after the last step computed ahead
+                    # from the last snapshot: nothing is left to compute, it joins
+                    st, self._pending = self._pending, None
+                    self._pending = member.enter(member.plan, state, st)
+                    continue
                 try:
                     self._finish()
                     return
