@@ -12,7 +12,12 @@ import importlib
 import os
 import sys
 
-from phoenixft import extras
+# c10d logs a lost store connection as a warning with a 20-frame C++ stack, before our own
+# one-line account of it (an agent that finds the job's store gone): warnings off unless
+# asked for. Set before torch is imported, which reads it once.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from phoenixft import extras  # noqa: E402
 
 # (module, attribute) pairs whose register(subparsers) adds top-level subcommands.
 _COMMANDS = [

@@ -33,6 +33,16 @@ has announced it: the manifest is the commit, written atomically and last. Only 
 count when restoring, so a half-written step is invisible; rank 0 then keeps the newest
 `keep` bases and deletes the manifests and records older than them.
 
+No commit depends on a base that was not committed. Ranks pick their base steps apart
+(a rank that coalesced a step counts its records differently), so a rank's base may be
+a step some other rank never wrote, which no manifest can commit; deltas against it then
+hung on a record no manifest named (seen: deltas of steps 10-26 on an uncommitted base 8).
+So: a rank writes a delta only against a base whose step every rank of the generation
+announced ("ready"), and rank 0 commits every ready step that holds a base, oldest first,
+besides the newest ready step. A ready step is final (each rank announces in step order,
+so a step still missing when a newer one is ready never comes), hence a ready base is
+always committed before any delta on it; until its base is ready a rank writes bases.
+
 A storage error never stops training: it is logged (`persist_failed`, the first and then
 every 20th), announced in the store for the console, and the next step tries again.
 """
@@ -121,6 +131,7 @@ class Persister:
         self._writing = -1  # the step the thread is persisting now (-1: none)
         self._done_step = -1  # newest step this rank made durable (or gave up on)
         self._committed = -1  # rank 0: newest manifest written
+        self._committed_steps: set[int] = set()  # rank 0: this generation's manifests
         self._candidates: list[int] = []
         self._offered: dict[int, float] = {}  # step -> when it was offered (for durable_s)
         self._failed_step = -1  # newest step whose record could not be written
@@ -306,8 +317,9 @@ class Persister:
             self.stats.coalesced += 1
             return False
         base = self._base
-        if base is not None and (self._since_base >= self.cfg.every or len(base[1]) != len(blob)):
-            base = None
+        if base is not None and (self._since_base >= self.cfg.every or len(base[1]) != len(blob)
+                                 or not self._ready(store, base[0])):
+            base = None  # (a base some rank lacks is never committed: module doc)
         t0 = time.perf_counter()
         info = self.tier.put(step, self.rank, blob, base=base, chunk=CHUNK,
                              base_hashes=self._base_hashes if base is not None else None,
@@ -326,39 +338,56 @@ class Persister:
         self.stats.blob_bytes += len(blob)
         self.stats.last_step = step
         self.stats.host_bytes = len(blob) + (len(self._base[1]) if self._base else 0)
-        kv.set_json(store, Keys.persisted(step, self.rank), info_dict(info))
+        kv.set_json(store, Keys.persisted(self.job.generation, step, self.rank), info_dict(info))
         if self.rank == 0:
             self._candidates.append(step)
         return True
 
+    def _ready(self, store: dist.Store, step: int) -> bool:
+        """Has every rank of the generation announced its record of `step`?"""
+        return store.check([Keys.persisted(self.job.generation, step, r)
+                            for r in range(self.job.world_size)])
+
     def _commit(self, store: dist.Store) -> None:
-        """Rank 0: write the manifest of the newest step every rank made durable."""
-        ready = None
-        for step in sorted(self._candidates, reverse=True):
-            keys = [Keys.persisted(step, r) for r in range(self.job.world_size)]
-            if store.check(keys):
-                ready = step
-                break
-        if ready is None:
+        """Rank 0: write the manifests of the newest step every rank made durable and of
+        each older one that holds a base (module doc: a ready base is always committed)."""
+        newest = next((s for s in sorted(self._candidates, reverse=True)
+                       if self._ready(store, s)), None)
+        if newest is None:
             return
+        # (readiness of the older steps is final now that a newer one is ready)
+        older = [s for s in sorted(self._candidates) if s < newest and self._ready(store, s)]
+        self._candidates = [s for s in self._candidates if s > newest]
         self.lease.check()  # (a lease taken over meanwhile: this run must not commit)
-        self._candidates = [s for s in self._candidates if s > ready]
-        records = [kv.get_json(store, Keys.persisted(ready, r)) for r in range(self.job.world_size)]
+        for step in older + [newest]:
+            records = [kv.get_json(store, Keys.persisted(self.job.generation, step, r))
+                       for r in range(self.job.world_size)]
+            if step == newest or any(r["kind"] == "base" for r in records):
+                self._write_manifest(store, step, records)
+
+    def _write_manifest(self, store: dist.Store, step: int, records: list[dict]) -> None:
+        lost = sorted({r["base_step"] for r in records if r["kind"] == "delta"}
+                      - self._committed_steps)
+        if lost:  # (never, by the protocol in the module doc; a manifest would not restore)
+            self._emit("persist_failed", step=step, errors=self.stats.errors,
+                       error=f"not committed: deltas on bases {lost} that no manifest commits")
+            return
         manifest = {
-            "step": ready, "job_id": self.job.job_id, "generation": self.job.generation,
+            "step": step, "job_id": self.job.job_id, "generation": self.job.generation,
             "world_size": self.job.world_size, "time": time.time(), "records": records,
             "model": self.job.model}
-        self.tier.write_manifest(ready, manifest)
-        kv.raise_to(store, Keys.PERSISTED, ready)
+        self.tier.write_manifest(step, manifest)
+        kv.raise_to(store, Keys.PERSISTED, step)
+        self._committed_steps.add(step)
         with self._cond:
-            self._committed = ready
-            t = self._offered.pop(ready, None)
-            for s in [s for s in self._offered if s < ready]:
+            self._committed = step
+            t = self._offered.pop(step, None)
+            for s in [s for s in self._offered if s < step]:
                 del self._offered[s]
         if t is not None:
             self.stats.durable_s.append(time.perf_counter() - t)
         self.stats.manifests += 1
-        self._emit("persisted", step=ready, records=len(records),
+        self._emit("persisted", step=step, records=len(records),
                    bytes=sum(r["nbytes"] for r in records),
                    kinds=sorted({r["kind"] for r in records}))
         if self.stats.manifests == 1 or any(r["kind"] == "base" for r in records):

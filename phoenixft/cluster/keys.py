@@ -181,8 +181,11 @@ class Keys:
         return f"persist_stride/{generation}"
 
     @staticmethod
-    def persisted(step: int, rank: int) -> str:  # rank's persister: its durable record
-        return f"persisted/{step}/{rank}"
+    def persisted(generation: int, step: int, rank: int) -> str:
+        """A rank's persister: its durable record of `step` in `generation` (a key of an
+        older generation, whose rank may have written another record of the same step
+        since, never stands for this one's)."""
+        return f"persisted/{generation}/{step}/{rank}"
 
     @staticmethod
     def persist_error(rank: int) -> str:  # rank's persister: its last storage error

@@ -289,6 +289,14 @@ class Leader:
             if lost:  # (an agent whose workers all left stops beating when it leaves)
                 self.events.emit("node_silent", node=int(k), silent_s=round(now - t_fail, 3))
             for w in lost:
+                if self.store.check([Keys.finished(w.wid)]):
+                    # it completed training; its agent went silent before reporting the
+                    # exit. Fenced (in case it lingers), but no failure: a new generation
+                    # after the last step waited for a rank that had left, and the job
+                    # never ended
+                    self._stop_worker(w, "finished training; its node's agent went silent")
+                    w.state = WorkerState.EXITED
+                    continue
                 new.append(self._fence(w, "hang", f"heartbeat silent: node {k}'s agent is "
                                        "silent (its host lost, or the agent hung)",
                                        self._fail_time(w.wid, t_fail), now))

@@ -104,6 +104,9 @@ class Agent:
         self._fences_seen = 0  # the node's fence count last read (`protocol.fenced`)
         self.hearts: NodeLiveness | None = None  # its workers' heartbeats (`_liveness`)
         self._plan_seen: Plan | None = None  # the newest plan read (`protocol.latest_plan`)
+        self._stalled_s = 0.0  # the longest this agent stood still (SIGSTOP, a frozen host)
+        self._tick_t: float | None = None  # when its loop last ticked
+        self._fenced = 0  # its workers the leader fenced
 
     # -- set-up ---------------------------------------------------------------------
     def _open_store(self):
@@ -302,7 +305,9 @@ class Agent:
             sel.register(p.pidfd, selectors.EVENT_READ, p)
         try:
             while True:
-                for key, _ in sel.select(timeout=self.cfg.tick_s):
+                ready = sel.select(timeout=self.cfg.tick_s)
+                self._note_stall()  # (before the store is touched: it may be gone since)
+                for key, _ in ready:
                     sel.unregister(key.fileobj)
                     self._reap(store, key.data)
                     self._respawn(store, sel)
@@ -335,6 +340,17 @@ class Agent:
         finally:
             sel.close()
 
+    def _note_stall(self) -> None:
+        """Once a tick: a gap between ticks longer than the heartbeat deadline means this
+        agent stood still (stopped, or its host froze) long enough for the leader to count
+        its workers as hung; its last words say so (`_finish`)."""
+        now = time.monotonic()
+        gap = 0.0 if self._tick_t is None else now - self._tick_t
+        self._tick_t = now
+        if gap > self.cfg.timeouts.heartbeat_timeout_s and gap > self._stalled_s:
+            self._stalled_s = gap
+            self.events.emit("agent_stalled", node=self.cfg.node_rank, stalled_s=round(gap, 3))
+
     def _adopt_spawns(self, store) -> None:
         n = kv.get_int(store, Keys.SPAWNS, 0)
         while self._spawns_seen < n:
@@ -366,6 +382,7 @@ class Agent:
         live = {p.wid: p for p in self.procs.values() if not p.done}
         found, self._fences_seen = fenced(store, self.cfg.node_rank, list(live),
                                           self._fences_seen)
+        self._fenced += len(found)
         for wid in found:
             try:
                 os.kill(live[wid].popen.pid, signal.SIGKILL)
@@ -418,8 +435,21 @@ class Agent:
             newest = newest_persisted(self.cfg.persistence.url, self.persisted_step)
             resume = (f"; the newest persisted step is {newest} in {self.cfg.persistence.url}: "
                       "rerun the job with --resume to continue from it" if newest >= 0 else "")
+            if self._stalled_s:  # (what node 0 was doing meanwhile is not ours to say)
+                who = (f"{self._stood_still()}; the store went away meanwhile: the job ended, or node "
+                       "0 was lost; node 0's console and run dir tell the job's outcome")
             self._say(f"phoenixft: node {self.cfg.node_rank} stops: {self._lost_store} at "
                       f"{self.cfg.store} ({who}); its workers were stopped{resume}", err=True)
+        elif self.leader is None and final is None and self._signal is None:
+            why = (f"{self._stood_still()}, so the leader counted its workers as hung"
+                   if self._stalled_s else "the leader found its workers hung"
+                   if self._fenced else "its workers are gone")
+            self._say(f"phoenixft: node {self.cfg.node_rank} leaves the job: {why}; "
+                      + ("they were fenced and the job goes on without this node"
+                         if self._stalled_s or self._fenced else
+                         f"no verdict from the leader within {self.cfg.shutdown_grace_s:g}s")
+                      , err=True)
+            self._leave(store)
         elif self.leader is not None:
             try:
                 self._watch_persistence(store, final=True)
@@ -441,14 +471,25 @@ class Agent:
             elif rc == 0:
                 self._say(done_line(summary, str(self.run_dir)), err=False, always=True)
             self._wait_agents_gone(store)  # let the others read the verdict first
-        elif store is not None:
-            try:
-                store.add(Keys.AGENTS_DONE, 1)
-            except Exception:
-                pass
+        else:
+            self._leave(store)
         if self.shm_dir is not None:
             remove_node_shm(str(self.shm_dir))
         return 128 + self._signal if self._signal is not None else rc
+
+    def _stood_still(self) -> str:
+        return (f"this agent stood still for {self._stalled_s:.1f}s (stopped, or its host "
+                f"froze), beyond the heartbeat deadline of "
+                f"{self.cfg.timeouts.heartbeat_timeout_s:g}s")
+
+    def _leave(self, store) -> None:
+        """A follower's goodbye, which node 0's agent waits for (`_wait_agents_gone`)."""
+        if store is None:
+            return
+        try:
+            store.add(Keys.AGENTS_DONE, 1)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody waits any more
+            pass
 
     def _write_summary(self, wall_s: float) -> dict | None:
         """summary.json, audit.jsonl and the final status.json; None (said on the console)

@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--hold-again-at", type=int, default=0,
                     help="a second hold, until --hold-again-until-file appears")
     ap.add_argument("--hold-again-until-file", default=None)
+    ap.add_argument("--hold-after-file", default=None,
+                    help="once training finished, wait for this file before exiting")
     args = ap.parse_args()
     if args.hold_until_file and not args.hold_at:
         ap.error("--hold-until-file needs --hold-at STEP")
@@ -79,6 +81,8 @@ def main() -> None:
             g = torch.Generator().manual_seed(step.index * 1000 + j)
             x = torch.randn(8, 16, generator=g)
             step.backward(F.mse_loss(model(x), x.sum(1, keepdim=True).sin()))
+    if args.hold_after_file:
+        wait_until((run_dir / args.hold_after_file).exists, f"{args.hold_after_file} in the run dir")
     if sess.rank == 0:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()},
                   str(run_dir / "params.safetensors"))

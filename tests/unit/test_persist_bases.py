@@ -1,0 +1,80 @@
+"""Persisted bases across ranks: no committed step ever depends on a base that was not
+committed, even when the ranks' base steps drift apart (a rank that coalesced a step
+counts its records differently). Two real persisters (ranks 0 and 1 of one generation),
+a real TCPStore on loopback, real slot files and a real directory."""
+
+from __future__ import annotations
+
+import torch
+
+from phoenixft.checkpoint.persist import JobInfo, Persister
+from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, SlotKind, slot_path
+from phoenixft.checkpoint.tiers import FsspecTier
+from phoenixft.checkpoint.writer_lease import TOKEN_ENV, WriterLease
+from phoenixft.cluster import store as kv
+from phoenixft.config import Persistence
+
+WORLD = 2
+
+
+def write_slot(shm_dir, rank: int, step: int) -> None:
+    """Rank's snapshot of `step` in its slot, as the snapshot thread leaves it."""
+    g = torch.Generator().manual_seed(rank)
+    tensors = {"w": torch.randn(4096, generator=g) + step}
+    lay = Layout.of(tensors)
+    f = SlotFile(slot_path(shm_dir, SlotKind.SNAP, rank, step))
+    f.ensure(HEADER_BYTES + lay.data_nbytes)
+    f.begin_write(step)
+    f.view(lay.entries[0]).copy_(tensors["w"])
+    f.finish_write(step, lay, {"rank": rank})
+
+
+def test_a_delta_never_rests_on_a_base_no_manifest_commits(tmp_path, monkeypatch):
+    """Rank 1 misses steps 3 and 8 (coalesced under slow storage): with a base every 2
+    records, rank 0's bases fall on 1, 3, 5, 7, 9 and rank 1's on 1, 4, 6, 9 as each
+    counts. Every manifest's delta must name a base step that a manifest commits with
+    that rank's base record; before the fix, step 4 committed rank 0's delta on its base
+    3, which no manifest could ever commit (rank 1 has no record of step 3)."""
+    url = str(tmp_path / "ckpt")
+    tier = FsspecTier(url)
+    lease = WriterLease(tier, "job")
+    lease.acquire(resume=False)
+    monkeypatch.setenv(TOKEN_ENV, lease.token)
+    server, port = kv.host_store("127.0.0.1")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = Persistence(url=url, every=2, cpu_share=1.0, keep=100)
+    events: list[tuple] = []
+    persisters = [Persister(FsspecTier(url), rank=r, shm_dir=str(shm), cfg=cfg,
+                            job=JobInfo(job_id="job", generation=0, world_size=WORLD),
+                            connect=lambda: kv.connect(f"127.0.0.1:{port}"),
+                            emit=lambda event, **kw: events.append((event, kw)))
+                  for r in range(WORLD)]
+    try:
+        for step in range(1, 13):
+            # rank 1 first, so that rank 0 commits each step as soon as it is ready
+            for rank in (1, 0):
+                if rank == 1 and step in (3, 8):
+                    continue
+                write_slot(shm, rank, step)
+                persisters[rank].offer(step)
+                assert persisters[rank].wait_idle(30)
+        assert persisters[0].flush(12, 30)
+    finally:
+        for p in persisters:
+            p.stop()
+        del server
+    assert not [e for e in events if e[0] == "persist_failed"], events
+    manifests = {s: tier.read_manifest(s) for s in tier.manifests()}
+    assert 12 in manifests
+    kinds = {(r["step"], r["rank"]): r["kind"] for m in manifests.values() for r in m["records"]}
+    for step, m in manifests.items():
+        for r in m["records"]:
+            if r["kind"] == "delta":
+                assert kinds.get((r["base_step"], r["rank"])) == "base", (
+                    f"step {step}: rank {r['rank']}'s delta rests on base {r['base_step']}, "
+                    f"which no manifest commits (committed: {sorted(manifests)})")
+    # and each committed step restores, read as a resume reads it
+    for step, m in manifests.items():
+        for r in range(WORLD):
+            assert tier.get(step, r, m)
