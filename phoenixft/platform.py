@@ -41,3 +41,16 @@ def wait_for_exit(pid: int, timeout_s: float | None = None) -> bool:
         return bool(ready)
     finally:
         os.close(fd)
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), or None when
+    there is no such process: with the pid, it names one process, never a later one that
+    reused the pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # (the command name, field 2, is in parentheses and may hold spaces)
+    return int(stat[stat.rindex(b")") + 2:].split()[19])

@@ -15,6 +15,8 @@ import psutil
 import pytest
 
 from phoenixft.serve import LLM, EngineConfig, SamplingParams
+from phoenixft.serve.server.http import default_log_dir
+from phoenixft.serve.server.stale_logs import stale_logs
 from tests.support.serving import (
     MAX_LEN,
     Server,
@@ -150,7 +152,12 @@ def test_the_whole_server_killed_and_restarted_clients_resume(long_model, tmp_pa
         while any(alive(p) for p in pids):  # SIGKILLed processes take a moment to go
             assert time.monotonic() < deadline, "the old server's processes lived on"
             time.sleep(0.05)
+        # the log its front left is named as stale (what `phoenixft serve` says at start)
+        log = default_log_dir(run_dir)
+        stale = {s.path: s for s in stale_logs()}
+        assert log in stale and stale[log].run_dir == str(run_dir.resolve()), stale
         server = Server(long_model, run_dir, port)  # the same run dir: the log is found
+        assert log not in {s.path for s in stale_logs()}  # (its owner now)
         again = [SSEClient(server.base, resume=(c.rid, c.ids[-1])) for c in clients]
         for c in again:
             c.start()

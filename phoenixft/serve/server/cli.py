@@ -119,6 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .front import bind, run
     from .http import build_app
+    from .stale_logs import stale_logs
     try:
         sizes = {flag: parse_bytes(getattr(args, flag[2:].replace("-", "_")), flag)
                  for flag in ("--max-request-body", "--recovery-ring-bytes")}
@@ -142,6 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         print(f"phoenixft serve: {exc}", file=sys.stderr)
         return 2
+    for log in stale_logs(exclude=app.state.log_dir):
+        print(f"phoenixft serve: {log.advice()}", file=sys.stderr)
     return run(app, sock, model_dir=args.model_dir, log_level=args.log_level,
                read_timeout_s=args.request_read_timeout)
 

@@ -34,6 +34,7 @@ from .limits import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT_S, BodyLimit
 from .messages import Ready
 from .metrics import ServeMetrics
 from .remote import RemoteEngine
+from .stale_logs import claim
 from .store import DEFAULT_KEEP, DEFAULT_KEEP_S, RequestStore
 from .supervisor import EngineSupervisor, make_socket_dir
 
@@ -81,6 +82,7 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
     log = Path(log_dir) if log_dir else default_log_dir(run_dir)
     owned = [sock_dir] + ([] if run_dir else [str(work_dir), str(log)])
     janitor = start_janitor(owned)
+    claim(log, run_dir)  # (`stale_logs.py`: a later server names it once this front is gone)
     events = EventLog(work_dir / "events.jsonl", role="front")
     backend.on_event = events.emit
     supervisor = EngineSupervisor(model_dir, asdict(config), log, work_dir, threads=threads,
@@ -138,6 +140,7 @@ def build_app(model_dir: str | Path, config: EngineConfig | None = None,
 
     app = FastAPI(title="phoenixft", lifespan=lifespan)
     app.state.spec, app.state.backend, app.state.supervisor = spec, backend, supervisor
+    app.state.log_dir = log
     app.state.cleanup = cleanup
     errors.install(app)
     if api_key:
