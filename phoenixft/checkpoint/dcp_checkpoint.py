@@ -34,6 +34,7 @@ from collections.abc import Iterable
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
+from phoenixft.torch_internals import DCP_PICKLED, fsspec_reader_class, fsspec_writer, set_nested
 
 SIDECAR = "phoenixft.json"
 METADATA = ".metadata"
@@ -66,7 +67,6 @@ def write(url: str, state: dict) -> str:
     directory it began."""
     import fsspec
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     fs, path = fsspec.core.url_to_fs(url)
     for name in (METADATA, SIDECAR):  # no old .metadata beside new data, ever
@@ -75,7 +75,7 @@ def write(url: str, state: dict) -> str:
     try:
         with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, storage_writer=FsspecWriter(url, sync_files=True), no_dist=True)
+            dcp.save(state, storage_writer=fsspec_writer(url, sync_files=True), no_dist=True)
     except (Exception, dcp.CheckpointException) as exc:  # (DCP's is a BaseException)
         try:  # no half-written directory left behind (a full disk, a lost connection)
             if fs.exists(path) and not fs.exists(f"{path}/{METADATA}"):
@@ -99,8 +99,7 @@ def write(url: str, state: dict) -> str:
 
 # -- reading -----------------------------------------------------------------------------
 _DCP_MODULES = {"torch.distributed.checkpoint.metadata"}
-_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-            ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+_ALLOWED = DCP_PICKLED | {("collections", "OrderedDict"),
             # (a collective dcp.save records its checkpoint_id, a path, in storage_meta)
             ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
@@ -134,9 +133,8 @@ def read_metadata(url: str):
 
 
 def _reader(url: str):
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    class Reader(FsspecReader):
+    class Reader(fsspec_reader_class()):
         def read_metadata(self, *args, **kwargs):
             md = read_metadata(url)
             from torch.distributed.checkpoint.metadata import StorageMeta
@@ -155,8 +153,7 @@ def _planner():
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             obj = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._nested_dict import set_element  # noqa
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+                set_nested(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 

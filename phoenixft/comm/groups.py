@@ -14,16 +14,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from phoenixft.torch_internals import gloo_options, nccl_options
+
 
 def _gloo_options(bind_host: str, timeout: timedelta):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if iface:
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
-    else:
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    return opts
+    device = (dist.ProcessGroupGloo.create_device(interface=iface) if iface
+              else dist.ProcessGroupGloo.create_device(hostname=bind_host))
+    return gloo_options(timeout, device)
 
 
 def new_group(store: dist.Store, prefix: str, rank: int, size: int, *, device: torch.device,
@@ -33,9 +31,7 @@ def new_group(store: dist.Store, prefix: str, rank: int, size: int, *, device: t
     pstore = dist.PrefixStore(prefix, store)
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(pstore, rank, size, opts)
+        return dist.ProcessGroupNCCL(pstore, rank, size, nccl_options(timeout))
     return dist.ProcessGroupGloo(pstore, rank, size, _gloo_options(bind_host, timeout))
 
 

@@ -29,19 +29,15 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.comm.collectives import CommFailure, GroupOps, wait_work
+from phoenixft.torch_internals import (
+    PROCESS_GROUP_COLLECTIVES,
+    backend_registered,
+    front_end,
+    register_in_world,
+)
 
 BACKEND = "phoenixft"  # the name `init_process_group` knows our world group by
 
-# c10d's ProcessGroup collectives (torch 2.13 names) that FSDP2, DeviceMesh, DTensor and
-# torch.distributed's object collectives call
-_FORWARDED = (
-    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
-    "all_gather_single", "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
-    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
-    "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "broadcast",
-    "reduce", "gather", "scatter", "alltoall", "alltoall_base", "all_to_all_single",
-    "barrier", "send", "recv", "recv_anysource", "monitored_barrier",
-)
 
 
 def _completed() -> torch.futures.Future:
@@ -160,13 +156,7 @@ class SwapGroup(dist.ProcessGroup):
             raise RuntimeError(f"generation {generation}'s group is rank {ops.pg.rank()} of "
                                f"{ops.pg.size()}; this mesh's group is rank {self._rank} of "
                                f"{self._size} (a sharded model keeps its world size)")
-        front = dist.ProcessGroup(dist.HashStore(), self._rank, self._size)
-        kind = (dist.ProcessGroup.BackendType.NCCL if ops.pg.name() == "nccl"
-                else dist.ProcessGroup.BackendType.GLOO)
-        front._set_default_backend(kind)
-        device = torch.device("cuda") if kind == dist.ProcessGroup.BackendType.NCCL \
-            else torch.device("cpu")
-        front._register_backend(device, kind, ops.pg)
+        front = front_end(self._rank, self._size, ops.pg)
         self.inner, self.ops, self.generation, self.failure = front, ops, generation, None
         self.retired = None
 
@@ -210,7 +200,7 @@ def _forwarder(method: str):
     return forward
 
 
-for _method in _FORWARDED:
+for _method in PROCESS_GROUP_COLLECTIVES:
     setattr(SwapGroup, _method, _forwarder(_method))
 
 
@@ -219,12 +209,8 @@ def sub_group(dim: str, ranks: list[int], rank: int) -> SwapGroup:
     `dim`, of which global rank `rank` is a member, registered with c10d as a group of
     the world (DeviceMesh, DTensor's functional collectives and `get_process_group_ranks`
     find it by name, as they find a `new_group`'s)."""
-    from torch.distributed.distributed_c10d import _register_pg_in_world
-
     pg = SwapGroup(ranks.index(rank), len(ranks), name=f"phoenixft_{dim}")
-    _register_pg_in_world(pg, backend_name=BACKEND, store=dist.HashStore(),
-                          group_name=pg.group_name, backend_config=BACKEND,
-                          rank_mapping={g: i for i, g in enumerate(ranks)})
+    register_in_world(pg, BACKEND, ranks)
     return pg
 
 
@@ -239,7 +225,7 @@ def init_world(rank: int, size: int) -> SwapGroup:
         made["pg"] = SwapGroup(r, n)
         return made["pg"]
 
-    if BACKEND.upper() not in dist.Backend._plugins:
+    if not backend_registered(BACKEND):
         dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
     if dist.is_initialized():
         raise RuntimeError("torch.distributed's default group is already initialized: "

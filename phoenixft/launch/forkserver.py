@@ -39,9 +39,10 @@ import traceback
 
 from phoenixft.launch.config import LaunchError
 from phoenixft.platform import become_subreaper, die_with_parent
+from phoenixft.torch_internals import PRELOAD_MODULES
 
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn", "torch.optim",
-           "torch._dynamo",  # torch.optim imports it at the first optimizer: 2.8 s
+           *PRELOAD_MODULES,  # (torch's, that a first optimizer step imports: 2.8 s)
            "phoenixft.train.session",
            "phoenixft.launch.worker")
 _MAX_MSG = 1 << 20

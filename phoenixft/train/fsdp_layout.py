@@ -13,7 +13,7 @@ with its training group, `mesh_groups`), and a spare builds them once, when it t
 rank (`fully_shard` fixes a rank's shard when it runs, so a spare cannot build them
 before it knows its rank; `parallelize` must therefore not communicate).
 
-What is unique to a rank: its local shards (each DTensor's `_local_tensor`) of the
+What is unique to a rank: its local shards (each DTensor's local tensor, `torch_internals.local`) of the
 parameters and their optimizer state. With tp > 1 the parameters tensor parallelism
 leaves whole (FSDP2 shards them over dp_shard only: norms, attention, embeddings in the
 example) are the same on every rank of a tp group: only the group's first rank
@@ -48,6 +48,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from phoenixft import torch_internals as ti
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.comm.swap_group import SwapGroup, init_world, sub_group
 from phoenixft.config import ConfigError
@@ -126,7 +127,7 @@ class Fsdp2Layout(StateLayout):
         for g in self._all_groups():
             g.siblings = [x for x in self._all_groups() if x is not g]
         self.parallelize(self.model, self.mesh)
-        self._fsdp_params = _fsdp_params(self.model)
+        self._fsdp_params = ti.fsdp_params(self.model)
         if not self._fsdp_params:
             raise RuntimeError("parallelize(model, mesh) sharded nothing: call fully_shard on "
                                "the model's blocks and its root with the mesh it is given")
@@ -223,10 +224,7 @@ class Fsdp2Layout(StateLayout):
         self.model.reset_iter_state()
         self._settled = False
         for fp in self._fsdp_params:
-            unsharded = getattr(fp, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
-            fp.unsharded_accumulated_grad = None
+            ti.drop_unsharded_grads(fp)
         self.opt.zero_grad(set_to_none=True)
 
     # -- the step ----------------------------------------------------------------------
@@ -246,7 +244,7 @@ class Fsdp2Layout(StateLayout):
             with torch.no_grad():
                 for p in self.model.parameters():
                     if p.grad is not None:
-                        _local(p.grad).mul_(self._grad_scale)
+                        ti.local(p.grad).mul_(self._grad_scale)
 
     def clip(self, grads: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
         """The global norm over every rank's gradient shards (`train/clip.py`): its
@@ -297,10 +295,10 @@ class Fsdp2Layout(StateLayout):
         for name, p in self.model.named_parameters():
             if self._holds_copy(name):
                 continue  # its tp group's first rank snapshots it (see gather_params)
-            out[f"p.{name}"] = _local(p)
+            out[f"p.{name}"] = ti.local(p)
             for k, v in self.opt.state.get(p, {}).items():
                 if torch.is_tensor(v):
-                    out[f"o.{name}.{k}"] = _local(v)
+                    out[f"o.{name}.{k}"] = ti.local(v)
         return out
 
     def unique_meta(self) -> dict:
@@ -327,11 +325,11 @@ class Fsdp2Layout(StateLayout):
                 if f"p.{name}" not in tensors and name in copies:
                     self._await_copy(p, copies[name])  # (gather_params fills it)
                     continue
-                if _local(p).shape != tensors[f"p.{name}"].shape:
+                if ti.local(p).shape != tensors[f"p.{name}"].shape:
                     raise RuntimeError(f"snapshot shard of {name} is {tuple(tensors[f'p.{name}'].shape)}, "
-                                       f"this rank's is {tuple(_local(p).shape)}: another model "
+                                       f"this rank's is {tuple(ti.local(p).shape)}: another model "
                                        "or another sharding")
-                _local(p).copy_(tensors[f"p.{name}"])
+                ti.local(p).copy_(tensors[f"p.{name}"])
                 saved = {k[len(name) + 3:]: v for k, v in tensors.items()
                          if k.startswith(f"o.{name}.")}
                 if not saved and not scalars.get(name):
@@ -341,7 +339,7 @@ class Fsdp2Layout(StateLayout):
                 for k, v in saved.items():
                     if k not in st:  # a fresh optimizer (a spare): make the state's DTensor
                         st[k] = v.clone() if v.dim() == 0 else torch.zeros_like(p)
-                    _local(st[k]).copy_(v)
+                    ti.local(st[k]).copy_(v)
                 st.update(scalars.get(name, {}))
         for g, saved_group in zip(self.opt.param_groups, meta.get("param_groups", [])):
             g.update({k: v for k, v in saved_group.items() if k in g})
@@ -379,7 +377,7 @@ class Fsdp2Layout(StateLayout):
         A tensor off the device (Adam's `step` lives on the CPU) goes through a device
         copy: NCCL sends device memory only."""
         for t in [p, *(state[k] for k in sorted(state) if torch.is_tensor(state[k]))]:
-            local = _local(t)
+            local = ti.local(t)
             if local.device == self.device:
                 ops.broadcast(local, 0, what)
             else:
@@ -412,7 +410,7 @@ class Fsdp2Layout(StateLayout):
             for t, (_, offsets) in held:
                 whole[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
             _, offsets = self._placement[name]
-            shape = _local(params[name]).shape
+            shape = ti.local(params[name]).shape
             mine[key] = whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].clone()
         self.load_unique(mine, old[0][1])
 
@@ -465,31 +463,6 @@ def _placement(model: nn.Module) -> dict[str, list]:
     """Where each parameter's local shard lies in the whole: name -> [global size, offsets]
     (what a base in DCP's format says of it, `checkpoint/dcp_base.py`)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    out = {}
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            out[name] = [list(p.shape), list(offsets)]
-        else:
-            out[name] = [list(p.shape), [0] * p.dim()]
-    return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself for a plain one), by reference."""
-    return getattr(t, "_local_tensor", t)
-
-
-def _fsdp_params(model: nn.Module) -> list:
-    """Every FSDPParam of the model's FSDP2 units (torch 2.13 internals, for `relocate`)."""
-    out = []
-    for module in model.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        if state is None:
-            continue
-        group = state()._fsdp_param_group
-        if group is not None:
-            out.extend(group.fsdp_params)
-    return out
+    return {name: [list(p.shape), ti.local_offset(p) if isinstance(p, DTensor) else [0] * p.dim()]
+            for name, p in model.named_parameters()}

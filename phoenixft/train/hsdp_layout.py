@@ -41,11 +41,12 @@ from collections.abc import Callable
 
 import torch
 
+from phoenixft import torch_internals as ti
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.comm.swap_group import sub_group
 from phoenixft.config import ConfigError
 from phoenixft.train import quota
-from phoenixft.train.fsdp_layout import MESH_DIMS, Fsdp2Layout, _local
+from phoenixft.train.fsdp_layout import MESH_DIMS, Fsdp2Layout
 
 
 class HsdpLayout(Fsdp2Layout):
@@ -212,7 +213,7 @@ class HsdpLayout(Fsdp2Layout):
             if p.requires_grad:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                out.append(_local(p.grad))
+                out.append(ti.local(p.grad))
         return out
 
     def reduce(self, m: int, what: str) -> None:
@@ -259,8 +260,8 @@ class HsdpLayout(Fsdp2Layout):
         params, opt = [], []
         for p in self.model.parameters():
             if p.requires_grad:
-                params.append(_local(p))
-                opt += [_local(v) for _, v in sorted(self.opt.state.get(p, {}).items())
+                params.append(ti.local(p))
+                opt += [ti.local(v) for _, v in sorted(self.opt.state.get(p, {}).items())
                         if torch.is_tensor(v)]
         reduced = [self._reduced] if self._reduced is not None else []
         return {"reduced gradient shards": reduced, "parameter shards": params,

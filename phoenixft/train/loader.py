@@ -28,8 +28,7 @@ import itertools
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 
 class _Skip:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from phoenixft.config import Policy
+from phoenixft.torch_internals import local
 from phoenixft.train import quota
 from phoenixft.train.layout import StateLayout
 from phoenixft.train.tracked import Tracked
@@ -71,7 +72,7 @@ class RankState:
         seen: dict[int, str] = {}
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
-            t = getattr(t, "_local_tensor", t)  # (a DTensor's own data_ptr is 0: its shard's)
+            t = local(t)  # (a DTensor's own data_ptr is 0: its shard's)
             ptr = t.data_ptr()
             if not t.numel():
                 continue  # (an empty shard has no storage to share)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from phoenixft import torch_internals as ti
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatSender, beats_dir
 from phoenixft.cluster.keys import Keys
@@ -42,7 +43,7 @@ from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.fingerprints import Fingerprinter
 from phoenixft.train.flat_layout import FlatZero1
-from phoenixft.train.fsdp_layout import Fsdp2Layout, Parallelize, _local
+from phoenixft.train.fsdp_layout import Fsdp2Layout, Parallelize
 from phoenixft.train.hsdp_layout import HsdpLayout
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
@@ -220,7 +221,7 @@ class Session:
 
     def _warm_up(self, factory) -> None:
         """Pay lazy imports and first-call costs now, not on activation: constructing and
-        stepping a torch optimizer the first time imports torch._dynamo (~2 s here)."""
+        stepping a torch optimizer the first time imports torch's dynamo (~2 s here)."""
         lay = self.state.layout
         p = nn.Parameter(torch.zeros(8, dtype=lay.master_dtype, device=lay.device))
         opt = factory([p])
@@ -322,11 +323,11 @@ class Session:
         if where == "grad":  # (a sharded model's reduced gradients are its parameters')
             t = parts[0][0] if parts and parts[0] else grads
             if t is None or not t.numel():
-                t = next(_local(p.grad) for p in self.state.model.parameters()
-                         if p.grad is not None and _local(p.grad).numel())
+                t = next(ti.local(p.grad) for p in self.state.model.parameters()
+                         if p.grad is not None and ti.local(p.grad).numel())
         elif where == "param":
             t = parts[1][0] if len(parts) > 1 else next(
-                _local(p) for p in self.state.model.parameters() if p.numel())
+                ti.local(p) for p in self.state.model.parameters() if p.numel())
         else:
             if self.member.snap is not None:
                 self.member.snap.wait_copied()  # at rest: after snapshot T's copy
