@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from phoenixft.bench.faults import JsonlTail, ProcessTree, StepFault
 from phoenixft.bench.harness import EXAMPLE
+from phoenixft.cluster.store import free_port
 from phoenixft.observe.steps import StepEvent
 
 BASELINE = Path(__file__).with_name("torchrun_baseline.py")
@@ -41,18 +41,12 @@ class Workload:
                 "--microbatches", str(self.microbatches), "--threads", "1"]
 
 
-def _fresh(run_dir: Path) -> Path:
+def fresh_run_dir(run_dir: Path) -> Path:
     """An empty run directory: stale events from an earlier run must not count."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     return run_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(kw_only=True)
@@ -78,7 +72,7 @@ class PhoenixJob:
                 str(self.script), *self.work.script_args(), *self.script_extra]
 
     def start(self, step_faults: list[StepFault]) -> ProcessTree:
-        _fresh(self.run_dir)
+        fresh_run_dir(self.run_dir)
         self.step_faults = list(step_faults)
         self._tail = JsonlTail(self.run_dir / "events.jsonl")
         self.tree = ProcessTree(self.argv(), log=self.run_dir / "launcher.log", env=ENV)
@@ -125,7 +119,7 @@ class TorchrunJob:
     script_extra: list[str] = field(default_factory=list)  # e.g. --dp-shard for HSDP
     init: str = "per-attempt"  # see torchrun_baseline.init_process_group
     pg_timeout_s: float = 60.0
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     tree: ProcessTree | None = None
     events: list[dict] = field(default_factory=list)
     step_faults: list[StepFault] = field(default_factory=list)
@@ -142,7 +136,7 @@ class TorchrunJob:
                 *self.script_extra]
 
     def start(self, step_faults: list[StepFault]) -> ProcessTree:
-        _fresh(self.run_dir)
+        fresh_run_dir(self.run_dir)
         self.step_faults = list(step_faults)
         self._tail = JsonlTail(self.run_dir / "events.jsonl")
         self.tree = ProcessTree(self.argv(), log=self.run_dir / "torchrun.log", env=ENV)

@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 from phoenixft.bench.faults import ProcessTree
-from phoenixft.bench.goodput_jobs import ENV, Workload, _free_port, _fresh
+from phoenixft.bench.goodput_jobs import ENV, Workload, fresh_run_dir
 from phoenixft.bench.harness import ROOT
+from phoenixft.cluster.store import free_port
 
 
 class TorchftRun:
@@ -19,7 +20,7 @@ class TorchftRun:
 
     def __init__(self, python: str, run_dir: Path, work: Workload, *, kill_step: int | None,
                  heartbeat_timeout_s: float) -> None:
-        self.python, self.run_dir, self.work = python, _fresh(run_dir), work
+        self.python, self.run_dir, self.work = python, fresh_run_dir(run_dir), work
         self.kill_step, self.hb = kill_step, heartbeat_timeout_s
         self.env = {**ENV, "PYTHONPATH": os.pathsep.join(
             [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -120,7 +121,7 @@ class TorchftHsdpRun(TorchftRun):
             args += ["--kill-at", str(self.kill_step), "--kill-rank", str(self.shard - 1)]
         tree = ProcessTree([self.python, "-m", "torch.distributed.run", "--nproc-per-node",
                             str(self.shard), "--master-addr", "127.0.0.1", "--master-port",
-                            str(_free_port()), "-m", "phoenixft.bench.torchft_hsdp_job", *args],
+                            str(free_port()), "-m", "phoenixft.bench.torchft_hsdp_job", *args],
                            log=self.run_dir / f"replica{r}.{attempt}.log", env=self.env)
         self.trees.append(tree)
         return tree

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
+
+from phoenixft.cluster.store import free_port as free_port  # (one place: the package's)
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
@@ -19,8 +20,3 @@ def wait_until(check: Callable[[], object], timeout: float, what: str, poll: flo
         time.sleep(poll)
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
