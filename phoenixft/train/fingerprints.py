@@ -55,7 +55,7 @@ class Fingerprinter:
             return 0
         member.snap.wait_copied()
         t0 = time.perf_counter()
-        unique = state.layout.unique_tensors()
+        unique = state.layout.state.unique_tensors()
         changed = member.seal.check(state.step, unique)
         if changed is None:
             return 0
@@ -76,8 +76,8 @@ class Fingerprinter:
         if not self.cfg.every:
             return
         lay = state.layout
-        total = lay.grad_numel()
-        zeros = torch.zeros(total, dtype=lay.master_dtype, device=lay.device)
+        total = lay.math.grad_numel()
+        zeros = torch.zeros(total, dtype=lay.math.master_dtype, device=lay.math.device)
         self.begin(Step(state.step + 1, [], 0), state, zeros, total, every_step=True)
         self.settle()
 
@@ -96,8 +96,8 @@ class Fingerprinter:
         mask = self.seal_mask(state)
         lay = state.layout
         due = self.cfg.every and (every_step or not st.index % self.cfg.every)
-        parts = lay.fingerprinted(grads) if due else None
-        classes = [c for c in lay.vote_classes(world) if len(c) > 1]
+        parts = lay.vote.fingerprinted(grads) if due else None
+        classes = [c for c in lay.vote.vote_classes(world) if len(c) > 1]
         if parts is None or not classes:
             if mask:
                 self._act(st, state, {rank: mask}, {}, voted=False)
@@ -109,7 +109,7 @@ class Fingerprinter:
                                 f"fingerprint vote (step {st.index})")
         self.vote_s = time.perf_counter() - t0
         self._pending = (st, state, list(parts), classes, tally, total)
-        if member.snap is None or not lay.can_undo():
+        if member.snap is None or not lay.vote.can_undo():
             self.settle()
 
     def settle(self, gathered: Callable[[], None] | None = None) -> None:
@@ -129,7 +129,7 @@ class Fingerprinter:
         try:
             found, how = consensus.outliers(first, classes, keys), "differ from the majority's"
         except consensus.NoMajority as exc:
-            if not state.layout.local_gradients:  # (nothing to replay the step from)
+            if not state.layout.math.local_gradients:  # (nothing to replay the step from)
                 raise consensus.NoMajority(
                     f"step {st.index}: the fingerprints of the ranks that must agree differ "
                     f"and {exc}; nothing can replay this layout's step to tell which are "
@@ -157,13 +157,13 @@ class Fingerprinter:
         member = self.member
         try:
             tensors, hdr = member.snap.own(st.index - 1)
-            state.layout.load_unique(tensors, hdr["opt"])
+            state.layout.state.load_unique(tensors, hdr["opt"])
             st.phase = StepPhase.REDUCE
         except IntegrityError as exc:
             member.events.emit("fingerprint_undo_failed", rank=member.rank, step=st.index,
                                error=str(exc)[:300])
         # (every rank, so the collective matches)
-        state.layout.gather_params(member.ops, f"parameter all-gather (step {st.index} undone)")
+        state.layout.state.gather_params(member.ops, f"parameter all-gather (step {st.index} undone)")
 
     def _act(self, st: Step, state: RankState, broken: dict[int, int], named: dict[int, str],
              voted: bool) -> None:
@@ -172,7 +172,7 @@ class Fingerprinter:
         when its seal broke on a step without one."""
         member = self.member
         rank, world = member.rank, member.world_size
-        names = sorted(state.layout.unique_tensors())
+        names = sorted(state.layout.state.unique_tensors())
         bad = {r: (f"rank {r}'s optimizer state changed in memory after snapshot "
                    f"{st.index - 1} was copied "
                    f"({', '.join(n for i, n in enumerate(names) if m >> i & 1)})")
@@ -201,11 +201,12 @@ class Fingerprinter:
         rank's damaged copy)."""
         member, lay = self.member, state.layout
         t0 = time.perf_counter()
-        g = torch.zeros(total, dtype=lay.master_dtype, device=lay.device)
-        lay.write_grads(g[:lay.grad_numel()])
+        g = torch.zeros(total, dtype=lay.math.master_dtype, device=lay.math.device)
+        lay.math.write_grads(g[:lay.math.grad_numel()])
         member.ops.allreduce(g, f"replayed gradient all-reduce (step {index})")
-        lay.gather_params(member.ops, f"replayed parameter all-gather (step {index})")
-        again = [consensus.digest_all(ts) for ts in lay.fingerprinted(g[:lay.grad_numel()]).values()]
+        lay.state.gather_params(member.ops, f"replayed parameter all-gather (step {index})")
+        replayed = lay.vote.fingerprinted(g[:lay.math.grad_numel()])
+        again = [consensus.digest_all(ts) for ts in replayed.values()]
         now = consensus.exchange(member.ops, member.rank, member.world_size, again,
                                  f"replayed fingerprint vote (step {index})")
         self.events.emit("fingerprint_replay", rank=member.rank, gen=member.generation,

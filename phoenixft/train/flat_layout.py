@@ -18,13 +18,16 @@ import torch
 from torch import nn
 
 from phoenixft.comm.collectives import GroupOps
-from phoenixft.train.layout import StateLayout
+from phoenixft.train.layout import Holdings, Membership, StepMath, VoteScope
 from phoenixft.train.zero import FlatParams, SchedulerFactory, ShardedOptimizer
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-class FlatZero1(StateLayout):
+class FlatZero1(Membership, Holdings, StepMath, VoteScope):
+    """Plays every role but `WorkSplit` (data parallelism's default) for a data-parallel
+    job; votes over the reduced gradients and the parameters, which every rank holds."""
+
     def __init__(self, model: nn.Module, factory: OptimizerFactory,
                  scheduler: SchedulerFactory | None = None) -> None:
         self.flat = FlatParams(model)

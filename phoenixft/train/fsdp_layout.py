@@ -48,14 +48,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from phoenixft import torch_internals as ti
+import phoenixft.torch_internals as ti
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.comm.swap_group import SwapGroup, init_world, sub_group
 from phoenixft.config import ConfigError
 from phoenixft.train import quota
 from phoenixft.train.clip import clip_grad_norm_
 from phoenixft.train.digest import state_digest
-from phoenixft.train.layout import StateLayout
+from phoenixft.train.layout import Holdings, Membership, StepMath, WorkSplit
 from phoenixft.train.zero import SchedulerFactory
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -63,7 +63,10 @@ Parallelize = Callable[[nn.Module, object], object]  # (model, DeviceMesh) -> an
 MESH_DIMS = ("dp_shard", "tp")
 
 
-class Fsdp2Layout(StateLayout):
+class Fsdp2Layout(Membership, Holdings, StepMath):
+    """Membership, Holdings and StepMath of an FSDP2 (+ tp) model; its `WorkSplit` is
+    `TensorParallelWork`, and it has no vote (no rank holds a copy of another's shards)."""
+
     local_gradients = False
 
     def __init__(self, model: nn.Module, factory: OptimizerFactory, parallelize: Parallelize,
@@ -134,8 +137,7 @@ class Fsdp2Layout(StateLayout):
         self._placement = _placement(self.model)
         if self.tp > 1:  # FSDP2 over dp_shard alone: the tp dimension holds copies of them
             self._replicated = {n for n, p in self.model.named_parameters()
-                                if "tp" not in (getattr(p, "device_mesh", None) and
-                                                p.device_mesh.mesh_dim_names or ())}
+                                if _tp_replicated(p)}
         self.opt = self.factory([p for p in self.model.parameters() if p.requires_grad])
         for hook in self._hooks:
             self.opt.register_step_pre_hook(lambda *_, h=hook: h())
@@ -169,20 +171,6 @@ class Fsdp2Layout(StateLayout):
         d, t = divmod(rank, self.tp)
         return {f"dp_shard.{t}": (d, world_size // self.tp), f"tp.{d}": (t, self.tp)}
 
-    def data_ranks(self, world_size: int) -> int:
-        return max(1, world_size // self.tp)
-
-    def plan(self, m: int, world_size: int) -> list[list[int]]:
-        """A tp group's ranks compute the same microbatches (the dp plan, repeated)."""
-        dp = quota.plan(m, self.data_ranks(world_size))
-        return [dp[r // self.tp] for r in range(world_size)]
-
-    def contributes(self) -> bool:
-        return self.group is None or self.group.rank() % self.tp == 0
-
-    def unit_ranks(self, rank: int, world_size: int) -> range:
-        return range(world_size)  # (its gradients are never a rank's own)
-
     def can_move(self) -> bool:
         return self.group is None  # `fully_shard` fixed this worker's shard
 
@@ -196,7 +184,7 @@ class Fsdp2Layout(StateLayout):
         # M/D microbatches each runs: (1/D) of the sum; the mean over M is D/M of it
         # (FSDP2's own divide factor would need PREMUL_SUM, which gloo lacks). M == D:
         # FSDP2's own average, bit for bit that of a plain FSDP2 script.
-        d = self.data_ranks(self.group.size())
+        d = max(1, self.group.size() // self.tp)
         if microbatches % d:
             raise ConfigError(
                 f"{microbatches} microbatches a step cannot be shared evenly by {d} "
@@ -432,7 +420,7 @@ class Fsdp2Layout(StateLayout):
 
     def export_meta(self) -> dict:
         return {"layout": "fsdp2",
-                "mesh": {"dp_shard": self.data_ranks(self.world_size), "tp": self.tp},
+                "mesh": {"dp_shard": max(1, self.world_size // self.tp), "tp": self.tp},
                 "numel": self._numel, "dtype": str(self.master_dtype).removeprefix("torch.")}
 
     def trained_names(self) -> set[str]:
@@ -446,6 +434,49 @@ class Fsdp2Layout(StateLayout):
     @property
     def scheduler(self):
         return self.sched
+
+
+
+class TensorParallelWork(WorkSplit):
+    """An FSDP2 model's split of a step: the ranks of one tensor-parallel group (tp
+    consecutive ranks) compute the same microbatches (the data-parallel plan, repeated),
+    and one of them counts them; its gradients are never a rank's own, so the whole world
+    is one failure unit that never keeps an interrupted step's work."""
+
+    def __init__(self, layout: Fsdp2Layout) -> None:
+        self.layout, self.tp = layout, layout.tp
+
+    def data_ranks(self, world_size: int) -> int:
+        return max(1, world_size // self.tp)
+
+    def plan(self, m: int, world_size: int) -> list[list[int]]:
+        dp = quota.plan(m, self.data_ranks(world_size))
+        return [dp[r // self.tp] for r in range(world_size)]
+
+    def contributes(self) -> bool:
+        group = self.layout.group
+        return group is None or group.rank() % self.tp == 0
+
+    def unit_ranks(self, rank: int, world_size: int) -> range:
+        return range(world_size)
+
+    def keeps_work(self) -> bool:
+        return False
+
+    def min_world_error(self, min_world: int, world_size: int) -> str | None:
+        return (f"--min-nproc {min_world}: a plain FSDP2 model keeps its world size "
+                f"({world_size} ranks; fully_shard cut each rank's shards for it): give the "
+                "job spares (--spares), or replica groups that can leave whole "
+                "(setup(dp_shard=...), --dp-shard)")
+
+
+def _tp_replicated(p) -> bool:
+    """Whether every rank of a tp group holds the same values of `p`: a parameter off the
+    tp dimension (fully_shard over dp_shard alone), or one tensor parallelism replicates
+    (a row-parallel layer's bias)."""
+    mesh = getattr(p, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return "tp" not in names or p.placements[names.index("tp")].is_replicate()
 
 
 def _init_sample(model: nn.Module, n: int = 4096) -> str | None:

@@ -62,7 +62,7 @@ class GroupBuilds:
         """Start (or find) `plan`'s builds: the training group on `device`, the
         replication group when `replicate` (some rank's replica is held on another node:
         the only copies it carries), and the layout's `mesh` groups on `device` (name ->
-        this rank's place in it, its size: `StateLayout.mesh_groups`). `current` is the
+        this rank's place in it, its size: `Membership.mesh_groups`). `current` is the
         generation this worker is in, whose builds its burial aborts; builds of
         generations never joined are discarded."""
         g, size = plan.generation, plan.world_size

@@ -41,16 +41,18 @@ from collections.abc import Callable
 
 import torch
 
-from phoenixft import torch_internals as ti
+import phoenixft.torch_internals as ti
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.comm.swap_group import sub_group
 from phoenixft.config import ConfigError
 from phoenixft.train import quota
-from phoenixft.train.fsdp_layout import MESH_DIMS, Fsdp2Layout
+from phoenixft.train.fsdp_layout import MESH_DIMS, Fsdp2Layout, TensorParallelWork
+from phoenixft.train.layout import VoteScope
 
 
-class HsdpLayout(Fsdp2Layout):
-    """FSDP2 (and tp) inside replica groups of `dp_shard * tp` ranks; see the module doc."""
+class HsdpLayout(Fsdp2Layout, VoteScope):
+    """FSDP2 (and tp) inside replica groups of `dp_shard * tp` ranks; see the module doc.
+    Its `WorkSplit` is `ReplicaGroupWork`; it votes across the groups."""
 
     def __init__(self, *args, dp_shard: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -62,7 +64,7 @@ class HsdpLayout(Fsdp2Layout):
         self._local = -1  # this worker's rank inside its group, for life
         self._rep_ops: GroupOps | None = None
         self._reduced: torch.Tensor | None = None  # the step's cross-group sum (`reduce`)
-        self._kept = False  # `relocate` found the group's gradients intact
+        self.kept = False  # `relocate` found the group's gradients intact
 
     # -- a generation ------------------------------------------------------------------
     @property
@@ -114,45 +116,6 @@ class HsdpLayout(Fsdp2Layout):
         out[f"dp_replicate.{local}"] = (u, world_size // self.unit)
         return out
 
-    def in_unit(self, name: str) -> bool:
-        return not name.startswith("dp_replicate.")
-
-    def unit_ranks(self, rank: int, world_size: int) -> range:
-        base = rank - rank % self.unit
-        return range(base, base + self.unit)
-
-    def plan(self, m: int, world_size: int) -> list[list[int]]:
-        """Fsdp2Layout's plan when M is a multiple of the data-parallel ranks; otherwise
-        the ids go out in rounds of dp_shard (one per place in a group) to the groups in
-        turn: every rank of a group runs as many passes, groups may run different numbers
-        (the cross-group sum does not care), so M need only be a multiple of dp_shard,
-        whatever number of groups the job shrinks to."""
-        d = self.data_ranks(world_size)
-        if m % d == 0:
-            return super().plan(m, world_size)
-        dp = quota.plan_in_rounds(m, d // self.dp_shard, self.dp_shard)
-        return [dp[r // self.tp] for r in range(world_size)]
-
-    def reassign(self, remaining: list[int], m: int, old_world: int,
-                 world_size: int) -> list[list[int]]:
-        """As the flat layout's (an id stays with its rank number where it can, so a
-        group that recomputes its step does it exactly as before), over data-parallel
-        places; but every rank of a group must run as many passes (FSDP2's collectives),
-        so when that deal is uneven inside a group, the ids go out in rounds of one per
-        member of a group, to the least loaded group first."""
-        tp, s = self.tp, self.dp_shard
-        old = self.plan(m, old_world)[::tp]
-        dealt = quota.reassign(remaining, old, world_size // tp)
-        groups = [dealt[i:i + s] for i in range(0, len(dealt), s)]
-        if any(len({len(ids) for ids in g}) > 1 for g in groups):
-            dealt = [[] for _ in dealt]
-            ids = sorted(remaining)
-            for i in range(0, len(ids), s):
-                u = min(range(len(groups)), key=lambda k: (len(dealt[k * s]), k))
-                for d, j in enumerate(ids[i:i + s]):
-                    dealt[u * s + d].append(j)
-        return [dealt[r // tp] for r in range(world_size)]
-
     def can_move(self) -> bool:
         return self.group is None
 
@@ -189,19 +152,16 @@ class HsdpLayout(Fsdp2Layout):
         replaced them by the step's mean (`_settle_grads`): every one of them completed (a
         generation that leaves the group as it was does not interrupt them), so they hold
         whole microbatches. Otherwise the step is redone."""
-        self._kept = self.failure() is None and not self._settled
+        self.kept = self.failure() is None and not self._settled
         self._reduced = None
         self._settled = False
-        if not self._kept:
+        if not self.kept:
             super().relocate()
             return
         if self.group.retired is None:
             self.group.latch(CommFailure("the generation was left"))
         for g in self.dims.values():
             g.latch(CommFailure("the generation was left"))
-
-    def keeps_work(self) -> bool:
-        return self._kept
 
     # -- the step ----------------------------------------------------------------------
     def _grads(self) -> list[torch.Tensor]:
@@ -291,3 +251,64 @@ class HsdpLayout(Fsdp2Layout):
         meta["mesh"] = {"dp_replicate": self.world_size // self.unit,
                         "dp_shard": self.dp_shard, "tp": self.tp}
         return meta
+
+
+class ReplicaGroupWork(TensorParallelWork):
+    """HSDP's split of a step: a replica group (dp_shard x tp ranks) is the failure unit,
+    which leaves the job whole and keeps its finished microbatches when its collectives
+    all completed (`HsdpLayout.relocate`); its mesh groups, but not the cross-group one,
+    lie inside it."""
+
+    def __init__(self, layout: HsdpLayout) -> None:
+        super().__init__(layout)
+        self.dp_shard, self.unit = layout.dp_shard, layout.unit
+        self.leaves_whole = layout.unit
+
+    def in_unit(self, name: str) -> bool:
+        return not name.startswith("dp_replicate.")
+
+    def unit_ranks(self, rank: int, world_size: int) -> range:
+        base = rank - rank % self.unit
+        return range(base, base + self.unit)
+
+    def keeps_work(self) -> bool:
+        return self.layout.kept
+
+    def plan(self, m: int, world_size: int) -> list[list[int]]:
+        """TensorParallelWork's plan when M is a multiple of the data-parallel ranks;
+        otherwise the ids go out in rounds of dp_shard (one per place in a group) to the
+        groups in turn: every rank of a group runs as many passes, groups may run
+        different numbers (the cross-group sum does not care), so M need only be a
+        multiple of dp_shard, whatever number of groups the job shrinks to."""
+        d = self.data_ranks(world_size)
+        if m % d == 0:
+            return super().plan(m, world_size)
+        dp = quota.plan_in_rounds(m, d // self.dp_shard, self.dp_shard)
+        return [dp[r // self.tp] for r in range(world_size)]
+
+    def reassign(self, remaining: list[int], m: int, old_world: int,
+                 world_size: int) -> list[list[int]]:
+        """As the flat layout's (an id stays with its rank number where it can, so a
+        group that recomputes its step does it exactly as before), over data-parallel
+        places; but every rank of a group must run as many passes (FSDP2's collectives),
+        so when that deal is uneven inside a group, the ids go out in rounds of one per
+        member of a group, to the least loaded group first."""
+        tp, s = self.tp, self.dp_shard
+        old = self.plan(m, old_world)[::tp]
+        dealt = quota.reassign(remaining, old, world_size // tp)
+        groups = [dealt[i:i + s] for i in range(0, len(dealt), s)]
+        if any(len({len(ids) for ids in g}) > 1 for g in groups):
+            dealt = [[] for _ in dealt]
+            ids = sorted(remaining)
+            for i in range(0, len(ids), s):
+                u = min(range(len(groups)), key=lambda k: (len(dealt[k * s]), k))
+                for d, j in enumerate(ids[i:i + s]):
+                    dealt[u * s + d].append(j)
+        return [dealt[r // tp] for r in range(world_size)]
+
+    def min_world_error(self, min_world: int, world_size: int) -> str | None:
+        if min_world % self.unit:
+            return (f"--min-nproc {min_world}: HSDP's replica groups of {self.unit} ranks "
+                    f"(--dp-shard x --tp) leave the job whole, so it can only shrink to a "
+                    f"multiple of {self.unit}")
+        return None

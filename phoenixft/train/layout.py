@@ -1,237 +1,134 @@
 """The parallelism seam: how one rank's share of the training state is laid out over the
-ranks of a generation, and everything the session, the generation protocol, snapshots,
-restores and resharding need to know about it.
+ranks of a generation, as a few small roles with one job each.
 
-The session owns the loop, the microbatch bookkeeping and the step's one all-reduce;
-snapshots and replicas own the bytes; the restore planner owns where old copies come
-from. None of them knows how parameters, gradients and optimizer state are cut over
-ranks: they ask a `StateLayout`. Today's layout is `FlatZero1` (`flat_layout.py`): every
-rank holds all parameters in one flat buffer and 1/world of the optimizer state and
-master weights. A sharded-model layout (FSDP2 / tensor parallel) is the seam's second
-implementation; both pass the one shared test body in `tests/unit/test_layout_contract.py`.
+The session owns the loop and the step's one all-reduce; snapshots and replicas own the
+bytes; the restore planner owns where old copies come from. None of them knows how
+parameters, gradients and optimizer state are cut over ranks: they ask the job's
+`Layout`, which is composed of six roles:
 
-Guarantees every implementation gives, and the rules for calling it:
+- `Membership`: how the rank takes part in a generation (join, its mesh groups, bind,
+  latched failures, relocate). `FlatZero1`, `Fsdp2Layout`, `HsdpLayout`.
+- `Holdings`: what this rank's state is, and how it is saved, loaded, resharded and
+  exported. The same three.
+- `StepMath`: how a step's gradients are reduced and clipped and the optimizer stepped.
+  The same three.
+- `WorkSplit`: who computes which microbatch; which ranks form a failure unit.
+  `DataParallelWork` (the default), `TensorParallelWork`, `ReplicaGroupWork`.
+- `VoteScope`: what the silent-corruption vote compares, among which ranks. `NoVote`
+  (the default), `FlatZero1`, `HsdpLayout`.
+- `MicrobatchExecutor`: who runs a step's microbatches. `UserLoop` (the user's own loop,
+  on each rank).
 
-- `join(rank, world_size)` is called once per generation, before anything else of that
-  generation, with the optimizer's pre-step hook already registered through
-  `on_optimizer_step`; it may rebuild the optimizer (a new rank or world size) and says
-  so. It is not collective.
-- `unique_tensors()` are references to the state only this rank holds (state that other
-  ranks hold identically is not in it: any survivor serves that). They stay valid until
-  the next `update`; the snapshot thread copies them before it.
-- A snapshot is `(unique_tensors(), unique_meta())`. `load_unique` takes back this rank's
-  own snapshot of the same world size; `reshard` takes every old rank's snapshot of
-  another world size. Neither is collective; after either, `gather_params(ops)`
-  (collective) makes the model's parameters whole again where the layout needs it.
-- `update(grads, ops)` steps the optimizer on the averaged gradient region of the step's
-  all-reduce buffer (`grad_numel()` elements, filled by `write_grads`) and leaves the
-  model's parameters ready for the next forward pass. It is collective.
-- `full_state(ops)` (collective) is world-size free: the same bytes for the same
-  training state at any world size, which is what the final digest and export compare.
+One object may play several roles (a layout's state, its step and its generations share
+its buffers); a role that only one parallelism needs has a default the others never see
+(`StepMath.reduce`, `WorkSplit.in_unit`, `Holdings.load_dcp`, ...). Layouts are chosen
+from `Session.setup`'s arguments in one place, `layouts.py`; `tests/unit/test_layout_contract.py`
+runs one shared body against every layout.
+
+A pipeline (the next parallelism) is a second `MicrobatchExecutor`: a schedule that runs
+a step's microbatches across stages, whose forward and backward collectives are
+send/recv; the session then hands the schedule the step's microbatch ids instead of
+yielding them to the user's loop (docs/architecture.md: "Pipelines").
+
+The calling rules that span roles:
+
+- `Membership.join(rank, world_size)` is called once per generation, before anything else
+  of that generation, with the optimizer's pre-step hook already registered through
+  `StepMath.on_optimizer_step`; it may rebuild the optimizer and says so. Not collective.
+- `Membership.bind(...)` is called once the generation's training group and the
+  `mesh_groups` are built, before any collective of that generation.
 - Methods that take `ops` run collectives with its deadlines; a failure raises
   `CommFailure` and leaves the layout usable for the next generation after `relocate()`.
-- `bind(ops, generation, m)` is called once the generation's training group is built,
-  before any collective of that generation. A layout whose own collectives run inside
-  the user's forward and backward (FSDP2) latches their failures instead of raising them
-  there; `failure()` returns it, and the session raises it before the step's all-reduce.
-- `local_gradients`: a rank's accumulated gradients are its own until the step's
-  all-reduce (true for the flat layout). Only then can a recovery keep the microbatches a
-  survivor finished, or a spare compute the dead rank's ahead of joining.
-- `fingerprinted(grads)` / `vote_classes(world_size)`: state the ranks of each class hold
-  bit for bit before the update (data parallel: the reduced gradients and the full
-  parameters, every rank one class; HSDP: the reduced gradient shards, parameter and
-  optimizer shards, one class per place in the replica groups): the fingerprint vote
-  digests it (`fingerprints.py`); `can_undo()`: the vote may then be awaited after the
-  update. The seal covers `unique_tensors()`.
-- `mesh_groups(rank, world_size)`: process groups over subsets of the generation's ranks
-  the layout needs besides the training group (a tensor-parallel mesh's rows and
-  columns): name -> (this rank's place in it, its size). They are built with the
-  training group and handed to `bind`.
-- `plan(m, world_size)` / `contributes()`: which microbatch ids each rank computes, and
-  whether this rank's audit, loss and count go into the step's all-reduce (ranks of one
-  tensor-parallel group compute the same microbatches: only one of them counts them).
-  `reassign` hands an interrupted step's unfinished ids to the next generation's ranks.
-- Failure units (HSDP's replica groups): `unit_ranks(rank, world_size)` are the ranks
-  whose gradients are one thing (FSDP2 reduce-scatters inside them): they keep a step's
-  finished microbatches together or not at all (`keeps_work`), and a unit leaves the job
-  whole. The `mesh_groups` that lie inside a unit (`in_unit`) are not interrupted by a
-  new generation that leaves the unit as it was: its collectives complete. `reduce`
-  (collective, before the step's all-reduce) reduces gradients across units without
-  touching the accumulated ones. `can_move()`: whether a worker can take another rank
-  (False: a worker its generation leaves out exits instead of waiting as a spare).
+- A snapshot is `(Holdings.unique_tensors(), Holdings.unique_meta())`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.train import quota
+from phoenixft.train.step import MicrobatchExecutor, UserLoop
 
 
-class StateLayout(ABC):
-    """How this rank's training state is cut over the generation's ranks (see the module
-    docstring for the guarantees and calling rules)."""
+class Membership(ABC):
+    """How this rank takes part in a generation.
 
-    device: torch.device
-    master_dtype: torch.dtype  # dtype of the gradient region and the optimizer's state
-    local_gradients: bool = True  # see the module docstring
-
-    # -- identity ----------------------------------------------------------------------
-    @property
-    @abstractmethod
-    def numel(self) -> int:
-        """Elements of trainable state: a snapshot of another model is refused by it."""
+    - `join` once per generation, first; `bind` once its groups are built, before any of
+      its collectives. A layout whose own collectives run inside the user's forward and
+      backward (FSDP2) latches their failures instead of raising them there: `failure()`
+      returns it, and the session raises it before the step's all-reduce.
+    - `mesh_groups(rank, world_size)`: process groups over subsets of the generation's
+      ranks the layout needs besides the training group (a mesh's rows and columns):
+      name -> (this rank's place in it, its size); built with the training group and
+      handed to `bind`.
+    - `relocate()`: the generation was left; the live state moves to fresh storage (an
+      abandoned collective that completes late must not write into it).
+    """
 
     @property
     @abstractmethod
     def world_size(self) -> int:
         """The world size it is laid out for (0 before the first `join`)."""
 
-    # -- a generation ------------------------------------------------------------------
     @abstractmethod
     def join(self, rank: int, world_size: int) -> bool:
         """Lay out for (rank, world_size); True when the optimizer was (re)built."""
 
+    @abstractmethod
+    def relocate(self) -> None:
+        """Move the live state to fresh storage (see the class doc)."""
+
     def mesh_groups(self, rank: int, world_size: int) -> dict[str, tuple[int, int]]:
-        """The extra groups this layout needs at (rank, world_size) (see the module doc)."""
         return {}
-
-    def plan(self, m: int, world_size: int) -> list[list[int]]:
-        """Microbatch ids per rank: ReCoVer's quota plan over the ranks."""
-        return quota.plan(m, world_size)
-
-    def data_ranks(self, world_size: int) -> int:
-        """Ranks that compute distinct microbatches (M's default: one microbatch each)."""
-        return world_size
-
-    def contributes(self) -> bool:
-        """Whether this rank's microbatches are counted in the step's all-reduce."""
-        return True
-
-    def reassign(self, remaining: list[int], m: int, old_world: int,
-                 world_size: int) -> list[list[int]]:
-        """An interrupted step's unfinished ids, per rank of the next generation."""
-        return quota.reassign(remaining, self.plan(m, old_world), world_size)
-
-    def unit_ranks(self, rank: int, world_size: int) -> range:
-        """The ranks of `rank`'s failure unit (see the module docstring)."""
-        return range(rank, rank + 1)
-
-    def in_unit(self, name: str) -> bool:
-        """Whether mesh group `name` lies inside one failure unit."""
-        return False
-
-    def keeps_work(self) -> bool:
-        """Whether the gradients accumulated in the interrupted step are intact (decided
-        when the generation was left, `relocate`)."""
-        return self.local_gradients
-
-    def reduce(self, m: int, what: str) -> None:
-        """Collective, before the step's all-reduce: gradients across failure units, for
-        a step of `m` microbatches."""
-        return None
-
-    def can_move(self) -> bool:
-        """Whether this worker, once laid out, can take another rank."""
-        return True
-
-    def fingerprinted(self, grads: torch.Tensor) -> dict[str, list[torch.Tensor]] | None:
-        """What the ranks of each `vote_classes` class hold bit for bit once the step's
-        gradients are reduced (`grads`: the reduced region of the step's all-reduce),
-        before the update: the gradients first, then the parameters (and whatever else);
-        the fingerprint vote digests each entry. None: no vote (no replicas)."""
-        return None
-
-    def vote_classes(self, world_size: int) -> list[list[int]]:
-        """The sets of ranks whose `fingerprinted` state must be equal (data parallel:
-        every rank; HSDP: the ranks at one place of every replica group)."""
-        return [list(range(world_size))]
-
-    def can_undo(self) -> bool:
-        """Whether an optimizer step can be undone from the rank's own snapshot of the step
-        before plus `gather_params` (every rank's unique state is in its own snapshot):
-        the fingerprint vote is then awaited after the update."""
-        return False
 
     def bind(self, ops: GroupOps, generation: int, microbatches: int,
              groups: dict[str, GroupOps]) -> None:
         """The generation's training group is built (`microbatches`: M of its steps), and
-        the `mesh_groups` (name -> their ops). A layout that talks only through `ops` has
-        nothing to do here."""
+        the `mesh_groups` (name -> their ops)."""
         return None
 
     def failure(self) -> CommFailure | None:
         """A failure of this generation latched inside the user's passes, if any."""
         return None
 
+    def can_move(self) -> bool:
+        """Whether this worker, once laid out, can take another rank (False: a worker its
+        generation leaves out exits instead of waiting as a spare)."""
+        return True
+
+
+class Holdings(ABC):
+    """What this rank's training state is, and how it is saved, loaded and resharded.
+
+    - `unique_tensors()` are references to the state only this rank holds (what other
+      ranks hold identically is not in it: any survivor serves that). They stay valid
+      until the next `StepMath.update`; the snapshot thread copies them before it.
+    - `load_unique` takes back this rank's own snapshot of the same world size; `reshard`
+      takes every old rank's snapshot of another world size. Neither is collective; after
+      either, `gather_params(ops)` (collective) makes the parameters whole where needed.
+    - `full_state(ops)` (collective) is world-size free: the same bytes for the same
+      training state at any world size (the final digest and export compare it).
+    """
+
+    @property
     @abstractmethod
-    def on_optimizer_step(self, hook: Callable[[], None]) -> None:
-        """Run `hook` before every optimizer step, on every optimizer built from now on
-        (the snapshot's copy must finish before the update mutates its tensors)."""
+    def numel(self) -> int:
+        """Elements of trainable state: a snapshot of another model is refused by it."""
 
     @abstractmethod
-    def relocate(self) -> None:
-        """Move the live state to fresh storage: an abandoned collective of a dead
-        generation that completes late must not write into it."""
-
-    # -- the step ----------------------------------------------------------------------
-    @abstractmethod
-    def grad_numel(self) -> int:
-        """Length of the gradient region of the step's all-reduce buffer."""
-
-    @abstractmethod
-    def write_grads(self, out: torch.Tensor) -> None:
-        """Copy this rank's accumulated gradients into `out` (`grad_numel()` elements)."""
-
-    @abstractmethod
-    def clip(self, grads: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clip the step's averaged gradient (`grads`: the reduced region of the step's
-        all-reduce; a sharded layout's own gradients) by its global norm, exactly as
-        `torch.nn.utils.clip_grad_norm_` does, and return that norm, the same on every
-        rank. Called after the step's all-reduce, before `update`; collective where the
-        gradients are sharded (a failure is latched like the passes', `failure()`)."""
-
-    @abstractmethod
-    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
-               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
-        """Collective: the optimizer step on the averaged gradient region, then the model's
-        parameters made ready for the next forward pass. `before_gather(gathered)` runs
-        once the optimizer stepped and the parameters' collective (if any) is issued:
-        `gathered()` waits for it (the fingerprint vote's result is awaited there, and
-        an update it rejects is undone after `gathered()`)."""
-
-    def load_dcp(self, url: str) -> int:
-        """At a fresh start, this rank's state from a checkpoint in DCP's default format
-        (`--init-from`); returns its step. Not collective."""
-        raise ValueError(
-            f"--init-from {url}: starting from a torch.distributed.checkpoint directory needs "
-            "a sharded model (setup(parallelize=...)); a data-parallel model loads its "
-            "weights with sess.load_state(...) before the loop")
-
-    @abstractmethod
-    def start_from_rank0(self, ops: GroupOps) -> None:
-        """Collective, at a fresh start: every rank takes rank 0's initial parameters."""
-
-    @abstractmethod
-    def params_changed(self) -> None:
-        """The user changed the model's parameters (loaded weights): take them in."""
-
-    # -- snapshots, restores, resharding -----------------------------------------------
-    @abstractmethod
-    def unique_tensors(self) -> dict[str, torch.Tensor]:
-        """References to the state only this rank holds."""
+    def unique_tensors(self) -> dict[str, torch.Tensor]: ...
 
     @abstractmethod
     def unique_meta(self) -> dict:
         """JSON-serialisable rest of this rank's unique state (optimizer scalars, ...)."""
 
     @abstractmethod
-    def load_unique(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Take back this rank's own snapshot, of the current world size."""
+    def load_unique(self, tensors: dict[str, torch.Tensor], meta: dict) -> None: ...
 
     @abstractmethod
     def load_params(self, shards: list[dict[str, torch.Tensor]]) -> None:
@@ -248,8 +145,7 @@ class StateLayout(ABC):
         order, of another world size. The parameters are whole afterwards."""
 
     @abstractmethod
-    def full_state(self, ops: GroupOps) -> dict[str, torch.Tensor]:
-        """Collective: the whole model and optimizer state, world-size free."""
+    def full_state(self, ops: GroupOps) -> dict[str, torch.Tensor]: ...
 
     @abstractmethod
     def export_meta(self) -> dict:
@@ -259,7 +155,73 @@ class StateLayout(ABC):
     def trained_names(self) -> set[str]:
         """State-dict names of the tensors the layout trains (the rest is fixed)."""
 
-    # -- the user's optimizer ----------------------------------------------------------
+    @abstractmethod
+    def start_from_rank0(self, ops: GroupOps) -> None:
+        """Collective, at a fresh start: every rank takes rank 0's initial parameters."""
+
+    @abstractmethod
+    def params_changed(self) -> None:
+        """The user changed the model's parameters (loaded weights): take them in."""
+
+    def load_dcp(self, url: str) -> int:
+        """At a fresh start, this rank's state from a checkpoint in DCP's default format
+        (`--init-from`); returns its step. Not collective."""
+        raise ValueError(
+            f"--init-from {url}: starting from a torch.distributed.checkpoint directory needs "
+            "a sharded model (setup(parallelize=...)); a data-parallel model loads its "
+            "weights with sess.load_state(...) before the loop")
+
+
+class StepMath(ABC):
+    """How a step's gradients are reduced and clipped, and the optimizer stepped.
+
+    - `write_grads(out)` copies this rank's accumulated gradients into the gradient region
+      of the step's all-reduce buffer (`grad_numel()` elements; 0 where the layout reduces
+      inside backward). `reduce` (collective, before that all-reduce) reduces gradients
+      across failure units without touching the accumulated ones (HSDP).
+    - `clip` after the all-reduce, before `update`: the global norm, as
+      `torch.nn.utils.clip_grad_norm_` computes it, the same on every rank.
+    - `update(grads, ops)` (collective) steps the optimizer on the averaged gradient and
+      leaves the parameters ready for the next forward pass.
+    - `local_gradients`: a rank's accumulated gradients are its own until the step's
+      all-reduce (the flat layout). Only then can a recovery keep the microbatches a
+      survivor finished, or a spare compute the dead rank's ahead of joining.
+    """
+
+    device: torch.device
+    master_dtype: torch.dtype  # dtype of the gradient region and the optimizer's state
+    local_gradients: bool = True
+
+    @abstractmethod
+    def grad_numel(self) -> int: ...
+
+    @abstractmethod
+    def write_grads(self, out: torch.Tensor) -> None: ...
+
+    def reduce(self, m: int, what: str) -> None:
+        """Collective, before the step's all-reduce: gradients across failure units, for
+        a step of `m` microbatches."""
+        return None
+
+    @abstractmethod
+    def clip(self, grads: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip the step's averaged gradient by its global norm and return that norm
+        (collective where the gradients are sharded; a failure is latched like the
+        passes', `Membership.failure()`)."""
+
+    @abstractmethod
+    def update(self, grads: torch.Tensor, ops: GroupOps, what: str,
+               before_gather: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """Collective: the optimizer step, then the parameters made ready for the next
+        forward pass. `before_gather(gathered)` runs once the optimizer stepped and the
+        parameters' collective (if any) is issued: `gathered()` waits for it (the vote's
+        result is awaited there, and an update it rejects is undone after it)."""
+
+    @abstractmethod
+    def on_optimizer_step(self, hook: Callable[[], None]) -> None:
+        """Run `hook` before every optimizer step, on every optimizer built from now on
+        (the snapshot's copy must finish before the update mutates its tensors)."""
+
     @property
     @abstractmethod
     def optimizer(self) -> torch.optim.Optimizer:
@@ -269,3 +231,101 @@ class StateLayout(ABC):
     @abstractmethod
     def scheduler(self):
         """The LR scheduler built on it, or None."""
+
+
+class WorkSplit:
+    """Who computes which microbatch of a step, and which ranks form a failure unit. This
+    class is data parallelism's: every rank computes its own share (ReCoVer's quota plan)
+    and is a unit by itself.
+
+    - `plan(m, world_size)`: the microbatch ids per rank; `contributes()`: whether this
+      rank's audit, loss and count go into the step's all-reduce (the ranks of one
+      tensor-parallel group compute the same microbatches: one of them counts them);
+      `reassign` hands an interrupted step's unfinished ids to the next generation's ranks.
+    - Failure units: `unit_ranks(rank, world_size)` are the ranks whose gradients are one
+      thing; they keep a step's finished microbatches together or not at all
+      (`keeps_work`), and a unit leaves the job whole (`leaves_whole`: its size, or None
+      when the leader may drop single ranks). The mesh groups inside one unit (`in_unit`)
+      are not interrupted by a generation that leaves the unit as it was.
+    """
+
+    leaves_whole: int | None = None
+
+    def plan(self, m: int, world_size: int) -> list[list[int]]:
+        return quota.plan(m, world_size)
+
+    def data_ranks(self, world_size: int) -> int:
+        """Ranks that compute distinct microbatches (M's default: one microbatch each)."""
+        return world_size
+
+    def contributes(self) -> bool:
+        return True
+
+    def reassign(self, remaining: list[int], m: int, old_world: int,
+                 world_size: int) -> list[list[int]]:
+        return quota.reassign(remaining, self.plan(m, old_world), world_size)
+
+    def unit_ranks(self, rank: int, world_size: int) -> range:
+        return range(rank, rank + 1)
+
+    def in_unit(self, name: str) -> bool:
+        return False
+
+    def keeps_work(self) -> bool:
+        """Whether the gradients accumulated in the interrupted step are intact (decided
+        when the generation was left)."""
+        return True
+
+    def min_world_error(self, min_world: int, world_size: int) -> str | None:
+        """Why `--min-nproc min_world` can never take effect with this split, or None."""
+        return None
+
+
+DataParallelWork = WorkSplit
+
+
+class VoteScope:
+    """What the silent-corruption vote compares (`fingerprints.py`). This class is the
+    default: no vote (no rank holds a copy of another's state).
+
+    - `fingerprinted(grads)`: state the ranks of each `vote_classes` class hold bit for
+      bit once the step's gradients are reduced (`grads`: the reduced region of the
+      step's all-reduce), before the update: the gradients first, then the parameters
+      (and whatever else); None: no vote.
+    - `can_undo()`: an optimizer step can be undone from the rank's own snapshot of the
+      step before plus `Holdings.gather_params`: the vote may then be awaited after the
+      update. The seal covers `Holdings.unique_tensors()`.
+    """
+
+    def fingerprinted(self, grads: torch.Tensor) -> dict[str, list[torch.Tensor]] | None:
+        return None
+
+    def vote_classes(self, world_size: int) -> list[list[int]]:
+        return [list(range(world_size))]
+
+    def can_undo(self) -> bool:
+        return False
+
+
+NoVote = VoteScope
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One job's layout: its roles (see the module doc). `kind` names it (`layouts.py`)."""
+
+    kind: str
+    members: Membership
+    state: Holdings
+    math: StepMath
+    work: WorkSplit
+    vote: VoteScope
+    executor: MicrobatchExecutor
+
+    @staticmethod
+    def of(kind: str, core, work: WorkSplit, vote: VoteScope | None = None,
+           executor: MicrobatchExecutor | None = None) -> Layout:
+        """A layout whose `core` object plays Membership, Holdings and StepMath (and
+        VoteScope when it is one and no `vote` is given)."""
+        vote = vote if vote is not None else core if isinstance(core, VoteScope) else NoVote()
+        return Layout(kind, core, core, core, work, vote, executor or UserLoop())

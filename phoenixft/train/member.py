@@ -8,7 +8,7 @@ generation g, in named phases:
 1. enter: take the plan's rank, start watching for plan g+1 (it interrupts every wait);
 2. build groups: the training group and a separate replication group, each on its own
    store prefix and its own store connection, each with a deadline;
-3. prepare: lay the rank's state out for the world size (`StateLayout.join`: with
+3. prepare: lay the rank's state out for the world size (`Membership.join`: with
    ZeRO-1 the flat parameters and the sharded optimizer), a fresh gradient buffer;
 4. restore: agree on the restore point and restore (`recovery.py`), or, at the very
    start, take rank 0's initial parameters;
@@ -82,7 +82,7 @@ class Member:
         self.make_step = make_step  # (index, ids, m) -> Step
         self.interrupt = Interrupt()
         # interrupts the collectives inside this worker's failure unit (an HSDP replica
-        # group: `StateLayout.in_unit`) only when a new generation changes the unit
+        # group: `WorkSplit.in_unit`) only when a new generation changes the unit
         self.unit_interrupt = Interrupt()
         self._slow = None  # an injected `slow` fault that fired on this worker (`slowdown`)
         self._ran_plan: Plan | None = None  # the plan of the generation joined last
@@ -109,7 +109,7 @@ class Member:
         self.seal = Seal()  # this rank's unique state, hashed once each snapshot is copied
         self._rep_pg = None
         self._mesh_ops: dict[str, GroupOps] = {}  # the layout's mesh groups (`mesh_groups`)
-        self._layout = None  # the rank's StateLayout, once `start` is given it
+        self._layout = None  # the rank's Layout, once `start` is given it
         self._stopped = False
         self._watchers: list[threading.Thread] = []
         self._device: torch.device | None = None  # where the training group lives
@@ -154,7 +154,7 @@ class Member:
         plan = self.await_plan(0, self.cfg.timeouts.spare_wait_s)
         first = Plan.from_json(self.store.get(Keys.plan(0)))
         state.initial_world = first.world_size or 1
-        state.m = state.m or state.layout.data_ranks(state.initial_world)
+        state.m = state.m or state.layout.work.data_ranks(state.initial_world)
         return self.enter(plan, state)
 
     def enter(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:
@@ -164,7 +164,7 @@ class Member:
             if plan.kind is not PlanKind.RUN:
                 self._leave(plan)
             if plan.rank_of(self.wid) is None:
-                if state.joined and not state.layout.can_move():
+                if state.joined and not state.layout.members.can_move():
                     self._leave_unit(plan)
                 plan = self.await_plan(plan.generation + 1, self.cfg.timeouts.spare_wait_s)
                 continue
@@ -240,7 +240,7 @@ class Member:
         r, r2 = old.rank_of(self.wid), new.rank_of(self.wid)
         if r is None or r2 is None:
             return False
-        unit = self._layout.unit_ranks
+        unit = self._layout.work.unit_ranks
         return ([old.members[x] for x in unit(r, old.world_size)]
                 == [new.members.get(x) for x in unit(r2, new.world_size)])
 
@@ -252,13 +252,13 @@ class Member:
         ahead = in_flight is not None and in_flight.speculative is not None
         if self.plan is not plan:  # (a spare that computed ahead entered it already)
             self._enter_generation(plan)
-        self._device = state.layout.device
+        self._device = state.layout.math.device
         early = self.builds.started(plan.generation)  # its groups were started before the join
         phases = self._build_groups(plan, t0)
         if self.generation > 0:  # every member is inside this join now (the group formed)
             self.injector.at_recovery(self.rank, self.generation)
         self._prepare(state, first)
-        state.layout.bind(self.ops, self.generation, state.m_for(self.world_size),
+        state.layout.members.bind(self.ops, self.generation, state.m_for(self.world_size),
                           self._mesh_ops)
         phases["rep_group"] = time.time() - t0
         ctx = JoinContext(generation=self.generation, rank=self.rank,
@@ -298,7 +298,7 @@ class Member:
         recovery; otherwise they are dropped and recomputed as usual (`recovery.restore`).
         Returns None when there is nothing to compute ahead from."""
         g, r = plan.generation, plan.rank_of(self.wid)
-        if (not self.cfg.snapshots.enabled or not state.layout.local_gradients
+        if (not self.cfg.snapshots.enabled or not state.layout.math.local_gradients
                 or g == 0 or plan.kind is not PlanKind.RUN
                 or r not in plan.replaced
                 or not self.store.check([Keys.plan(g - 1)])):
@@ -307,21 +307,21 @@ class Member:
             return None
         world = plan.world_size
         got = local_step_of_every_rank(self.planner, self.cfg.shm_dir, r, world,
-                                       state.layout.numel)
+                                       state.layout.state.numel)
         if got is None:
             return None
         t, copies = got
         self._enter_generation(plan)
-        self._device = state.layout.device
+        self._device = state.layout.math.device
         try:
             self._start_builds(plan)  # the group forms while this spare computes
         except GenerationChanged:
             pass  # a newer plan is out: the join finds that out
         self._prepare(state, first=True)
         state.zero_grad()
-        state.layout.load_params([slot.tensors(hdr) for slot, hdr in copies])
+        state.layout.state.load_params([slot.tensors(hdr) for slot, hdr in copies])
         tensors, hdr = copies[r][0].tensors(copies[r][1]), copies[r][1]
-        state.layout.load_unique(tensors, hdr["opt"])
+        state.layout.state.load_unique(tensors, hdr["opt"])
         state.load_rank_local(tensors, hdr)
         state.step, state.snap_from = t, (hdr["generation"], world)
         m = state.m_for(world)
@@ -358,9 +358,9 @@ class Member:
         self._rep_pg = builds["replicate"].result(wait_s) if "replicate" in builds else None
         self._mesh_ops = {
             name: GroupOps(builds[name].result(wait_s),
-                           self.unit_interrupt if self._layout.in_unit(name) else self.interrupt,
+                           self.unit_interrupt if self._layout.work.in_unit(name) else self.interrupt,
                            self.cfg.timeouts.collective_timeout_s)
-            for name in self._layout.mesh_groups(self.rank, self.world_size)}
+            for name in self._layout.members.mesh_groups(self.rank, self.world_size)}
         return phases
 
     def _start_builds(self, plan: Plan) -> dict[str, Pending]:
@@ -369,21 +369,21 @@ class Member:
         return self.builds.start(
             plan, rank, self._device, current=self.generation,
             replicate=bool(crossing_replicas(plan.nodes, self._replica_holders(plan))),
-            mesh=self._layout.mesh_groups(rank, plan.world_size) if self._layout else None)
+            mesh=self._layout.members.mesh_groups(rank, plan.world_size) if self._layout else None)
 
     def _prepare(self, state: RankState, first: bool) -> None:
         lay = state.layout
         if first and not self._hooked:  # the snapshot's copy before every optimizer step
-            lay.on_optimizer_step(lambda: self.snap.wait_copied(committed=True))
+            lay.math.on_optimizer_step(lambda: self.snap.wait_copied(committed=True))
             self._hooked = True
         # whether the optimizer (and, for a sharded model, its sharding) was built anew:
         # a survivor of a same-size generation keeps its objects
-        self._rebuilt = lay.join(self.rank, self.world_size)
+        self._rebuilt = lay.members.join(self.rank, self.world_size)
         # A fresh gradient buffer per generation: an abandoned all-reduce of the old
         # generation may still complete into the old one.
         max_m = max(state.m, state.m_for(self.world_size))
-        state.grad = torch.zeros(ReduceLayout.capacity(lay.grad_numel(), max_m, self.world_size),
-                                 dtype=lay.master_dtype, device=lay.device)
+        state.grad = torch.zeros(ReduceLayout.capacity(lay.math.grad_numel(), max_m, self.world_size),
+                                 dtype=lay.math.master_dtype, device=lay.math.device)
 
     def _restore(self, ctx: JoinContext, state: RankState, point: RestorePoint,
                  in_flight: Step | None, first: bool) -> tuple[str, Step | None]:
@@ -392,13 +392,13 @@ class Member:
         state.zero_grad()
         url = self.cfg.persistence.init_from
         if url:  # a new job started from a DCP checkpoint: every rank reads its own shards
-            state.step = state.layout.load_dcp(url)
+            state.step = state.layout.state.load_dcp(url)
             if self.rank == 0:  # (the summary's losses start after it, as a resumed job's)
                 self.store.set(Keys.RESUMED_FROM, str(state.step))
                 self.events.emit("initialized_from", url=url, step=state.step)
             return "init_from", None
         # fresh start: everyone takes rank 0's initial parameters
-        state.layout.start_from_rank0(self.ops)
+        state.layout.state.start_from_rank0(self.ops)
         state.step = 0
         return "init", None
 
@@ -459,7 +459,7 @@ class Member:
             self.persister.stop()
         self._bury_groups()
         # ...and never let the old groups' late-finishing ops write into live buffers.
-        state.layout.relocate()
+        state.layout.members.relocate()
         return self.enter(self.await_plan(self.generation + 1, self.cfg.timeouts.join_timeout_s),
                           state, in_flight)
 
@@ -495,7 +495,7 @@ class Member:
             self.events.emit("snapshot_size", bytes_per_slot=nbytes, slots=2, copies=copies,
                              host_bytes_per_rank=2 * copies * nbytes)
         state.snap_from = (self.generation, self.world_size)  # who wrote snapshot state.step
-        self.seal.arm(state.layout.unique_tensors())
+        self.seal.arm(state.layout.state.unique_tensors())
         self.snap.begin(state.step, tensors, header)
 
     # -- plumbing ----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What one rank holds that a snapshot protects and a recovery restores.
 
 `RankState` is the explicit object the generation protocol works on (instead of reaching
-into the user-facing `Session`): the model, its `StateLayout` (how parameters and
+into the user-facing `Session`): the model, its `Layout` (how parameters and
 optimizer state are cut over ranks: the parallelism seam, `layout.py`), the tracked
 objects, the step, and who wrote the newest snapshot. It knows how to turn itself into a
 snapshot payload and how to take the per-rank part of one back.
@@ -18,19 +18,19 @@ from torch import nn
 from phoenixft.config import Policy
 from phoenixft.torch_internals import local
 from phoenixft.train import quota
-from phoenixft.train.layout import StateLayout
+from phoenixft.train.layout import Layout
 from phoenixft.train.tracked import Tracked
 
 
 @dataclass(kw_only=True)
 class RankState:
-    """What one rank holds: the model, its `StateLayout` (the parallelism seam: which of
+    """What one rank holds: the model, its `Layout` (the parallelism seam: which of
     its state is unique to this rank), the tracked objects (samplers, loaders), the step,
     M, and who wrote the newest snapshot. The generation protocol and recovery work on
     it, never on the user-facing `Session`."""
 
     model: nn.Module
-    layout: StateLayout
+    layout: Layout
     tracked: Tracked
     policy: Policy = Policy.CONSTANT
     step: int = 0  # optimizer steps completed
@@ -43,7 +43,7 @@ class RankState:
     @property
     def joined(self) -> bool:
         """Whether a generation was joined (the layout and optimizer are built)."""
-        return self.layout.world_size > 0
+        return self.layout.members.world_size > 0
 
     def m_for(self, world_size: int) -> int:
         """Microbatches per step at this world size (the policy's rule)."""
@@ -57,13 +57,13 @@ class RankState:
         (the layout's unique state: with ZeRO-1 its shard of master weights and optimizer
         state; RNG states, tracked objects). The tensors are references: the snapshot
         thread copies them before the next optimizer step may change them."""
-        tensors = self.layout.unique_tensors()
+        tensors = self.layout.state.unique_tensors()
         tensors["rng.torch"] = torch.get_rng_state()
-        if torch.cuda.is_available() and self.layout.device.type == "cuda":
-            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.layout.device)
+        if torch.cuda.is_available() and self.layout.math.device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.layout.math.device)
         tensors.update(self.tracked.tensors())
-        header = {"rank": rank, "world_size": world_size, "numel": self.layout.numel,
-                  "opt": self.layout.unique_meta(), "tracked": self.tracked.meta(),
+        header = {"rank": rank, "world_size": world_size, "numel": self.layout.state.numel,
+                  "opt": self.layout.state.unique_meta(), "tracked": self.tracked.meta(),
                   "python_random": random.getstate()}
         return tensors, header
 
@@ -88,12 +88,12 @@ class RankState:
         cfg = getattr(self.model, "config", None)
         config = (cfg.to_hf_dict() if hasattr(cfg, "to_hf_dict") else
                   cfg.to_dict() if hasattr(cfg, "to_dict") else None)
-        return {**self.layout.export_meta(), "aliases": self.aliases(), "config": config}
+        return {**self.layout.state.export_meta(), "aliases": self.aliases(), "config": config}
 
     def fixed_tensors(self) -> dict[str, torch.Tensor]:
         """Model tensors that are not trained (frozen parameters, buffers), as CPU copies:
         persisted once per generation beside the shards."""
-        skip = self.layout.trained_names() | set(self.aliases())
+        skip = self.layout.state.trained_names() | set(self.aliases())
         return {name: t.detach().to("cpu", copy=True).contiguous()
                 for name, t in self.model.state_dict().items() if name not in skip}
 
@@ -102,7 +102,7 @@ class RankState:
         optimizer shard is loaded separately, since it also reshards)."""
         torch.set_rng_state(tensors["rng.torch"].clone())
         if "rng.cuda" in tensors:
-            torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), self.layout.device)
+            torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), self.layout.math.device)
         self.tracked.load(tensors, header["tracked"])
         v, state, gauss = header["python_random"]
         random.setstate((v, tuple(state), gauss))

@@ -54,7 +54,7 @@ class JoinContext:
     make_step: Callable[[int, list[int], int], Step]  # (index, ids, m) -> a Step
     resume: bool = False  # the job was started with --resume: a fresh start is an error
     # this rank's failure unit has the same members as in the generation its interrupted
-    # step ran in (`StateLayout.unit_ranks`): only then can it keep that step's work
+    # step ran in (`WorkSplit.unit_ranks`): only then can it keep that step's work
     unit_intact: bool = True
 
 
@@ -185,13 +185,13 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
             in_flight.loss_sum = 0.0
             new_member, in_flight = True, None  # and join as a new member
     keep = (not new_member and in_flight is not None and in_flight.index == t + 1
-            and in_flight.phase != StepPhase.UPDATE and state.layout.keeps_work()
+            and in_flight.phase != StepPhase.UPDATE and state.layout.work.keeps_work()
             and ctx.unit_intact)
     flags = torch.zeros(ctx.world_size)
     flags[ctx.rank] = float(keep)
     ctx.ops.allreduce(flags, "agreeing on in-step recovery")
     # a failure unit (an HSDP replica group) keeps its work only if all of it does
-    unit = state.layout.unit_ranks
+    unit = state.layout.work.unit_ranks
     kept = [all(flags[x] > 0 for x in unit(r, ctx.world_size)) for r in range(ctx.world_size)]
     keep = kept[ctx.rank]
     in_step = any(kept)  # some member keeps finished microbatches of step t+1
@@ -199,7 +199,7 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
     # shard of t to compute ahead): each already holds t's parameters, bit for bit, and
     # the all-gather would write the same bytes again (25 ms of a recovery, 4 workers).
     everyone_holds_t = all(kept)
-    mesh = state.layout.export_meta().get("mesh")
+    mesh = state.layout.state.export_meta().get("mesh")
     if point.world_size == ctx.world_size and (point.mesh is None or point.mesh == mesh):
         source = _same_world(ctx, state, point, load_rank_state=not keep,
                              gather=not everyone_holds_t)
@@ -222,15 +222,15 @@ def _same_world(ctx: JoinContext, state: RankState, point: RestorePoint,
     t = point.step
     slot, hdr, source = ctx.planner.restore(ctx.ops, rank=ctx.rank, world_size=ctx.world_size,
                                             step=t, generation=point.generation)
-    if hdr["numel"] != state.layout.numel:
+    if hdr["numel"] != state.layout.state.numel:
         raise RuntimeError(f"snapshot of step {t} holds {hdr['numel']} parameters, the model has "
-                           f"{state.layout.numel}: was the model changed between runs?")
+                           f"{state.layout.state.numel}: was the model changed between runs?")
     tensors = slot.tensors(hdr)
-    state.layout.load_unique(tensors, hdr["opt"])
+    state.layout.state.load_unique(tensors, hdr["opt"])
     if load_rank_state:
         state.load_rank_local(tensors, hdr)
     if gather:
-        state.layout.gather_params(ctx.ops, "parameter all-gather (restore)")
+        state.layout.state.gather_params(ctx.ops, "parameter all-gather (restore)")
     return source
 
 
@@ -238,15 +238,15 @@ def _resharded(ctx: JoinContext, state: RankState, point: RestorePoint) -> str:
     old = ctx.planner.gather_old_shards(
         ctx.ops, rank=ctx.rank, world_size=ctx.world_size, old_world=point.world_size,
         step=point.step, generation=point.generation)
-    if old[0][1]["numel"] != state.layout.numel:
+    if old[0][1]["numel"] != state.layout.state.numel:
         raise RuntimeError(f"snapshot of step {point.step} holds {old[0][1]['numel']} parameters, "
-                           f"the model has {state.layout.numel}: was the model changed between runs?")
-    state.layout.reshard([(tensors, hdr["opt"]) for tensors, hdr in old])
+                           f"the model has {state.layout.state.numel}: was the model changed between runs?")
+    state.layout.state.reshard([(tensors, hdr["opt"]) for tensors, hdr in old])
     if state.tracked.tensors():
         ctx.events.emit("tracked_not_resharded", step=point.step,
                         note="per-rank tracked state stays with each process across a "
                              "world-size change; draw data from microbatch ids")
-    mesh = state.layout.export_meta().get("mesh")
+    mesh = state.layout.state.export_meta().get("mesh")
     if point.mesh and mesh and point.mesh != mesh:  # (a sharded model onto another mesh shape)
         shape = "x".join  # dp_shard x tp
         return (f"resharded_{shape(str(v) for v in point.mesh.values())}_to_"
@@ -264,7 +264,7 @@ def _resume_step(ctx: JoinContext, state: RankState, index: int, in_flight: Step
             done[j] = 1.0
     ctx.ops.allreduce(done, "collecting finished microbatches")
     remaining = [j for j in range(m_step) if done[j] == 0]
-    assigned = state.layout.reassign(remaining, m_step, old_world, ctx.world_size)
+    assigned = state.layout.work.reassign(remaining, m_step, old_world, ctx.world_size)
     mine = assigned[ctx.rank]
     if in_flight is None:
         st = ctx.make_step(index, mine, m_step)

@@ -11,7 +11,7 @@ optimizer.
 
 The session runs the step: one all-reduce of a flat buffer (gradients, the microbatch
 audit, loss; `reduce_layout.py`) with a deadline, the optimizer update of the rank's
-`StateLayout` (ZeRO-1 over a flat buffer: `flat_layout.py`), and a snapshot started in
+`Layout` (ZeRO-1 over a flat buffer: `flat_layout.py`), and a snapshot started in
 the background. Everything about
 generations (joining, recovering, spares) is the `Member`'s; what a rank holds is its
 `RankState`. When a collective fails or the leader publishes a new generation, the
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from phoenixft import torch_internals as ti
+import phoenixft.torch_internals as ti
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.heartbeat import HeartbeatSender, beats_dir
 from phoenixft.cluster.keys import Keys
@@ -42,9 +42,8 @@ from phoenixft.train import model_io, quota
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.fingerprints import Fingerprinter
-from phoenixft.train.flat_layout import FlatZero1
-from phoenixft.train.fsdp_layout import Fsdp2Layout, Parallelize
-from phoenixft.train.hsdp_layout import HsdpLayout
+from phoenixft.train.fsdp_layout import Parallelize
+from phoenixft.train.layouts import LayoutArgs, build
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
 from phoenixft.train.rank_state import RankState
@@ -59,7 +58,7 @@ __all__ = ["JobAborted", "Session"]
 
 class Session:
     """A training job's user API: wrap a plain PyTorch loop and phoenixft runs the step
-    (gradient reduction, the optimizer update through the rank's `StateLayout`, a
+    (gradient reduction, the optimizer update through the rank's `Layout`, a
     snapshot in the background) and survives failures underneath it.
 
     Under `phoenixft run` it reads its place from the environment; without it, it is a
@@ -123,14 +122,14 @@ class Session:
         """The torch optimizer running on this rank's shard (for LR schedulers)."""
         if self.state is None or not self.state.joined:
             raise RuntimeError("call Session.setup() first")
-        return self.state.layout.optimizer
+        return self.state.layout.math.optimizer
 
     @property
     def scheduler(self):
         """The LR scheduler built by `setup(scheduler=...)` on this rank's optimizer, or None."""
         if self.state is None or not self.state.joined:
             raise RuntimeError("call Session.setup() first")
-        return self.state.layout.scheduler
+        return self.state.layout.math.scheduler
 
     @property
     def is_leader(self) -> bool:
@@ -173,15 +172,11 @@ class Session:
             raise ConfigError("--straggler rebalance gives ranks different numbers of "
                              "microbatches, and a sharded model's ranks must run as many "
                              "passes (FSDP2's collectives): use --straggler swap or report")
-        if parallelize is None:
-            layout = FlatZero1(model, optimizer, scheduler)
-        elif dp_shard is None:
-            layout = Fsdp2Layout(model, optimizer, parallelize, scheduler, tp=tp,
-                                 before_reduce_scatter=self._in_backward)
-        else:
-            layout = HsdpLayout(model, optimizer, parallelize, scheduler, tp=tp,
-                                dp_shard=dp_shard, before_reduce_scatter=self._in_backward)
-            self.store.set(Keys.UNIT, str(layout.unit))  # the leader drops whole groups
+        layout = build(LayoutArgs(model=model, optimizer=optimizer, scheduler=scheduler,
+                                  parallelize=parallelize, tp=tp, dp_shard=dp_shard,
+                                  before_reduce_scatter=self._in_backward))
+        if layout.work.leaves_whole is not None:  # the leader drops whole groups
+            self.store.set(Keys.UNIT, str(layout.work.leaves_whole))
         self.state = RankState(model=model, layout=layout,
                                tracked=tracked, policy=self.cfg.policy, m=microbatches or 0)
         self._warm_up(optimizer)
@@ -191,12 +186,12 @@ class Session:
         lay = self.state.layout
         # whether a vote can ever compare this rank's gradients and parameters with a copy
         votes = bool(self.cfg.fingerprints.every) \
-            and lay.fingerprinted(torch.empty(0)) is not None \
-            and any(len(c) > 1 for c in lay.vote_classes(self.world_size))
+            and lay.vote.fingerprinted(torch.empty(0)) is not None \
+            and any(len(c) > 1 for c in lay.vote.vote_classes(self.world_size))
         # (a garble is checked against the job's first placement: a spare or a respawned
         # worker sets up later, when the ranks that receive replicas may have changed)
         self.member.injector.check_plan(
-            [len(ids) for ids in lay.plan(m, self.world_size)],
+            [len(ids) for ids in lay.work.plan(m, self.world_size)],
             receivers=self.member.replica_receivers() if self.generation == 0 else None,
             votes=votes)
 
@@ -208,22 +203,15 @@ class Session:
         world = self.world_size
         if m < 0 or m >= world:
             return
-        if isinstance(layout, HsdpLayout):
-            if m % layout.unit:
-                raise ConfigError(f"--min-nproc {m}: HSDP's replica groups of {layout.unit} "
-                                  f"ranks (--dp-shard x --tp) leave the job whole, so it can "
-                                  f"only shrink to a multiple of {layout.unit}")
-        elif isinstance(layout, Fsdp2Layout):
-            raise ConfigError(f"--min-nproc {m}: a plain FSDP2 model keeps its world size "
-                              f"({world} ranks; fully_shard cut each rank's shards for it): "
-                              "give the job spares (--spares), or replica groups that can "
-                              "leave whole (setup(dp_shard=...), --dp-shard)")
+        why = layout.work.min_world_error(m, world)
+        if why is not None:
+            raise ConfigError(why)
 
     def _warm_up(self, factory) -> None:
         """Pay lazy imports and first-call costs now, not on activation: constructing and
         stepping a torch optimizer the first time imports torch's dynamo (~2 s here)."""
         lay = self.state.layout
-        p = nn.Parameter(torch.zeros(8, dtype=lay.master_dtype, device=lay.device))
+        p = nn.Parameter(torch.zeros(8, dtype=lay.math.master_dtype, device=lay.math.device))
         opt = factory([p])
         p.grad = torch.zeros_like(p)
         opt.step()
@@ -272,7 +260,7 @@ class Session:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model and (unsharded) optimizer state, world-size free."""
-        return self.state.layout.full_state(self.member.ops)
+        return self.state.layout.state.full_state(self.member.ops)
 
     def load_state(self, source, *, strict: bool = True) -> None:
         """Start from existing weights: a Hugging Face directory (model.safetensors or a
@@ -287,7 +275,7 @@ class Session:
             raise RuntimeError("before setup(), call load_state((model, source))")
         model_io.load_weights(model, source, strict=strict)
         if self.state is not None:
-            self.state.layout.params_changed()
+            self.state.layout.state.params_changed()
 
     def save_pretrained(self, out_dir: str | Path, *, tokenizer=None) -> Path | None:
         """Write the trained model as a Hugging Face directory (config.json when the model
@@ -318,7 +306,7 @@ class Session:
         if not self.member.injector.flips(self.rank, st.index, where):
             return
         lay = self.state.layout
-        parts = list((lay.fingerprinted(grads if grads is not None else torch.empty(0))
+        parts = list((lay.vote.fingerprinted(grads if grads is not None else torch.empty(0))
                       or {}).values())
         if where == "grad":  # (a sharded model's reduced gradients are its parameters')
             t = parts[0][0] if parts and parts[0] else grads
@@ -331,7 +319,7 @@ class Session:
         else:
             if self.member.snap is not None:
                 self.member.snap.wait_copied()  # at rest: after snapshot T's copy
-            t = next((v for k, v in lay.unique_tensors().items()
+            t = next((v for k, v in lay.state.unique_tensors().items()
                       if k.startswith(("opt.", "o.")) and v.dim() > 0), None)
             if t is None:
                 raise RuntimeError(f"flip:where=optim at step {st.index}: this rank holds no "
@@ -346,7 +334,7 @@ class Session:
         weights = self._stragglers.weights_for(self.generation)
         if weights is not None:
             return quota.plan_weighted(m, weights)
-        return self.state.layout.plan(m, self.world_size)
+        return self.state.layout.work.plan(m, self.world_size)
 
     def _new_step(self, index: int, ids: list[int], m: int) -> Step:
         return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip)
@@ -367,15 +355,15 @@ class Session:
         if st.reduced:
             return
         state, ops = self.state, self.member.ops
-        failed = state.layout.failure()  # latched inside the user's passes (FSDP2)
+        failed = state.layout.members.failure()  # latched inside the user's passes (FSDP2)
         if failed is not None:
             raise failed
-        lay = ReduceLayout(state.layout.grad_numel(), st.m, self.world_size)
+        lay = ReduceLayout(state.layout.math.grad_numel(), st.m, self.world_size)
         g = state.grad[:lay.total]
-        state.layout.write_grads(g[lay.grads])
+        state.layout.math.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
         g[lay.times.start + self.rank] = self._stragglers.compute_s(self.member.slowdown(st.index))
-        if state.layout.contributes():  # (one rank of a tensor-parallel group counts)
+        if state.layout.work.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
             g[lay.loss] = st.loss_sum
@@ -385,7 +373,7 @@ class Session:
         self.member.injector.at_step(self.rank, st.index, "reduce")
         self.member.tell_passes()
         st.phase = StepPhase.REDUCE
-        state.layout.reduce(st.m, f"cross-group gradient all-reduce (step {st.index})")
+        state.layout.math.reduce(st.m, f"cross-group gradient all-reduce (step {st.index})")
         ops.allreduce(g, f"gradient all-reduce (step {st.index})")
         counts = g[lay.mask].tolist()
         if int(g[lay.count]) != st.m or any(c != 1.0 for c in counts):
@@ -406,7 +394,7 @@ class Session:
     def _clip(self, st: Step, max_norm: float, norm_type: float) -> torch.Tensor:
         """`Step.clip_grad_norm_`: the global norm of the averaged gradient, computed and
         applied per parameter exactly as `torch.nn.utils.clip_grad_norm_` does (over every
-        shard of a sharded model: `layout.clip`)."""
+        shard of a sharded model: `layout.math.clip`)."""
         if len(st.done) < len(st.ids):
             raise RuntimeError(f"step {st.index}: clip_grad_norm_ must come after every "
                                "microbatch's backward (it reduces the step's gradients)")
@@ -421,8 +409,8 @@ class Session:
             return torch.tensor(float("nan"))
         layout = self.state.layout
         self.member.injector.at_step(self.rank, st.index, "clip")
-        norm = layout.clip(st.grads, max_norm, norm_type)
-        failed = layout.failure()  # (a sharded layout's norm all-reduce, latched)
+        norm = layout.math.clip(st.grads, max_norm, norm_type)
+        failed = layout.members.failure()  # (a sharded layout's norm all-reduce, latched)
         if failed is not None:
             st.failure = failed
             return torch.tensor(float("nan"))
@@ -436,7 +424,7 @@ class Session:
         self._reduce(st)
         st.phase = StepPhase.UPDATE
         self.member.injector.at_step(self.rank, st.index, "update")
-        state.layout.update(st.grads, ops, f"parameter all-gather (step {st.index})",
+        state.layout.math.update(st.grads, ops, f"parameter all-gather (step {st.index})",
                             before_gather=self._fingerprints.settle)
         self._flip(st, "param")
         state.zero_grad()
@@ -464,7 +452,7 @@ class Session:
         url = checkpoint_url(persist_url, self.state.step)
         t0 = time.perf_counter()
         try:
-            write(url, final_state(self.state.model, self.state.layout.optimizer, full,
+            write(url, final_state(self.state.model, self.state.layout.math.optimizer, full,
                                    self.state.step))
         except Exception as exc:  # noqa: BLE001 - storage errors of every kind: said, not raised
             self.events.emit("checkpoint_failed", url=url, error=f"{type(exc).__name__}: {exc}"[:500])

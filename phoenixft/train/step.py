@@ -5,6 +5,7 @@ recovery)."""
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 
 import torch
@@ -19,6 +20,30 @@ class StepPhase(enum.Enum):
     UPDATE = "update"  # optimizer step and parameter all-gather
 
 
+class MicrobatchExecutor(ABC):
+    """Who runs a step's microbatches. `UserLoop`: the user's own loop on each rank runs
+    each of its microbatches' forward and backward (`Step.microbatches()` yields the ids,
+    `Step.backward(loss)` records each). A pipeline schedule would run the step's
+    microbatches across stages itself (its collectives send/recv) and report the loss
+    from the last stage (docs/architecture.md, "Pipelines")."""
+
+    user_loop: bool  # whether the user's loop body runs once per microbatch on this rank
+
+    @abstractmethod
+    def microbatches(self, step: Step) -> Iterator[int]:
+        """The ids this rank still computes in `step`, in order."""
+
+
+class UserLoop(MicrobatchExecutor):
+    user_loop = True
+
+    def microbatches(self, step: Step) -> Iterator[int]:
+        for j in list(step.ids):
+            if j not in step.done:
+                step.current = j
+                yield j
+
+
 class Step:
     """One optimizer step of M microbatches. Iterate `microbatches()` and call
     `backward(loss)` once per microbatch, with the mean loss of that microbatch.
@@ -29,7 +54,8 @@ class Step:
 
     def __init__(self, index: int, ids: list[int], m: int,
                  on_backward: Callable[[Step], None] | None = None,
-                 on_clip: Callable[[Step, float, float], torch.Tensor] | None = None) -> None:
+                 on_clip: Callable[[Step, float, float], torch.Tensor] | None = None,
+                 executor: MicrobatchExecutor | None = None) -> None:
         self.index = index
         self.ids = ids
         self.m = m  # microbatches in this step, over all ranks
@@ -48,15 +74,14 @@ class Step:
         self.speculative: tuple[int, int] | None = None
         self._on_backward = on_backward
         self._on_clip = on_clip
-        self._current: int | None = None
+        self.current: int | None = None  # the id the loop body computes now
+        self._executor = executor or UserLoop()
 
     def microbatches(self) -> Iterator[int]:
         """The microbatch ids j (0 <= j < M) this rank computes in this step; the data of
-        (step.index, j) should be a pure function of them if the world may shrink."""
-        for j in list(self.ids):
-            if j not in self.done:
-                self._current = j
-                yield j
+        (step.index, j) should be a pure function of them if the world may shrink (the
+        layout's `MicrobatchExecutor` decides which: the user's loop runs each)."""
+        return self._executor.microbatches(self)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -64,7 +89,7 @@ class Step:
         # and read once per step by the all-reduce: float() here synced the device
         # after every microbatch
         self.loss_sum = self.loss_sum + loss.detach().double()
-        j = self._current
+        j = self.current
         if j is None or j in self.done:
             j = next(k for k in self.ids if k not in self.done)
         self.done.append(j)

@@ -6,6 +6,7 @@ spelled outside `phoenixft/cluster/keys.py`."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "phoenixft"
@@ -13,6 +14,7 @@ PKG = Path(__file__).resolve().parents[2] / "phoenixft"
 # Parts and their layer: a module may import its own part or a part of a lower layer.
 LAYERS = {
     "observe": 0, "faults": 0, "models": 0, "platform": 0, "config": 0, "extras": 0,
+    "torch_internals": 0,
     "comm": 1, "cluster": 1,
     "checkpoint": 2,
     "train": 3, "launch": 3, "serve": 3, "simulate": 3,
@@ -232,3 +234,51 @@ def test_a_sys_path_edit_is_found(tmp_path):
     bad = tmp_path / "conftest.py"
     bad.write_text("import sys\nsys.path.insert(0, 'x')\n")
     assert sys_path_edits([bad]) == [f"{bad}:2"]
+
+
+DOC = PKG.parent / "docs" / "architecture.md"
+
+
+def tree_blocks(doc: str) -> dict[str, str]:
+    """The "Parts" tree of docs/architecture.md: part path ("" for the top level,
+    "train", "serve/engine", ...) -> the text of its lines."""
+    body = doc.split("## Parts", 1)[1].split("```", 2)[1]
+    blocks: dict[str, str] = {"": ""}
+    top = current = ""
+    for line in body.splitlines():
+        head = line.strip().split(" ", 1)[0]
+        indent = len(line) - len(line.lstrip())
+        if head.endswith("/") and indent == 2:
+            top = current = head.rstrip("/")
+        elif head.endswith("/") and indent == 4:
+            current = f"{top}/{head.rstrip('/')}"
+        elif head.endswith(".py") and indent == 2 and "/" not in head:
+            current = top = ""
+        elif "/" in head and head.endswith(".py") and indent == 2:  # "observe/steps.py ..."
+            current = top = head.split("/")[0]
+        blocks[current] = blocks.get(current, "") + "\n" + line
+    return blocks
+
+
+def unnamed_modules(doc: str) -> list[str]:
+    blocks = tree_blocks(doc)
+    missing = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        if rel.name == "__init__.py":
+            continue
+        where = "/".join(rel.parts[:-1])
+        if not re.search(rf"(?<![\w.]){re.escape(rel.name)}", blocks.get(where, "")):
+            missing.append(str(rel))
+    return missing
+
+
+def test_every_module_is_named_in_the_architecture_doc_under_its_part():
+    missing = unnamed_modules(DOC.read_text())
+    assert not missing, ("modules docs/architecture.md does not name under their part "
+                         "(its Parts tree): " + ", ".join(missing))
+
+
+def test_the_architecture_check_can_fail():
+    doc = DOC.read_text().replace("layouts.py", "registry")
+    assert unnamed_modules(doc) == ["train/layouts.py"]

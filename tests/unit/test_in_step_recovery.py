@@ -20,7 +20,7 @@ from phoenixft.comm.collectives import GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
 from phoenixft.observe.events import EventLog
 from phoenixft.train import recovery
-from phoenixft.train.flat_layout import FlatZero1
+from phoenixft.train.layouts import LayoutArgs, build
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.recovery import JoinContext, RestorePoint
 from phoenixft.train.step import Step
@@ -36,8 +36,8 @@ def joined(tmp_path):
     store = kv.connect(addr)
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    layout = FlatZero1(model, lambda p: torch.optim.AdamW(p, lr=0.1))
-    layout.join(0, 1)
+    layout = build(LayoutArgs(model=model, optimizer=lambda p: torch.optim.AdamW(p, lr=0.1)))
+    layout.members.join(0, 1)
     state = RankState(model=model, layout=layout, tracked=Tracked(), m=1, initial_world=1)
     interrupt = Interrupt()
     interrupt.enter(0)

@@ -1,16 +1,17 @@
-"""The parallelism seam's one shared test body (train/layout.py): every `StateLayout`
-implementation trains, saves its unique state, changes, restores it, and reshards it onto
-other world sizes, and must come back to the same world-size-free state bit for bit.
-Real gloo groups over a real TCPStore; ranks are threads where the layout allows it, and
-processes where it makes torch.distributed's default group its own (FSDP2).
+"""The parallelism seam's one shared test body (train/layout.py): every layout the registry
+builds (flat, FSDP2, FSDP2 + tensor parallel, HSDP) trains, saves its unique state,
+changes, restores it, and reshards it onto other world sizes, and must come back to the
+same world-size-free state bit for bit. Layouts are built by `layouts.build` from
+`setup`'s arguments and used only through their roles. Real gloo groups over a real
+TCPStore (the layout's mesh groups too); ranks are threads where the layout allows it,
+and processes where it makes torch.distributed's default group its own (FSDP2).
 
-A new layout (tensor parallel, ...) is added to LAYOUTS and passes the same body."""
+A new layout (a pipeline, ...) is added to LAYOUTS and passes the same body."""
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -20,8 +21,7 @@ from torch import nn
 from phoenixft.cluster import store as kv
 from phoenixft.comm.collectives import GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
-from phoenixft.train.flat_layout import FlatZero1
-from phoenixft.train.fsdp_layout import Fsdp2Layout
+from phoenixft.train.layouts import LayoutArgs, build
 from tests.support.procs import ranks_in_processes
 from tests.support.threads import ranks
 
@@ -31,7 +31,19 @@ def _adamw(params):
 
 
 def _fully_shard(m: nn.Module, mesh) -> None:
+    """FSDP2 per linear layer and the root; with a "tp" dimension, colwise / rowwise
+    tensor parallelism over it first (every rank built the same weights)."""
     from torch.distributed.fsdp import fully_shard
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+        parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                           src_data_rank=None)
+        mesh = mesh["dp_shard"]
     fully_shard(m[0], mesh=mesh)
     fully_shard(m[2], mesh=mesh)
     fully_shard(m, mesh=mesh)
@@ -39,21 +51,31 @@ def _fully_shard(m: nn.Module, mesh) -> None:
 
 @dataclass(frozen=True)
 class Kind:
-    make: Callable[[nn.Module], object]
+    setup: dict  # Session.setup's layout arguments besides the model and the optimizer
     processes: bool  # one process per rank (the layout owns the default group)
     # ranks start from different parameters and `start_from_rank0` takes rank 0's (flat), or
     # every rank must build the same ones and a difference is refused (FSDP2: no rank
     # holds another's shard of the initial parameters)
     same_init: bool
-    even_shards: bool  # every rank's share is the same size (flat: padded to the world)
+    # how 2 ranks share the unique state: "even" (flat: padded to the world), "uneven"
+    # (FSDP2 cuts each tensor's rows: 7 rows over 2 ranks are 4 and 3), "first group"
+    # (HSDP: the groups hold the same shards; group 0's are the unique ones)
+    share: str
+    worlds: tuple[int, ...] = (1, 3)  # the world sizes resharded onto (from 2)
+    hidden: int = 7  # the model's hidden width (tensor parallelism cuts it evenly)
 
 
 LAYOUTS = {
-    "flat-zero1": Kind(lambda m: FlatZero1(m, _adamw), processes=False, same_init=False,
-                       even_shards=True),
-    # FSDP2 cuts each tensor's rows: 7 rows over 2 ranks are 4 and 3
-    "fsdp2": Kind(lambda m: Fsdp2Layout(m, _adamw, _fully_shard), processes=True,
-                  same_init=True, even_shards=False),
+    "flat-zero1": Kind({}, processes=False, same_init=False, share="even"),
+    "fsdp2": Kind({"parallelize": _fully_shard}, processes=True, same_init=True,
+                  share="uneven"),
+    # one tensor-parallel group of 2 (its ranks hold copies of what tp replicates);
+    # resharded onto 2 x 2
+    "fsdp2-tp2": Kind({"parallelize": _fully_shard, "tp": 2}, processes=True, same_init=True,
+                      share="uneven", worlds=(4,), hidden=8),
+    # replica groups of one rank: 2 groups, resharded onto 1 and 3 groups
+    "hsdp": Kind({"parallelize": _fully_shard, "dp_shard": 1}, processes=True, same_init=True,
+                 share="first group"),
 }
 
 
@@ -64,22 +86,25 @@ def _group(addr: str, rank: int, size: int, prefix: str) -> GroupOps:
     return GroupOps(pg, interrupt, 30)
 
 
-def _model(seed: int) -> nn.Module:
+def _model(seed: int, hidden: int = 7) -> nn.Module:
     torch.manual_seed(seed)  # (threads share torch's generator: seed and build under a lock)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    return nn.Sequential(nn.Linear(5, hidden), nn.Tanh(), nn.Linear(hidden, 3))
 
 
 _build = threading.Lock()
 
 
 def _joined(kind: str, seed: int, addr: str, rank: int, world: int, prefix: str):
-    """A rank's model and layout, joined to generation 0 over a fresh group."""
+    """A rank's model and layout, joined to generation 0 over a fresh group (and the
+    mesh groups the layout asks for)."""
     ops = _group(addr, rank, world, prefix)
     with _build:
-        m = _model(seed)
-        lay = LAYOUTS[kind].make(m)
-    lay.join(rank, world)
-    lay.bind(ops, 0, world, {})
+        m = _model(seed, LAYOUTS[kind].hidden)
+        lay = build(LayoutArgs(model=m, optimizer=_adamw, **LAYOUTS[kind].setup))
+    lay.members.join(rank, world)
+    groups = {name: _group(addr, place, size, f"{prefix}/{name}")
+              for name, (place, size) in lay.members.mesh_groups(rank, world).items()}
+    lay.members.bind(ops, 0, world, groups)
     return m, lay, ops
 
 
@@ -90,21 +115,22 @@ def _train_step(m: nn.Module, lay, ops: GroupOps, step: int, rank: int, world: i
     x = torch.randn(4, 5, generator=g)
     m.zero_grad(set_to_none=True)
     m(x).pow(2).mean().backward()
-    grads = torch.zeros(lay.grad_numel(), dtype=lay.master_dtype)
-    lay.write_grads(grads)
+    lay.math.reduce(world, f"cross-unit grads {step}")
+    grads = torch.zeros(lay.math.grad_numel(), dtype=lay.math.master_dtype)
+    lay.math.write_grads(grads)
     ops.allreduce(grads, f"grads {step}")
     grads.div_(world)
-    lay.update(grads, ops, f"update {step}")
+    lay.math.update(grads, ops, f"update {step}")
 
 
 def _snapshot(lay) -> tuple[dict, dict]:
     """What a snapshot keeps: copies of the unique tensors, the meta through JSON."""
-    return ({k: v.detach().clone() for k, v in lay.unique_tensors().items()},
-            json.loads(json.dumps(lay.unique_meta())))
+    return ({k: v.detach().clone() for k, v in lay.state.unique_tensors().items()},
+            json.loads(json.dumps(lay.state.unique_meta())))
 
 
 def _full(lay, ops) -> dict:
-    return {k: v.detach().clone() for k, v in lay.full_state(ops).items()}
+    return {k: v.detach().clone() for k, v in lay.state.full_state(ops).items()}
 
 
 def _same(a: dict, b: dict) -> None:
@@ -116,16 +142,17 @@ def _same(a: dict, b: dict) -> None:
 def _first_run(rank: int, kind: str, addr: str, world: int) -> tuple[tuple, dict]:
     seed = 0 if LAYOUTS[kind].same_init else rank  # apart: rank 0's parameters are taken
     m, lay, ops = _joined(kind, seed, addr, rank, world, "a")
-    lay.start_from_rank0(ops)
+    lay.state.start_from_rank0(ops)
     for step in (1, 2):
         _train_step(m, lay, ops, step, rank, world)
     saved = _snapshot(lay)
+    json.dumps(lay.state.export_meta())  # (what persisted manifests carry)
     full2 = _full(lay, ops)
     _train_step(m, lay, ops, 3, rank, world)  # change
     full3 = _full(lay, ops)
     assert any(not torch.equal(full2[k], full3[k]) for k in full2)
-    lay.load_unique(*saved)  # restore
-    lay.gather_params(ops, "restore")
+    lay.state.load_unique(*saved)  # restore
+    lay.state.gather_params(ops, "restore")
     _same(_full(lay, ops), full2)
     _train_step(m, lay, ops, 3, rank, world)  # the same step again: the same result
     _same(_full(lay, ops), full3)
@@ -135,7 +162,7 @@ def _first_run(rank: int, kind: str, addr: str, world: int) -> tuple[tuple, dict
 def _resharded(rank: int, kind: str, addr: str, world: int, prefix: str, old: list) -> tuple:
     """A fresh model of another world size takes every old rank's snapshot."""
     m, lay, ops = _joined(kind, 100 + rank, addr, rank, world, prefix)
-    lay.reshard(old)
+    lay.state.reshard(old)
     full = _full(lay, ops)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in m.named_parameters()}
@@ -144,9 +171,9 @@ def _resharded(rank: int, kind: str, addr: str, world: int, prefix: str, old: li
 
 def _unique_share(rank: int, kind: str, addr: str, world: int) -> tuple[int, int]:
     m, lay, ops = _joined(kind, 0, addr, rank, world, "u")
-    lay.start_from_rank0(ops)
+    lay.state.start_from_rank0(ops)
     _train_step(m, lay, ops, 1, rank, world)
-    return sum(t.numel() for t in lay.unique_tensors().values() if t.dim()), lay.numel
+    return sum(t.numel() for t in lay.state.unique_tensors().values() if t.dim()), lay.state.numel
 
 
 def _on_ranks(kind: str, fn, world: int, *args) -> list:
@@ -171,7 +198,7 @@ def test_save_change_restore_reshard_compare(kind, addr):
     full2 = results[0][1]
     _same(results[1][1], full2)  # world-size free: every rank sees one state
 
-    for new_world in (1, 3):  # reshard onto another world size, on fresh models
+    for new_world in LAYOUTS[kind].worlds:  # reshard onto another world size, on fresh models
         for full, params in _on_ranks(kind, _resharded, new_world, addr, new_world,
                                       f"re{new_world}", old):
             _same(full, full2)
@@ -182,11 +209,18 @@ def test_save_change_restore_reshard_compare(kind, addr):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_unique_state_is_this_ranks_share_only(kind, addr):
-    """Each of 2 ranks holds half of the optimizer state, not a copy of all of it."""
+    """Each of 2 ranks holds its share of the optimizer state, not a copy of all of it
+    (HSDP: the first group holds it once, the other group's copies are not unique)."""
     (a, n), (b, _) = _on_ranks(kind, _unique_share, 2, addr, 2)
     state_per_param = 3  # master weights (or the parameters' shards), exp_avg, exp_avg_sq
     assert a + b <= state_per_param * (n + 2)  # (padding to the world size)
-    assert a == b if LAYOUTS[kind].even_shards else 0 < min(a, b) <= max(a, b) < state_per_param * n
+    share = LAYOUTS[kind].share
+    if share == "even":
+        assert a == b
+    elif share == "uneven":
+        assert 0 < min(a, b) <= max(a, b) < state_per_param * n
+    else:
+        assert (a, b) == (state_per_param * n, 0)
 
 
 @pytest.mark.timeout(120)
@@ -199,4 +233,4 @@ def test_fsdp2_refuses_ranks_that_built_different_initial_parameters(addr):
 
 def _apart(rank: int, addr: str) -> None:
     _, lay, ops = _joined("fsdp2", rank, addr, rank, 2, "apart")
-    lay.start_from_rank0(ops)
+    lay.state.start_from_rank0(ops)

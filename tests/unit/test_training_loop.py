@@ -106,7 +106,7 @@ def test_bf16_parameters_train_on_fp32_master_weights(session):
         for _ in st.microbatches():
             x, y = data[st.index - 1]
             st.backward(((model(x) - y) ** 2).float().mean())
-    shard = sess.state.layout.opt.shard
+    shard = sess.state.layout.math.opt.shard
     assert shard.dtype == torch.float32
     assert {v.dtype for v in sess.optimizer.state[shard].values() if v.dim()} == {torch.float32}
     for a, b in zip(model.parameters(), ref.parameters()):
