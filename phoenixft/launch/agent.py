@@ -23,7 +23,6 @@ import os
 import selectors
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,16 +35,16 @@ from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan, PlanKind
 from phoenixft.cluster.protocol import fenced, file_report, latest_plan, register_node
-from phoenixft.cluster.report import restore_source
 from phoenixft.faults.inject import format_env
+from phoenixft.launch.agent_console import AgentConsole
 from phoenixft.launch.config import AgentConfig, LaunchError
 from phoenixft.launch.forkserver import Forked, ForkServer, worker_env_defaults
 from phoenixft.launch.janitor import remove_node_shm
 from phoenixft.launch.resume import check_init_from, newest_persisted, persisted_job
 from phoenixft.launch.rundir import RunDirLock, set_aside_previous_run
 from phoenixft.launch.store_access import StoreAccess
-from phoenixft.observe.events import EventFollower, EventLog, write_json_atomic
-from phoenixft.observe.story import Line, Story, done_line, plural
+from phoenixft.observe.events import EventLog, write_json_atomic
+from phoenixft.observe.story import done_line, plural
 
 __all__ = ["Agent", "AgentConfig", "LaunchError"]
 
@@ -86,20 +85,11 @@ class Agent:
         self._final: Plan | None = None
         self._signal: int | None = None
         self._lost_store: str | None = None
+        self.console = AgentConsole(cfg, self.run_dir)  # what people see, and its watchers
         self._metrics = None  # the Prometheus exporter's server (--metrics-port)
         self.lease: LeaderLease | None = None
         self._started = False  # the leader published generation 0
-        self.persisted_step = -1  # newest step committed to persistent storage, as last seen
-        self._persist_t = 0.0
-        self._persist_errors: dict[int, int] = {}
-        self._persist_errors_seen = 0  # `Keys.PERSIST_ERRORS` when last read
         self.forks = forks  # --start-method forkserver
-        self.story = Story()  # the console's account of the job (the leader's agent tells it)
-        self._follower: EventFollower | None = None
-        self._told_gen = 0  # newest generation whose recovery the console has told
-        self._progress = (0, time.monotonic())  # (step, when) of the last progress line
-        self._cadence = cfg.cadence  # (steps, seconds) between progress lines, parsed once
-        self._run_dir_error: str | None = None  # told on the console while writes fail
         self._helpers: set[int] = {forks.pid} if forks is not None else set()
         self._fences_seen = 0  # the node's fence count last read (`protocol.fenced`)
         self.hearts: NodeLiveness | None = None  # its workers' heartbeats (`_liveness`)
@@ -138,7 +128,7 @@ class Agent:
         if self.leader is not None:
             if not self.lease.beat():
                 self.events.emit("lead_lost", node=self.cfg.node_rank)
-                self._say("phoenixft: another agent took over the lead", err=True)
+                self.console.say("phoenixft: another agent took over the lead", err=True)
                 self.leader = None
             return
         if self.lease.watch():
@@ -146,7 +136,7 @@ class Agent:
             self._started = self.leader.resume()
             self.events.emit("lead_taken", node=self.cfg.node_rank, term=self.lease.term,
                              resumed=self._started)
-            self._say(f"phoenixft: node {self.cfg.node_rank} leads the job now (term "
+            self.console.say(f"phoenixft: node {self.cfg.node_rank} leads the job now (term "
                       f"{self.lease.term})", err=True)
 
     def _env(self, wid: str, local: int) -> dict[str, str]:
@@ -226,7 +216,7 @@ class Agent:
     def _on_signal(self, signum, _frame) -> None:
         if self._signal is None:
             self._signal = signum
-            self._say(f"phoenixft: {signal.Signals(signum).name} received: stopping the job", err=True)
+            self.console.say(f"phoenixft: {signal.Signals(signum).name} received: stopping the job", err=True)
 
     # -- main loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -267,7 +257,7 @@ class Agent:
         except OSError as exc:
             raise LaunchError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
                               f"{cfg.metrics_host}:{cfg.metrics_port} ({exc.strerror})") from None
-        self._say(f"phoenixft: metrics on http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
+        self.console.say(f"phoenixft: metrics on http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
 
     def _join_job(self, store) -> None:
         cfg = self.cfg
@@ -292,7 +282,7 @@ class Agent:
             self.events.emit("start", store=str(self.access.public), nnodes=cfg.nnodes,
                              nproc=cfg.nproc, spares=cfg.spares, script=cfg.script,
                              args=cfg.script_args, inject=[str(s) for s in cfg.inject])
-            self._say(f"phoenixft: store {self.access.public}, {plural(cfg.nproc, 'worker')} + "
+            self.console.say(f"phoenixft: store {self.access.public}, {plural(cfg.nproc, 'worker')} + "
                       f"{plural(cfg.spares, 'spare')}, run dir {self.run_dir}")
         for i in range(cfg.nproc + cfg.spares):
             if self._signal is not None:  # SIGINT/SIGTERM while starting: start no more
@@ -326,10 +316,11 @@ class Agent:
                     else:
                         self._adopt_spawns(store)
                         self.leader.tick()
-                    self._echo_progress(store)  # (before the account: a step's line
-                    self._tell(store)           # comes before the failure that followed it)
-                self._watch_persistence(store)
-                self._watch_run_dir()
+                    self.console.echo_progress(store, self.leader)  # (before the account:
+                    self.console.tell(store, self.events, self.leader)  # a step's line
+                    # comes before the failure that followed it)
+                self.console.watch_persistence(store, self.leader)
+                self.console.watch_run_dir(self.events, self.leader)
                 final = self._final = self._final or self._final_plan(store, self.hearts.due)
                 if final is not None:  # done (every member has exited) or abort: what
                     return final       # is left, a hung spare too, gets the grace period
@@ -341,13 +332,14 @@ class Agent:
             sel.close()
 
     def _note_stall(self) -> None:
-        """Once a tick: a gap between ticks longer than the heartbeat deadline means this
-        agent stood still (stopped, or its host froze) long enough for the leader to count
-        its workers as hung; its last words say so (`_finish`)."""
+        """Once a tick: a gap between ticks of half the heartbeat deadline or more means
+        this agent stood still (stopped, or its host froze), long enough for the leader to
+        count its workers as hung (its last beat may have come most of a beat interval
+        before it stopped); its last words say so (`_finish`)."""
         now = time.monotonic()
         gap = 0.0 if self._tick_t is None else now - self._tick_t
         self._tick_t = now
-        if gap > self.cfg.timeouts.heartbeat_timeout_s and gap > self._stalled_s:
+        if gap >= self.cfg.timeouts.heartbeat_timeout_s / 2 and gap > self._stalled_s:
             self._stalled_s = gap
             self.events.emit("agent_stalled", node=self.cfg.node_rank, stalled_s=round(gap, 3))
 
@@ -432,19 +424,19 @@ class Agent:
             who = ("the standalone store" if self.cfg.external_store else
                    "node 0's agent hosted it: without a standalone store (`phoenixft store`), "
                    "losing node 0 ends the job")
-            newest = newest_persisted(self.cfg.persistence.url, self.persisted_step)
+            newest = newest_persisted(self.cfg.persistence.url, self.console.persisted_step)
             resume = (f"; the newest persisted step is {newest} in {self.cfg.persistence.url}: "
                       "rerun the job with --resume to continue from it" if newest >= 0 else "")
             if self._stalled_s:  # (what node 0 was doing meanwhile is not ours to say)
                 who = (f"{self._stood_still()}; the store went away meanwhile: the job ended, or node "
                        "0 was lost; node 0's console and run dir tell the job's outcome")
-            self._say(f"phoenixft: node {self.cfg.node_rank} stops: {self._lost_store} at "
+            self.console.say(f"phoenixft: node {self.cfg.node_rank} stops: {self._lost_store} at "
                       f"{self.cfg.store} ({who}); its workers were stopped{resume}", err=True)
         elif self.leader is None and final is None and self._signal is None:
             why = (f"{self._stood_still()}, so the leader counted its workers as hung"
                    if self._stalled_s else "the leader found its workers hung"
                    if self._fenced else "its workers are gone")
-            self._say(f"phoenixft: node {self.cfg.node_rank} leaves the job: {why}; "
+            self.console.say(f"phoenixft: node {self.cfg.node_rank} leaves the job: {why}; "
                       + ("they were fenced and the job goes on without this node"
                          if self._stalled_s or self._fenced else
                          f"no verdict from the leader within {self.cfg.shutdown_grace_s:g}s")
@@ -452,7 +444,7 @@ class Agent:
             self._leave(store)
         elif self.leader is not None:
             try:
-                self._watch_persistence(store, final=True)
+                self.console.watch_persistence(store, self.leader, final=True)
             except Exception:  # noqa: BLE001 - a console line must not cost the summary
                 pass
             summary = self._write_summary(wall_s)
@@ -462,14 +454,14 @@ class Agent:
             self.events.emit("finished", ok=rc == 0, final_step=summary.get("final_step"),
                              digest=summary.get("final_state_digest"),
                              aborted=summary.get("aborted"))
-            self._tell(store)
+            self.console.tell(store, self.events, self.leader)
             if final is not None and final.kind is PlanKind.ABORT:
-                self._say(f"phoenixft: job stopped: {final.reason}", err=True)
+                self.console.say(f"phoenixft: job stopped: {final.reason}", err=True)
             elif rc != 0 and self.leader.problems:
-                self._say(f"phoenixft: training finished, but {'; '.join(self.leader.problems)}",
+                self.console.say(f"phoenixft: training finished, but {'; '.join(self.leader.problems)}",
                           err=True)
             elif rc == 0:
-                self._say(done_line(summary, str(self.run_dir)), err=False, always=True)
+                self.console.say(done_line(summary, str(self.run_dir)), err=False, always=True)
             self._wait_agents_gone(store)  # let the others read the verdict first
         else:
             self._leave(store)
@@ -479,8 +471,7 @@ class Agent:
 
     def _stood_still(self) -> str:
         return (f"this agent stood still for {self._stalled_s:.1f}s (stopped, or its host "
-                f"froze), beyond the heartbeat deadline of "
-                f"{self.cfg.timeouts.heartbeat_timeout_s:g}s")
+                f"froze; the heartbeat deadline is {self.cfg.timeouts.heartbeat_timeout_s:g}s)")
 
     def _leave(self, store) -> None:
         """A follower's goodbye, which node 0's agent waits for (`_wait_agents_gone`)."""
@@ -500,7 +491,7 @@ class Agent:
             write_json_atomic(self.run_dir / "status.json", self.leader.final_status())
             return summary
         except OSError as exc:
-            self._say(f"phoenixft: the job ended, but its summary cannot be written to "
+            self.console.say(f"phoenixft: the job ended, but its summary cannot be written to "
                       f"{self.run_dir} ({exc.strerror or exc}): make room there", err=True)
             return None
 
@@ -515,102 +506,3 @@ class Agent:
                 time.sleep(0.05)  # bounded wait for the other agents' goodbye
         except kv.STORE_LOST:
             return
-
-    def _watch_persistence(self, store, final: bool = False) -> None:
-        """Twice a second, and once more at the end (`final`): remember the newest durable
-        step (for the message if the store goes away) and, on the leader, show storage
-        errors on the console once each (a job shorter than the interval still shows them)."""
-        if not self.cfg.persistence.url or (not final and time.monotonic() - self._persist_t < 0.5):
-            return
-        self._persist_t = time.monotonic()
-        self.persisted_step = kv.get_int(store, Keys.PERSISTED, -1)
-        if self.leader is None or self.leader.plan is None:
-            return
-        errors = store.add(Keys.PERSIST_ERRORS, 0)  # the ranks are read only when it moved
-        if errors == self._persist_errors_seen and not final:
-            return
-        self._persist_errors_seen = errors
-        for r in range(self.leader.plan.world_size):
-            if store.check([Keys.persist_error(r)]):
-                err = kv.get_json(store, Keys.persist_error(r))
-                if err["errors"] > self._persist_errors.get(r, 0):
-                    if r not in self._persist_errors or err["errors"] % 20 == 0:
-                        self._say(f"phoenixft: persisting to {self.cfg.persistence.url} fails on rank {r} "
-                                  f"({err['error']}); training goes on, newest durable step "
-                                  f"{self.persisted_step}", err=True)
-                    self._persist_errors[r] = err["errors"]
-
-    def _watch_run_dir(self) -> None:
-        """A run directory that cannot be written (a full or read-only disk) costs its
-        records, not the training: say so once when writes start failing and once when
-        they work again, with what was lost."""
-        status_err = self.leader.status_failing if self.leader is not None else None
-        err = status_err or self.events.failing
-        if err is not None and self._run_dir_error is None:
-            self._run_dir_error = err.strerror or str(err)
-            self._say(f"phoenixft: cannot write the run directory {self.run_dir} "
-                      f"({self._run_dir_error}); training goes on, but events.jsonl and "
-                      "status.json fall behind until there is room", err=True)
-        elif self._run_dir_error is not None and status_err is None and self.leader is not None:
-            lost = self.events.lost  # status.json is written again: is the log too?
-            self.events.emit("run_dir_writable", lost_records=lost)
-            if self.events.failing is None:
-                self._run_dir_error = None
-                self._say(f"phoenixft: the run directory {self.run_dir} is writable again "
-                          f"({plural(lost, 'event record')} of this agent lost meanwhile)",
-                          err=True)
-
-    def _echo_progress(self, store) -> None:
-        """A progress line at each multiple of `--log-every N` steps (each one, even when
-        several passed between two ticks), or for the newest step every N seconds."""
-        if not self.cfg.echo:
-            return
-        step = kv.get_int(store, Keys.PROGRESS, 0)
-        last, t_last = self._progress
-        if last == 0 and step > 0:  # a resumed job has no loss before its first step:
-            # waiting for step 10's of a job resumed at 14 printed no progress line at all
-            last = kv.get_int(store, Keys.RESUMED_FROM, 0)
-        every_steps, every_s = self._cadence
-        now = time.monotonic()
-        if every_steps is not None:
-            due = list(range((last // every_steps + 1) * every_steps, step + 1, every_steps))
-        else:
-            due = [step] if step > last and now - t_last >= every_s else []
-        for s in due:
-            if not store.check([Keys.loss(s)]):
-                return  # its loss is not written yet: next tick
-            rate = (s - last) / (now - t_last) if now > t_last and s > last else 0.0
-            gen = self.leader.plan.generation if self.leader.plan else 0
-            self._say(f"step {s:6d}  loss {float(store.get(Keys.loss(s))):.4f}  "
-                      f"{rate:5.2f} steps/s  gen {gen}")
-            last, t_last = s, now
-            self._progress = (s, now)
-
-    def _tell(self, store) -> None:
-        """The console's account of what happened: the leader's events (failures, new
-        generations, stops) as they are logged, and each generation's recovery once rank 0
-        has recorded it in the store (it may run on another node, whose log is not ours)."""
-        if self.events.path is None:
-            return
-        if self._follower is None:
-            self._follower = EventFollower(self.events.path)
-        for e in self._follower.poll():
-            self._show(self.story.tell(e))
-        plan = self.leader.plan
-        if plan is None or plan.kind is not PlanKind.RUN or plan.generation <= self._told_gen:
-            return
-        g = plan.generation
-        if store.check([Keys.recovered(g)]):
-            src = restore_source(store, plan, min(plan.replaced, default=0))
-            self._show(self.story.recovered(kv.get_json(store, Keys.recovered(g)), src))
-            self._told_gen = g
-
-    def _show(self, lines: list[Line]) -> None:
-        for ln in lines:
-            self._say(ln.text, err=ln.failure)
-
-    def _say(self, msg: str, err: bool = False, always: bool = False) -> None:
-        """stdout for progress and the account of recoveries (not with --quiet); stderr,
-        always, for failures and errors; `always` for the summary line."""
-        if self.cfg.echo or err or always:
-            print(msg, file=sys.stderr if err else sys.stdout, flush=True)
