@@ -166,7 +166,7 @@ def _verify(args) -> int:
           "or model file(s))")
     return 1 if bad else 0
 def _inspect(args) -> int:
-    from phoenixft.checkpoint.slots import blob_tensors
+    from phoenixft.checkpoint.slots import blob_snapshot
     tier = _tier(args.url)
     s = _step(tier, args.step)
     m = tier.read_manifest(s)
@@ -179,9 +179,9 @@ def _inspect(args) -> int:
     print(f"model: {trained} trainable tensors, {meta['numel']} parameters "
           f"({meta['dtype']}), config: {'yes' if meta.get('config') else 'none'}, "
           f"untrained tensors: {m['model'].get('fixed')}")
-    hdr, tensors = blob_tensors(tier.get(s, 0, m), s)
-    print(f"rank 0 snapshot: {hdr['data_nbytes']} bytes of state")
-    for name, t in tensors.items():
+    snap = blob_snapshot(tier.get(s, 0, m), s)
+    print(f"rank 0 snapshot: {snap.header.data_nbytes} bytes of state")
+    for name, t in snap.tensors.items():
         print(f"  {name:40} {str(t.dtype):16} {list(t.shape)}")
     return 0
 

@@ -2,7 +2,7 @@
 torch.distributed.checkpoint's sharding information, that gives the exact blob back.
 
 A sharded model's snapshot (`Fsdp2Layout`) says in its header where each of its tensors
-lies in the whole one (`meta["opt"]["dcp"]`: global size and offsets, per parameter).
+lies in the whole one (`header.dcp_placement()`: global size and offsets, per parameter).
 Each rank writes its file as ``r{rank}/s{step:010d}.shards`` (`tiers.py`); each file
 carries DCP's sharding info (``DCP_SHARDING_INFO``: the saved offsets of each tensor), in
 the names DCP's `HuggingFaceStorageReader` reads:
@@ -35,15 +35,11 @@ import numpy as np
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
-from phoenixft.checkpoint.slots import HEADER_BYTES
+from phoenixft.checkpoint.record import SnapshotHeader
+from phoenixft.checkpoint.slots import HEADER_BYTES, blob_header
 
 OPT_PREFIX = "optimizer.state."
 LOCAL_PREFIX = "phoenixft.rank"
-
-
-def dcp_map(header: dict) -> dict | None:
-    """The blob's placement map (param name -> [global size, offsets]), if it has one."""
-    return (header.get("opt") or {}).get("dcp")
 
 
 def public_name(entry: str, shape: list[int], rank: int, placement: dict) -> tuple[str, list[int]] | None:
@@ -66,7 +62,7 @@ def public_name(entry: str, shape: list[int], rank: int, placement: dict) -> tup
     return fqn, list(offsets)
 
 
-def encode(blob, header: dict, step: int, rank: int, checksum: str) -> bytes:
+def encode(blob, header: SnapshotHeader, step: int, rank: int, checksum: str) -> bytes:
     """The safetensors file of a verified blob whose header has a placement map."""
     from safetensors.torch import save
 
@@ -75,14 +71,13 @@ def encode(blob, header: dict, step: int, rank: int, checksum: str) -> bytes:
     tensors: dict[str, torch.Tensor] = {local + "header": torch.from_numpy(raw[:HEADER_BYTES].copy())}
     keys, sharding = _keys(header, rank)
     names, gaps, pos = {}, [], HEADER_BYTES
-    for e, key in zip(header["entries"], keys):
-        start = HEADER_BYTES + e["offset"]
+    for e, key in zip(header.entries, keys):
+        start = HEADER_BYTES + e.offset
         gaps.append(raw[pos:start])
-        pos = start + e["nbytes"]
-        t = (torch.from_numpy(raw[start:pos].copy()).view(getattr(torch, e["dtype"]))
-             .view(e["shape"]))
-        tensors[key], names[key] = t, e["name"]
-    gaps.append(raw[pos:HEADER_BYTES + header["data_nbytes"]])
+        pos = start + e.nbytes
+        t = torch.from_numpy(raw[start:pos].copy()).view(getattr(torch, e.dtype)).view(e.shape)
+        tensors[key], names[key] = t, e.name
+    gaps.append(raw[pos:HEADER_BYTES + header.data_nbytes])
     tensors[local + "gaps"] = torch.from_numpy(np.concatenate(gaps).copy())
     info = {"step": step, "rank": rank, "blob_nbytes": len(raw), "checksum": checksum,
             "names": names}
@@ -91,14 +86,14 @@ def encode(blob, header: dict, step: int, rank: int, checksum: str) -> bytes:
                                    "phoenixft": json.dumps(info)})
 
 
-def _keys(header: dict, rank: int) -> tuple[list[str], dict[str, dict]]:
+def _keys(header: SnapshotHeader, rank: int) -> tuple[list[str], dict[str, dict]]:
     """Each blob entry's key in the file, and the file's DCP sharding info."""
-    placement = dcp_map(header)
+    placement = header.dcp_placement()
     local = f"{LOCAL_PREFIX}{rank}."
     keys, sharding = [], {local + "header": {"saved_offsets": [0]}}
-    for e in header["entries"]:
-        public = public_name(e["name"], e["shape"], rank, placement)
-        key, offsets = public if public else (local + e["name"], [0] * len(e["shape"]))
+    for e in header.entries:
+        public = public_name(e.name, e.shape, rank, placement)
+        key, offsets = public if public else (local + e.name, [0] * len(e.shape))
         keys.append(key)
         sharding[key] = {"saved_offsets": offsets}
     sharding[local + "gaps"] = {"saved_offsets": [0]}
@@ -139,15 +134,15 @@ def decode(data: bytes, where: str) -> tuple[dict, bytearray]:
         out = bytearray(info["blob_nbytes"])
         raw = np.frombuffer(out, dtype=np.uint8)
         raw[:HEADER_BYTES] = tensors[local + "header"].numpy()
-        head = json.loads(bytes(raw[64:64 + int.from_bytes(raw[24:32], "little")]))
+        head = blob_header(raw, where)
         by_entry = {entry: key for key, entry in info["names"].items()}
         gaps, g, pos = tensors[local + "gaps"].numpy(), 0, HEADER_BYTES
-        for e in head["entries"]:
-            start = HEADER_BYTES + e["offset"]
+        for e in head.entries:
+            start = HEADER_BYTES + e.offset
             raw[pos:start] = gaps[g:g + start - pos]
             g += start - pos
-            pos = start + e["nbytes"]
-            raw[start:pos] = tensors[by_entry[e["name"]]].reshape(-1).view(torch.uint8).numpy()
+            pos = start + e.nbytes
+            raw[start:pos] = tensors[by_entry[e.name]].reshape(-1).view(torch.uint8).numpy()
         raw[pos:] = gaps[g:g + len(raw) - pos]
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise IntegrityError(f"{where}: its tensors do not make a snapshot blob ({exc!r}): "

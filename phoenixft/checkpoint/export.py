@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from phoenixft.checkpoint.dcp_base import dcp_map
 from phoenixft.checkpoint.hf_dir import write_hf_dir
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
-from phoenixft.checkpoint.slots import blob_tensors
+from phoenixft.checkpoint.record import Snapshot
+from phoenixft.checkpoint.slots import blob_snapshot
 from phoenixft.checkpoint.tiers import FsspecTier
 
 
@@ -29,8 +29,7 @@ def model_state(tier: FsspecTier, step: int) -> tuple[dict[str, torch.Tensor], d
         return state, manifest
     shards = []
     for r in range(manifest["world_size"]):
-        _, tensors = blob_tensors(tier.get(step, r, manifest), step, f"{tier.url} rank {r} step {step}")
-        shards.append(tensors["param_shard"])
+        shards.append(rank_snapshot(tier, step, r, manifest).tensors["param_shard"])
     flat = torch.cat(shards)[:meta["numel"]]
     state: dict[str, torch.Tensor] = {}
     flat = flat.to(getattr(torch, meta["dtype"]))  # master shards may be fp32 (mixed precision)
@@ -45,18 +44,22 @@ def model_state(tier: FsspecTier, step: int) -> tuple[dict[str, torch.Tensor], d
     return state, manifest
 
 
+def rank_snapshot(tier: FsspecTier, step: int, rank: int, manifest: dict) -> Snapshot:
+    """Rank `rank`'s persisted snapshot of a committed step, verified (tensors are copies)."""
+    return blob_snapshot(tier.get(step, rank, manifest), step, f"{tier.url} rank {rank} step {step}")
+
+
 def sharded_params(tier: FsspecTier, step: int, manifest: dict) -> dict[str, torch.Tensor]:
     """A sharded model's whole parameters from every rank's local shards, each put where
-    its snapshot says it lies (`dcp_base.dcp_map`: global size and offsets). Every
+    its snapshot says it lies (`SnapshotHeader.dcp_placement`: global size and offsets). Every
     element must be covered exactly once, else the records do not make a whole model."""
     full: dict[str, torch.Tensor] = {}
     covered: dict[str, int] = {}
     written: set[tuple] = set()
     names: set[str] = set()
     for r in range(manifest["world_size"]):
-        hdr, tensors = blob_tensors(tier.get(step, r, manifest), step,
-                                    f"{tier.url} rank {r} step {step}")
-        placement = dcp_map(hdr) or {}
+        snap = rank_snapshot(tier, step, r, manifest)
+        tensors, placement = snap.tensors, snap.header.dcp_placement() or {}
         names.update(placement)
         for name, (size, offsets) in placement.items():
             local = tensors.get(f"p.{name}")  # (None: a replica another rank holds)
@@ -82,9 +85,8 @@ def _sharded_optim(tier: FsspecTier, step: int, manifest: dict) -> dict:
     covered: dict[tuple[str, str], int] = {}
     written: set[tuple] = set()
     for r in range(manifest["world_size"]):
-        hdr, tensors = blob_tensors(tier.get(step, r, manifest), step,
-                                    f"{tier.url} rank {r} step {step}")
-        placement = dcp_map(hdr) or {}
+        snap = rank_snapshot(tier, step, r, manifest)
+        tensors, placement = snap.tensors, snap.header.dcp_placement() or {}
         for entry, local in tensors.items():
             if not entry.startswith("o."):
                 continue
@@ -114,8 +116,7 @@ def _flat_optim(tier: FsspecTier, step: int, manifest: dict) -> dict:
     meta = manifest["model"]["meta"]
     shards: dict[str, list[torch.Tensor]] = {}
     for r in range(manifest["world_size"]):
-        _, tensors = blob_tensors(tier.get(step, r, manifest), step, f"{tier.url} rank {r} step {step}")
-        for k, v in tensors.items():
+        for k, v in rank_snapshot(tier, step, r, manifest).tensors.items():
             if k.startswith("opt."):
                 shards.setdefault(k[4:], []).append(v)
     out = {}
@@ -138,8 +139,7 @@ def training_state(tier: FsspecTier, step: int) -> tuple[dict, dict, dict, dict]
     meta = manifest["model"]["meta"]
     sharded = meta.get("layout") == "fsdp2"
     optim = _sharded_optim(tier, step, manifest) if sharded else _flat_optim(tier, step, manifest)
-    hdr, _ = blob_tensors(tier.get(step, 0, manifest), step, f"{tier.url} rank 0 step {step}")
-    groups = (hdr.get("opt") or {}).get("param_groups") or []
+    groups = rank_snapshot(tier, step, 0, manifest).header.opt.get("param_groups") or []
     names = {n for n, _ in optim} | (set(model) - set(read_fixed(tier, manifest)))
     by_name = {n: groups[0] for n in names} if len(groups) == 1 else {}
     return model, optim, by_name, manifest

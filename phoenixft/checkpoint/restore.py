@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.record import Snapshot
 from phoenixft.checkpoint.slots import SlotFile, SlotKind, slot_path
 from phoenixft.checkpoint.tiers import ShmTier
 from phoenixft.comm.collectives import GroupOps
@@ -67,7 +68,7 @@ class ShmSource:
             return None
         # After a world-size change an abandoned snapshot of the same step from an older
         # numbering may still sit in a slot: only the generation asked for counts.
-        if generation is not None and hdr.get("generation") != generation:
+        if generation is not None and hdr.generation != generation:
             return None
         return f
 
@@ -221,10 +222,10 @@ class RestorePlanner:
             raise IntegrityError(f"rank {rank}: no snapshot of step {step} after planning")
         # a local copy was verified when the table was made; a sent or read one is now
         hdr = mine.header() if source in (s.name for s in self.local) else mine.verify(step)
-        if hdr.get("rank") != rank:
-            raise IntegrityError(f"{mine.path}: snapshot belongs to rank {hdr.get('rank')}, "
+        if hdr.rank != rank:
+            raise IntegrityError(f"{mine.path}: snapshot belongs to rank {hdr.rank}, "
                                  f"not rank {rank}")
-        return mine, hdr, source
+        return Snapshot(hdr, mine.tensors(hdr)), source
 
     @staticmethod
     def _send(ops: GroupOps, slot: SlotFile, dst: int) -> None:
@@ -241,9 +242,9 @@ class RestorePlanner:
         return slot
 
     def gather_old_shards(self, ops: GroupOps, *, rank: int, world_size: int, old_world: int,
-                          step: int, generation: int) -> list[tuple[dict[str, torch.Tensor], dict]]:
+                          step: int, generation: int) -> list[Snapshot]:
         """Collective, for a world-size change: every member gets every old rank's verified
-        snapshot of step t, as (tensors, header) in old rank order, so that its layout can
+        snapshot of step t (copies), in old rank order, so that its layout can
         cut its new share of the state from them. Each old snapshot comes from the lowest
         member holding a verified copy, broadcast to all."""
         copies, table = self.copy_table(ops, world_size, old_world, step, generation)
@@ -262,10 +263,10 @@ class RestorePlanner:
                     f"{generation}): its node and its replica holders are gone or corrupt")
             slot = self._broadcast_slot(ops, mine, src, o, step)
             hdr = slot.verify(step)
-            if hdr.get("rank") != o or hdr.get("world_size") != old_world:
-                raise IntegrityError(f"{slot.path}: holds rank {hdr.get('rank')} of world "
-                                     f"{hdr.get('world_size')}, wanted rank {o} of {old_world}")
-            out.append(({name: t.clone() for name, t in slot.tensors(hdr).items()}, hdr))
+            if hdr.rank != o or hdr.world_size != old_world:
+                raise IntegrityError(f"{slot.path}: holds rank {hdr.rank} of world "
+                                     f"{hdr.world_size}, wanted rank {o} of {old_world}")
+            out.append(Snapshot(hdr, {name: t.clone() for name, t in slot.tensors(hdr).items()}))
         return out
 
     def _broadcast_slot(self, ops: GroupOps, mine: SlotFile | None, src: int, old_rank: int,

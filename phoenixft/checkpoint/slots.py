@@ -8,8 +8,8 @@ that wrote it) laid out as::
             it was written: a damaged transfer or copy; kept only to be passed over)
     [16:24) step
     [24:32) header JSON length
-    [64:HEADER_BYTES)  header JSON: step, generation, rank, entries (name, dtype, shape,
-                       offset, nbytes), meta, data_nbytes, checksum of the data
+    [64:HEADER_BYTES)  header JSON: a `SnapshotHeader` (record.py: who, which step, where
+                       each tensor lies, the data's size and checksum)
     [HEADER_BYTES:)    tensor bytes, each entry 64-byte aligned
 
 Writers mark the slot incomplete, write data, checksum, header, then mark it complete;
@@ -24,7 +24,6 @@ memory twice, and a snapshot is far larger than the cache.
 from __future__ import annotations
 
 import enum
-import json
 import mmap
 import os
 import struct
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError, checksum, hasher
+from phoenixft.checkpoint.record import Entry, Snapshot, SnapshotHeader
 
 MAGIC = b"PHXSLOT1"
 REJECTED = 2  # the state word of a copy that failed its check when it was written
@@ -46,15 +46,6 @@ CHUNK = 256 << 10  # copied, then hashed while it is still in the core's cache (
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-@dataclass
-class Entry:
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
 
 
 @dataclass
@@ -153,7 +144,7 @@ class SlotFile:
         h.update(self.np[pos:HEADER_BYTES + layout.data_nbytes])
         return h.hexdigest()
 
-    def put_image(self, image: np.ndarray, step: int) -> dict:
+    def put_image(self, image: np.ndarray, step: int) -> SnapshotHeader:
         """Write a whole slot image (another slot's bytes, a received blob) and verify it
         in the same pass; returns its header. The data go first, then the header, and the
         image's own state word last, so the slot never looks complete before it is; a copy
@@ -182,14 +173,15 @@ class SlotFile:
         that passes over it says why."""
         self.np[8:16] = np.frombuffer(struct.pack("<q", REJECTED), dtype=np.uint8)
 
-    def finish_write(self, step: int, layout: Layout, header: dict, digest: str | None = None) -> str:
-        """Write the header and mark the slot complete; `digest` is the data's checksum
-        when the writer computed it while copying (`write_data`)."""
+    def finish_write(self, step: int, layout: Layout, header: SnapshotHeader,
+                     digest: str | None = None) -> str:
+        """Write the header (the writer's, completed with the step, the layout and the
+        checksum) and mark the slot complete; `digest` is the data's checksum when the
+        writer computed it while copying (`write_data`)."""
         if digest is None:
             digest = checksum(self.np[HEADER_BYTES:HEADER_BYTES + layout.data_nbytes])
-        hdr = dict(header, step=step, data_nbytes=layout.data_nbytes, checksum=digest,
-                   entries=[e.__dict__ for e in layout.entries])
-        blob = json.dumps(hdr).encode()
+        blob = header.with_(step=step, data_nbytes=layout.data_nbytes, checksum=digest,
+                            entries=tuple(layout.entries)).to_json()
         if 64 + len(blob) > HEADER_BYTES:
             raise ValueError(f"snapshot header of {len(blob)} bytes exceeds {HEADER_BYTES}; "
                              "keep tracked metadata small (large state belongs in tensors)")
@@ -205,23 +197,30 @@ class SlotFile:
             return False, -1
         return _peek(self.np)
 
-    def header(self) -> dict:
+    def header(self) -> SnapshotHeader:
         if self._mm is None:
             raise IntegrityError(f"{self.path}: no snapshot (missing or empty file)")
         return _header(self.np, self.path)
 
     def used_nbytes(self) -> int:
-        return HEADER_BYTES + int(self.header()["data_nbytes"])
+        return HEADER_BYTES + self.header().data_nbytes
 
-    def verify(self, step: int) -> dict:
+    def verify(self, step: int) -> SnapshotHeader:
         """Return the header of a complete, uncorrupted snapshot of `step`, or raise."""
         if self._mm is None:
             raise IntegrityError(f"{self.path}: no snapshot (missing or empty file)")
         return _verify(self.np, step, self.path)
 
-    def tensors(self, hdr: dict) -> dict[str, torch.Tensor]:
+    def tensors(self, hdr: SnapshotHeader) -> dict[str, torch.Tensor]:
         """Views (no copy) of the entries; copy them before the slot is rewritten."""
-        return {e["name"]: self.view(Entry(**e)) for e in hdr["entries"]}
+        return {e.name: self.view(e) for e in hdr.entries}
+
+    def snapshot(self, step: int) -> Snapshot:
+        """The verified snapshot of `step` in this slot, as views (no copy): copy them
+        before the slot is rewritten; IntegrityError when it holds another step or is
+        damaged."""
+        hdr = self.verify(step)
+        return Snapshot(hdr, self.tensors(hdr))
 
 
 def _peek(buf: np.ndarray) -> tuple[bool, int]:
@@ -236,18 +235,15 @@ def _state(buf: np.ndarray) -> tuple[int, int]:
     return state, step
 
 
-def _header(buf: np.ndarray, where) -> dict:
+def _header(buf: np.ndarray, where) -> SnapshotHeader:
     (n,) = struct.unpack("<q", bytes(buf[24:32]))
     if not 0 < n <= HEADER_BYTES - 64 or len(buf) < 64 + n:
         raise IntegrityError(f"{where}: bad header length {n}")
-    try:
-        return json.loads(bytes(buf[64:64 + n]))
-    except ValueError as exc:
-        raise IntegrityError(f"{where}: unreadable header ({exc})") from None
+    return SnapshotHeader.from_json(bytes(buf[64:64 + n]), where)
 
 
 def _verify(buf: np.ndarray, step: int, where, digest: str | None = None,
-            end: int | None = None) -> dict:
+            end: int | None = None) -> SnapshotHeader:
     """The header of a complete snapshot of `step` whose data match its checksum; `digest`
     is the checksum of buf[HEADER_BYTES:end) when the caller hashed the data as it wrote
     them (`end` must then be where the header says the data end)."""
@@ -261,37 +257,37 @@ def _verify(buf: np.ndarray, step: int, where, digest: str | None = None,
     if got != step:
         raise IntegrityError(f"{where}: holds step {got}, wanted step {step}")
     hdr = _header(buf, where)
-    want_end = HEADER_BYTES + int(hdr["data_nbytes"])
+    want_end = HEADER_BYTES + hdr.data_nbytes
     if digest is None:
         end = want_end
         if len(buf) >= end:
             digest = checksum(buf[HEADER_BYTES:end])
-    if len(buf) < want_end or end != want_end or digest != hdr["checksum"]:
+    if len(buf) < want_end or end != want_end or digest != hdr.checksum:
         raise IntegrityError(f"{where}: checksum mismatch for step {step} "
                              "(corrupt snapshot; falling back to another copy)")
     return hdr
 
 
-def verify_blob(blob, step: int, where: str = "snapshot blob") -> dict:
+def verify_blob(blob, step: int, where: str = "snapshot blob") -> SnapshotHeader:
     """The header of a slot's bytes held elsewhere (a copy, a persisted record), checked
     exactly as a slot file is: complete, for `step`, checksum matching."""
     return _verify(np.frombuffer(blob, dtype=np.uint8), step, where)
 
 
-def blob_header(blob, where: str = "snapshot blob") -> dict:
+def blob_header(blob, where: str = "snapshot blob") -> SnapshotHeader:
     """The header of a slot's bytes, unverified (its data are not hashed)."""
     return _header(np.frombuffer(blob, dtype=np.uint8), where)
 
 
-def blob_tensors(blob, step: int, where: str = "snapshot blob") -> tuple[dict, dict[str, torch.Tensor]]:
-    """The verified header and the tensors (copies) of a slot's bytes held elsewhere."""
+def blob_snapshot(blob, step: int, where: str = "snapshot blob") -> Snapshot:
+    """The verified snapshot (tensors are copies) of a slot's bytes held elsewhere."""
     hdr = verify_blob(blob, step, where)
     raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     out = {}
-    for e in hdr["entries"]:
-        start = HEADER_BYTES + e["offset"]
-        out[e["name"]] = raw[start:start + e["nbytes"]].view(getattr(torch, e["dtype"])).view(e["shape"])
-    return hdr, out
+    for e in hdr.entries:
+        start = HEADER_BYTES + e.offset
+        out[e.name] = raw[start:start + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+    return Snapshot(hdr, out)
 
 
 class SlotKind(str, enum.Enum):

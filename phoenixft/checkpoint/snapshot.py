@@ -1,7 +1,7 @@
 """Per-step snapshots off the critical path, peer replicas, and the global commit.
 
-After optimizer step t the session calls `begin(t, tensors, header)` and goes on with
-the next forward/backward. A background thread copies the tensors into this rank's slot
+After optimizer step t the session calls `begin(t, snapshot)` and goes on with the next
+forward/backward. A background thread copies the snapshot's tensors into this rank's slot
 for t (shared memory, double-buffered: slot t % 2), checksums it, acknowledges it, ships
 it to the rank's replica holders and receives the replicas it holds for others. The
 session's optimizer step-pre-hook calls `wait_copied(committed=True)`: step t+1 neither
@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from phoenixft.checkpoint.device_copy import DeviceCopier, ready_event
 from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.record import Snapshot
 from phoenixft.checkpoint.replicate import exchange_slots
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, SlotKind, slot_path
 from phoenixft.cluster.keys import Keys
@@ -89,7 +90,7 @@ class Snapshotter:
     into double-buffered slot files in the node's shared memory (slot s % 2 is only
     rewritten once snapshot s-1 is committed), sends or copies replicas to their holders,
     acknowledges, and commits the step when every copy of every rank is acknowledged.
-    `begin(step, tensors, header)` returns at once; the optimizer's pre-step hook waits
+    `begin(step, snapshot)` returns at once; the optimizer's pre-step hook waits
     (`wait_copied`) before the next update may change the tensors. Errors surface to the
     training thread at that wait, never silently."""
 
@@ -156,14 +157,14 @@ class Snapshotter:
         self._thread.start()
 
     # -- training thread ------------------------------------------------------------
-    def begin(self, step: int, tensors: dict[str, torch.Tensor], header: dict) -> None:
+    def begin(self, step: int, snap: Snapshot) -> None:
         self._raise_error()
         if self._begun_step >= 0 and (step - self._begun_step) % 2 == 0:
             raise ValueError(f"snapshot {step} after snapshot {self._begun_step}: both would use "
                              f"slot {step % 2}, overwriting the newest committed snapshot; skip "
                              f"an even number of steps between snapshots")
         self._begun_step = step
-        self._tasks.put((step, tensors, header, ready_event(tensors)))
+        self._tasks.put((step, snap, ready_event(snap.tensors)))
 
     def wait_copied(self, committed: bool = False) -> None:
         """Block until the last begun snapshot is in host memory and, if `committed`,
@@ -188,13 +189,11 @@ class Snapshotter:
         finally:
             self.stats["stall_s"] += time.perf_counter() - t0
 
-    def own(self, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+    def own(self, step: int) -> Snapshot:
         """This rank's own snapshot `step` in its slot, verified (views of shared memory:
         copy them before the slot is rewritten); IntegrityError when the slot holds
         another step or is damaged."""
-        slot = self._slot(SlotKind.SNAP, self.rank, step)
-        hdr = slot.verify(step)
-        return slot.tensors(hdr), hdr
+        return self._slot(SlotKind.SNAP, self.rank, step).snapshot(step)
 
     def stop(self, join_timeout_s: float = 10.0) -> None:
         self._stopped = True
@@ -274,7 +273,7 @@ class Snapshotter:
                 raise CommFailure(f"{key} not set within {self._timeout}s")
         raise CommFailure("stopped")
 
-    def _snapshot(self, store: dist.Store, step: int, tensors: dict, header: dict,
+    def _snapshot(self, store: dist.Store, step: int, snap: Snapshot,
                   ready: torch.cuda.Event | None) -> None:
         # The other slot must hold a committed snapshot before this one may be overwritten:
         # the thread's previous snapshot (it saw the commit), or for a new generation's
@@ -283,32 +282,31 @@ class Snapshotter:
             self._wait_committed(store, step - 1)
         self._last_taken = step
         cpu0 = time.thread_time()
-        self._copy_and_replicate(store, step, tensors, header, ready)
+        self._copy_and_replicate(store, step, snap, ready)
         self.stats["thread_cpu_s"] += time.thread_time() - cpu0
         self.stats["snapshots"] += 1
 
-    def _keep_local(self, step: int, tensors: dict, header: dict,
-                    ready: torch.cuda.Event | None) -> None:
+    def _keep_local(self, step: int, snap: Snapshot, ready: torch.cuda.Event | None) -> None:
         """The generation changed before this begun snapshot was copied: copy it into its
         slot, no replicas, no ack, if that slot holds nothing newer than the last snapshot
         committed (the thread saw its previous snapshot committed)."""
         if self._last_taken is None or self._committed_step < self._last_taken:
             return  # the slot may hold the newest committed snapshot: leave it
         self._last_taken = step
-        self._write_local(step, tensors, header, ready)
+        self._write_local(step, snap, ready)
 
-    def _write_local(self, step: int, tensors: dict, header: dict,
-                     ready: torch.cuda.Event | None,
+    def _write_local(self, step: int, snap: Snapshot, ready: torch.cuda.Event | None,
                      then: Callable[[int], None] = lambda step: None) -> tuple[SlotFile, Layout]:
         """Copy the snapshot into this rank's slot for `step`, call `then(step)`, and say
         so (`then` first: the training thread's end-of-job flush waits for the copy, then
         for the persister to have been offered the last step)."""
+        tensors = snap.tensors
         layout = Layout.of(tensors)
         slot = self._slot(SlotKind.SNAP, self.rank, step)
         slot.ensure(HEADER_BYTES + layout.data_nbytes)
         slot.begin_write(step)
         digest = self._copy(slot, layout, tensors, ready, halfway=lambda: self._fault(step, "snapshot"))
-        slot.finish_write(step, layout, dict(header, generation=self.generation), digest)
+        slot.finish_write(step, layout, snap.header.with_(generation=self.generation), digest)
         self._on_copied(step, tensors)
         then(step)
         with self._cond:
@@ -316,10 +314,10 @@ class Snapshotter:
             self._cond.notify_all()
         return slot, layout
 
-    def _copy_and_replicate(self, store: dist.Store, step: int, tensors: dict,
-                            header: dict, ready: torch.cuda.Event | None = None) -> None:
+    def _copy_and_replicate(self, store: dist.Store, step: int, snap: Snapshot,
+                            ready: torch.cuda.Event | None = None) -> None:
         t0 = time.perf_counter()
-        slot, layout = self._write_local(step, tensors, header, ready, then=self._after_copy)
+        slot, layout = self._write_local(step, snap, ready, then=self._after_copy)
         t1 = time.perf_counter()
         if self._rot(step):  # injected: its own copy damaged before any holder reads it
             slot.np[HEADER_BYTES + 7] ^= 0xFF

@@ -229,7 +229,7 @@ class FsspecTier:
         else:
             kind = "base"
             hdr = blob_header(blob)
-            if dcp_base.dcp_map(hdr) is not None:  # a sharded model: DCP's sharding info
+            if hdr.dcp_placement() is not None:  # a sharded model: DCP's sharding info
                 data = dcp_base.encode(blob, hdr, step, rank, full)
                 self.write_atomic(self.shards_path(step, rank), data)
                 return RecordInfo(step, rank, kind, full, len(data), codec="dcp")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from phoenixft.checkpoint.record import Snapshot
 from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.slots import SlotFile, SlotKind, slot_path
 
@@ -18,7 +19,7 @@ AHEAD_WAIT_S = 0.5
 
 def local_step_of_every_rank(planner: RestorePlanner, shm_dir: str, r: int, world: int,
                              numel: int):
-    """(t, [(slot, header)] by rank) for the newest step t of which this node holds a
+    """(t, [snapshot (views of its slot)] by rank) for the newest step t of which this node holds a
     verified copy of every rank's snapshot, all written by one generation; or None.
 
     When rank r's newest copy, of step t, is here but some survivor's is not yet, that
@@ -53,10 +54,9 @@ def _scan_local_steps(planner: RestorePlanner, shm_dir: str, r: int, world: int,
             if found is None:
                 break
             hdr = found[0].header()
-            if (hdr.get("rank") != q or hdr.get("world_size") != world
-                    or hdr.get("numel") != numel):
+            if hdr.rank != q or hdr.world_size != world or hdr.numel != numel:
                 break
-            copies.append((found[0], hdr))
-        if len(copies) == world and len({h.get("generation") for _, h in copies}) == 1:
+            copies.append(Snapshot(hdr, found[0].tensors(hdr)))
+        if len(copies) == world and len({c.header.generation for c in copies}) == 1:
             return max(steps), (t, copies)
     return max(steps, default=-1), None

@@ -156,8 +156,8 @@ class Fingerprinter:
         from the committed step st.index - 1."""
         member = self.member
         try:
-            tensors, hdr = member.snap.own(st.index - 1)
-            state.layout.state.load_unique(tensors, hdr["opt"])
+            own = member.snap.own(st.index - 1)
+            state.layout.state.load_unique(own.tensors, own.header.opt)
             st.phase = StepPhase.REDUCE
         except IntegrityError as exc:
             member.events.emit("fingerprint_undo_failed", rank=member.rank, step=st.index,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from phoenixft.checkpoint.record import Snapshot
 from phoenixft.comm.collectives import GroupOps
 from phoenixft.train.layout import Holdings, Membership, StepMath, VoteScope
 from phoenixft.train.zero import FlatParams, SchedulerFactory, ShardedOptimizer
@@ -124,7 +125,7 @@ class FlatZero1(Membership, Holdings, StepMath, VoteScope):
     def gather_params(self, ops: GroupOps, what: str) -> None:
         ops.all_gather_into(self.flat.buf, self.opt.gathered(), what)
 
-    def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
+    def reshard(self, old: list[Snapshot]) -> None:
         n, padded = self.flat.numel, self.flat.buf.numel()
 
         def fit(x: torch.Tensor) -> torch.Tensor:  # old padding -> new padding
@@ -133,13 +134,13 @@ class FlatZero1(Membership, Holdings, StepMath, VoteScope):
             return out
 
         full = {}
-        for name, t0 in old[0][0].items():
+        for name, t0 in old[0].tensors.items():
             if name != "param_shard" and not name.startswith("opt."):
                 continue  # rank-local state (RNG, tracked objects) does not reshard
-            full[name] = t0 if t0.dim() == 0 else torch.cat([ts[name] for ts, _ in old])
+            full[name] = t0 if t0.dim() == 0 else torch.cat([s.tensors[name] for s in old])
         start, end = self.opt.start, self.opt.end
         self.opt.load_state({k: x if x.dim() == 0 else fit(x)[start:end]
-                             for k, x in full.items()}, old[0][1])
+                             for k, x in full.items()}, old[0].header.opt)
         with torch.no_grad():
             self.flat.buf.copy_(fit(full["param_shard"]).to(self.flat.buf.device))
 

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 import phoenixft.torch_internals as ti
+from phoenixft.checkpoint.record import Snapshot
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.comm.swap_group import SwapGroup, init_world, sub_group
 from phoenixft.config import ConfigError
@@ -373,22 +374,22 @@ class Fsdp2Layout(Membership, Holdings, StepMath):
                 ops.broadcast(moved, 0, what)
                 local.copy_(moved)
 
-    def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
+    def reshard(self, old: list[Snapshot]) -> None:
         """This rank's shards on a new mesh (a job resumed onto another shape) from every
         old rank's: each old shard is put where its snapshot says it lay in the whole
         (`_placement`, the same map a base in DCP's format carries), and this rank takes
         the piece its own placement names. One whole tensor at a time is built."""
-        if any("dcp" not in meta for _, meta in old):
-            kind = old[0][1].get("layout", "flat")
+        if any(s.header.dcp_placement() is None for s in old):
+            kind = old[0].header.opt.get("layout", "flat")
             raise RuntimeError(f"the snapshots to reshard were written by a {kind} layout, "
                                "not a sharded model's: resume them with the model set up as "
                                "it was (parallelize= or not)")
-        names = {k for tensors, _ in old for k in tensors if k.startswith(("p.", "o."))}
+        names = {k for s in old for k in s.tensors if k.startswith(("p.", "o."))}
         params = dict(self.model.named_parameters())
         mine = {}
         for key in sorted(names):
             name = key[2:] if key.startswith("p.") else key[2:].rpartition(".")[0]
-            held = [(tensors[key], meta["dcp"][name]) for tensors, meta in old if key in tensors]
+            held = [(s.tensors[key], s.header.opt["dcp"][name]) for s in old if key in s.tensors]
             first = held[0][0]
             if first.dim() == 0:
                 mine[key] = first  # a scalar every rank holds alike (Adam's step)
@@ -400,7 +401,7 @@ class Fsdp2Layout(Membership, Holdings, StepMath):
             _, offsets = self._placement[name]
             shape = ti.local(params[name]).shape
             mine[key] = whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].clone()
-        self.load_unique(mine, old[0][1])
+        self.load_unique(mine, old[0].header.opt)
 
     @property
     def rank(self) -> int:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phoenixft.checkpoint.record import Snapshot
 from phoenixft.comm.collectives import CommFailure, GroupOps
 from phoenixft.train import quota
 from phoenixft.train.step import MicrobatchExecutor, UserLoop
@@ -140,9 +141,10 @@ class Holdings(ABC):
         """Collective: the model's parameters from every rank's loaded state."""
 
     @abstractmethod
-    def reshard(self, old: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
-        """This rank's state from every old rank's snapshot (tensors, meta), in old rank
-        order, of another world size. The parameters are whole afterwards."""
+    def reshard(self, old: list[Snapshot]) -> None:
+        """This rank's state from every old rank's snapshot, in old rank order, of another
+        world size (`header.opt` is what `unique_meta` gave). The parameters are whole
+        afterwards."""
 
     @abstractmethod
     def full_state(self, ops: GroupOps) -> dict[str, torch.Tensor]: ...

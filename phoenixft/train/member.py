@@ -58,10 +58,10 @@ from phoenixft.train.consensus import Seal
 from phoenixft.train.fault_hooks import member_hooks
 from phoenixft.train.group_builds import GroupBuilds
 from phoenixft.train.lifecycle import JobAborted
-from phoenixft.train.rank_state import RankState
+from phoenixft.train.rank_state import RankState, SnapSource
 from phoenixft.train.recovery import JoinContext, RestorePoint
 from phoenixft.train.reduce_layout import ReduceLayout
-from phoenixft.train.step import Step
+from phoenixft.train.step import Ahead, Step
 
 WATCH_SLICE_S = 2.0  # a plan watcher's store wait at a time
 
@@ -319,14 +319,14 @@ class Member:
             pass  # a newer plan is out: the join finds that out
         self._prepare(state, first=True)
         state.zero_grad()
-        state.layout.state.load_params([slot.tensors(hdr) for slot, hdr in copies])
-        tensors, hdr = copies[r][0].tensors(copies[r][1]), copies[r][1]
-        state.layout.state.load_unique(tensors, hdr["opt"])
-        state.load_rank_local(tensors, hdr)
-        state.step, state.snap_from = t, (hdr["generation"], world)
+        state.layout.state.load_params([c.tensors for c in copies])
+        mine = copies[r]
+        state.layout.state.load_unique(mine.tensors, mine.header.opt)
+        state.load_rank_local(mine)
+        state.step, state.snap_from = t, SnapSource(mine.header.generation, world)
         m = state.m_for(world)
         st = self.make_step(t + 1, quota.plan(m, world)[r], m)
-        st.speculative = (t, hdr["generation"])
+        st.speculative = Ahead(t, mine.header.generation)
         self.events.emit("computing_ahead", gen=g, rank=r, step=t + 1, restore_step=t,
                          ids=st.ids)
         return st
@@ -488,15 +488,15 @@ class Member:
         k = self.cfg.snapshots.blocks
         if k and (state.step // k) % 2 == 1:  # the overhead benchmark's off blocks
             return
-        tensors, header = state.snapshot_payload(rank=self.rank, world_size=self.world_size)
+        snap = state.snapshot(rank=self.rank, world_size=self.world_size)
         if state.step == 1 and self.rank == 0:
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            nbytes = sum(t.numel() * t.element_size() for t in snap.tensors.values())
             copies = 1 + len(self._replica_holders(self.plan)[self.rank])
             self.events.emit("snapshot_size", bytes_per_slot=nbytes, slots=2, copies=copies,
                              host_bytes_per_rank=2 * copies * nbytes)
-        state.snap_from = (self.generation, self.world_size)  # who wrote snapshot state.step
+        state.snap_from = SnapSource(self.generation, self.world_size)  # who wrote it
         self.seal.arm(state.layout.state.unique_tensors())
-        self.snap.begin(state.step, tensors, header)
+        self.snap.begin(state.step, snap)
 
     # -- plumbing ----------------------------------------------------------------------
     def replica_receivers(self) -> set[int]:

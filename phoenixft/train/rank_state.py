@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from phoenixft.checkpoint.record import Snapshot, SnapshotHeader
 from phoenixft.config import Policy
 from phoenixft.torch_internals import local
 from phoenixft.train import quota
 from phoenixft.train.layout import Layout
 from phoenixft.train.tracked import Tracked
+
+
+class SnapSource(NamedTuple):
+    """Who wrote a rank's newest snapshot: where a recovery looks for it (-1: none)."""
+
+    generation: int
+    world_size: int
 
 
 @dataclass(kw_only=True)
@@ -36,8 +45,7 @@ class RankState:
     step: int = 0  # optimizer steps completed
     m: int = 0  # microbatches per step (M), fixed at the first generation
     initial_world: int = 0
-    # (generation, world size) that wrote snapshot `step`: where a recovery looks for it
-    snap_from: tuple[int, int] = (-1, -1)
+    snap_from: SnapSource = SnapSource(-1, -1)  # who wrote snapshot `step`
     grad: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # see Member._prepare
 
     @property
@@ -52,8 +60,8 @@ class RankState:
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
-    def snapshot_payload(self, *, rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """The tensors and header of this rank's snapshot: only what this rank alone holds
+    def snapshot(self, *, rank: int, world_size: int) -> Snapshot:
+        """This rank's snapshot, its header and tensors: only what this rank alone holds
         (the layout's unique state: with ZeRO-1 its shard of master weights and optimizer
         state; RNG states, tracked objects). The tensors are references: the snapshot
         thread copies them before the next optimizer step may change them."""
@@ -62,10 +70,11 @@ class RankState:
         if torch.cuda.is_available() and self.layout.math.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.layout.math.device)
         tensors.update(self.tracked.tensors())
-        header = {"rank": rank, "world_size": world_size, "numel": self.layout.state.numel,
-                  "opt": self.layout.state.unique_meta(), "tracked": self.tracked.meta(),
-                  "python_random": random.getstate()}
-        return tensors, header
+        version, mt, gauss = random.getstate()
+        header = SnapshotHeader(rank=rank, world_size=world_size, numel=self.layout.state.numel,
+                                opt=self.layout.state.unique_meta(), tracked=self.tracked.meta(),
+                                python_random=[version, list(mt), gauss])
+        return Snapshot(header, tensors)
 
     def aliases(self) -> dict[str, str]:
         """State-dict names that share another name's tensor (tied weights) -> that name."""
@@ -97,12 +106,13 @@ class RankState:
         return {name: t.detach().to("cpu", copy=True).contiguous()
                 for name, t in self.model.state_dict().items() if name not in skip}
 
-    def load_rank_local(self, tensors: dict[str, torch.Tensor], header: dict) -> None:
+    def load_rank_local(self, snap: Snapshot) -> None:
         """Take over the per-rank state of a snapshot: RNGs and tracked objects (the
         optimizer shard is loaded separately, since it also reshards)."""
+        tensors = snap.tensors
         torch.set_rng_state(tensors["rng.torch"].clone())
         if "rng.cuda" in tensors:
             torch.cuda.set_rng_state(tensors["rng.cuda"].clone(), self.layout.math.device)
-        self.tracked.load(tensors, header["tracked"])
-        v, state, gauss = header["python_random"]
+        self.tracked.load(tensors, snap.header.tracked)
+        v, state, gauss = snap.header.python_random
         random.setstate((v, tuple(state), gauss))

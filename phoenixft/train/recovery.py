@@ -220,15 +220,14 @@ def restore(ctx: JoinContext, state: RankState, point: RestorePoint, in_flight: 
 def _same_world(ctx: JoinContext, state: RankState, point: RestorePoint,
                 load_rank_state: bool, gather: bool = True) -> str:
     t = point.step
-    slot, hdr, source = ctx.planner.restore(ctx.ops, rank=ctx.rank, world_size=ctx.world_size,
-                                            step=t, generation=point.generation)
-    if hdr["numel"] != state.layout.state.numel:
-        raise RuntimeError(f"snapshot of step {t} holds {hdr['numel']} parameters, the model has "
-                           f"{state.layout.state.numel}: was the model changed between runs?")
-    tensors = slot.tensors(hdr)
-    state.layout.state.load_unique(tensors, hdr["opt"])
+    snap, source = ctx.planner.restore(ctx.ops, rank=ctx.rank, world_size=ctx.world_size,
+                                       step=t, generation=point.generation)
+    if snap.header.numel != state.layout.state.numel:
+        raise RuntimeError(f"snapshot of step {t} holds {snap.header.numel} parameters, the model "
+                           f"has {state.layout.state.numel}: was the model changed between runs?")
+    state.layout.state.load_unique(snap.tensors, snap.header.opt)
     if load_rank_state:
-        state.load_rank_local(tensors, hdr)
+        state.load_rank_local(snap)
     if gather:
         state.layout.state.gather_params(ctx.ops, "parameter all-gather (restore)")
     return source
@@ -238,10 +237,10 @@ def _resharded(ctx: JoinContext, state: RankState, point: RestorePoint) -> str:
     old = ctx.planner.gather_old_shards(
         ctx.ops, rank=ctx.rank, world_size=ctx.world_size, old_world=point.world_size,
         step=point.step, generation=point.generation)
-    if old[0][1]["numel"] != state.layout.state.numel:
-        raise RuntimeError(f"snapshot of step {point.step} holds {old[0][1]['numel']} parameters, "
+    if old[0].header.numel != state.layout.state.numel:
+        raise RuntimeError(f"snapshot of step {point.step} holds {old[0].header.numel} parameters, "
                            f"the model has {state.layout.state.numel}: was the model changed between runs?")
-    state.layout.state.reshard([(tensors, hdr["opt"]) for tensors, hdr in old])
+    state.layout.state.reshard(old)
     if state.tracked.tensors():
         ctx.events.emit("tracked_not_resharded", step=point.step,
                         note="per-rank tracked state stays with each process across a "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,15 @@ class StepPhase(enum.Enum):
     COMPUTE = "compute"  # the user's forward/backward passes
     REDUCE = "reduce"  # in the gradient all-reduce
     UPDATE = "update"  # optimizer step and parameter all-gather
+
+
+class Ahead(NamedTuple):
+    """Where a spare's step computed ahead of joining starts: the restore step it loaded
+    and the generation that wrote that snapshot (it is kept only if the recovery
+    restores the same one)."""
+
+    step: int
+    generation: int
 
 
 class MicrobatchExecutor(ABC):
@@ -69,9 +79,9 @@ class Step:
         self.audit: list[float] = []
         self.reduced = False
         self.failure: BaseException | None = None  # a collective failed inside the loop body
-        # (restore step, generation that wrote it) when a spare computes this step ahead
-        # of joining, from local snapshots (Member._speculate); None otherwise
-        self.speculative: tuple[int, int] | None = None
+        # set when a spare computes this step ahead of joining, from local snapshots
+        # (Member._speculate); None otherwise
+        self.speculative: Ahead | None = None
         self._on_backward = on_backward
         self._on_clip = on_clip
         self.current: int | None = None  # the id the loop body computes now

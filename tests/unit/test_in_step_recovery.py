@@ -46,7 +46,7 @@ def joined(tmp_path):
                        world_size=1, nodes={0: 0}, interrupt=interrupt, timeout_s=30)
     mark_committed(store, 2, {"generation": 0, "world_size": 1})
     state.step = 3
-    snap.begin(3, *state.snapshot_payload(rank=0, world_size=1))
+    snap.begin(3, state.snapshot(rank=0, world_size=1))
     snap.wait_copied(committed=True)
     snap.stop()
     interrupt.enter(1)

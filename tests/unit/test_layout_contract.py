@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from phoenixft.checkpoint.record import Snapshot, SnapshotHeader
 from phoenixft.cluster import store as kv
 from phoenixft.comm.collectives import GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
@@ -123,10 +124,11 @@ def _train_step(m: nn.Module, lay, ops: GroupOps, step: int, rank: int, world: i
     lay.math.update(grads, ops, f"update {step}")
 
 
-def _snapshot(lay) -> tuple[dict, dict]:
-    """What a snapshot keeps: copies of the unique tensors, the meta through JSON."""
-    return ({k: v.detach().clone() for k, v in lay.state.unique_tensors().items()},
-            json.loads(json.dumps(lay.state.unique_meta())))
+def _snapshot(lay) -> Snapshot:
+    """What a snapshot keeps: copies of the unique tensors, the header through JSON."""
+    header = SnapshotHeader(opt=lay.state.unique_meta(), entries=())
+    return Snapshot(SnapshotHeader.from_json(header.to_json(), "test"),
+                    {k: v.detach().clone() for k, v in lay.state.unique_tensors().items()})
 
 
 def _full(lay, ops) -> dict:
@@ -151,18 +153,18 @@ def _first_run(rank: int, kind: str, addr: str, world: int) -> tuple[tuple, dict
     _train_step(m, lay, ops, 3, rank, world)  # change
     full3 = _full(lay, ops)
     assert any(not torch.equal(full2[k], full3[k]) for k in full2)
-    lay.state.load_unique(*saved)  # restore
+    lay.state.load_unique(saved.tensors, saved.header.opt)  # restore
     lay.state.gather_params(ops, "restore")
     _same(_full(lay, ops), full2)
     _train_step(m, lay, ops, 3, rank, world)  # the same step again: the same result
     _same(_full(lay, ops), full3)
-    return saved, full2
+    return (saved.tensors, saved.header.to_json().decode()), full2  # (across processes)
 
 
 def _resharded(rank: int, kind: str, addr: str, world: int, prefix: str, old: list) -> tuple:
     """A fresh model of another world size takes every old rank's snapshot."""
     m, lay, ops = _joined(kind, 100 + rank, addr, rank, world, prefix)
-    lay.state.reshard(old)
+    lay.state.reshard([Snapshot(SnapshotHeader.from_json(h.encode(), "test"), t) for t, h in old])
     full = _full(lay, ops)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in m.named_parameters()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from phoenixft.checkpoint.persist import JobInfo, Persister
+from phoenixft.checkpoint.record import SnapshotHeader
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, SlotKind, slot_path
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.checkpoint.writer_lease import TOKEN_ENV, WriterLease
@@ -26,7 +27,7 @@ def write_slot(shm_dir, rank: int, step: int) -> None:
     f.ensure(HEADER_BYTES + lay.data_nbytes)
     f.begin_write(step)
     f.view(lay.entries[0]).copy_(tensors["w"])
-    f.finish_write(step, lay, {"rank": rank})
+    f.finish_write(step, lay, SnapshotHeader(rank=rank))
 
 
 def test_a_delta_never_rests_on_a_base_no_manifest_commits(tmp_path, monkeypatch):

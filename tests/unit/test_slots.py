@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
+from phoenixft.checkpoint.record import SnapshotHeader
 from phoenixft.checkpoint.slots import CHUNK, HEADER_BYTES, Layout, SlotFile, slot_path
 
 
@@ -16,7 +17,7 @@ def write_slot(path, step, tensors, meta=None) -> SlotFile:
     f.begin_write(step)
     for e in lay.entries:
         f.view(e).copy_(tensors[e.name])
-    f.finish_write(step, lay, {"meta": meta or {}})
+    f.finish_write(step, lay, SnapshotHeader(opt=meta or {}))
     return f
 
 
@@ -28,7 +29,7 @@ def test_slot_roundtrip_and_every_kind_of_damage(tmp_path):
     f = SlotFile(path)
     hdr = f.verify(7)
     got = f.tensors(hdr)
-    assert all(torch.equal(got[k], ts[k]) for k in ts) and hdr["meta"] == {"x": 1}
+    assert all(torch.equal(got[k], ts[k]) for k in ts) and hdr.opt == {"x": 1}
     with pytest.raises(IntegrityError, match="holds step 7, wanted step 5"):
         f.verify(5)
     f.np[HEADER_BYTES + 5] ^= 0xFF  # a flipped byte in the data
@@ -88,7 +89,7 @@ def test_write_data_hashes_exactly_what_it_copied(tmp_path):
     digest = f.write_data(lay, ts, halfway=lambda: halfway.append(1))
     assert halfway == [1]
     assert digest == checksum(f.np[HEADER_BYTES:HEADER_BYTES + lay.data_nbytes])
-    f.finish_write(4, lay, {}, digest)
+    f.finish_write(4, lay, SnapshotHeader(), digest)
     got = SlotFile(path).tensors(SlotFile(path).verify(4))
     assert all(torch.equal(got[k], ts[k]) for k in ts)
 
@@ -97,7 +98,7 @@ def test_put_image_verifies_as_it_copies_and_never_looks_complete_when_damaged(t
     src = write_slot(slot_path(tmp_path, "snap", 1, 6), 6, {"a": torch.randn(200_000)})
     image = src.np[:src.used_nbytes()].copy()
     dst = SlotFile(slot_path(tmp_path, "rep", 1, 6))
-    assert dst.put_image(image, 6)["step"] == 6 and dst.verify(6)
+    assert dst.put_image(image, 6).step == 6 and dst.verify(6)
     image[HEADER_BYTES + CHUNK + 3] ^= 0xFF  # damaged in transit or at the source
     with pytest.raises(IntegrityError, match="checksum mismatch"):
         dst.put_image(image, 6)

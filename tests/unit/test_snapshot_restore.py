@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
+from phoenixft.checkpoint.record import Snapshot, SnapshotHeader
 from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, slot_path
 from phoenixft.checkpoint.snapshot import Snapshotter, mark_committed
@@ -48,7 +49,7 @@ def snapshot_steps(addr, shm, steps, gen=0, nodes=None, garble=None, degraded=No
                            garble=(lambda step: garble == (r, step)),
                            on_degraded=degraded.append if degraded is not None else None)
         for s in steps:
-            snap.begin(s, state(r, s), {"rank": r, "world_size": 2})
+            snap.begin(s, Snapshot(SnapshotHeader(rank=r, world_size=2), state(r, s)))
             snap.wait_copied()
         store = kv.connect(addr)
         store.wait([Keys.commit(steps[-1])], timedelta(seconds=30))
@@ -63,9 +64,9 @@ def restore(addr, shm, step, prefix):
         it = Interrupt()
         it.enter(9)
         pg = new_group(kv.connect(addr), prefix, r, 2, device=torch.device("cpu"))
-        slot, hdr, source = RestorePlanner.for_node(shm[r]).restore(
+        snap, source = RestorePlanner.for_node(shm[r]).restore(
             GroupOps(pg, it, 30), rank=r, world_size=2, step=step)
-        t = slot.tensors(hdr)
+        t = snap.tensors
         assert torch.equal(t["param_shard"], state(r, step)["param_shard"])
         return source
 
@@ -96,9 +97,9 @@ def test_a_snapshot_that_would_overwrite_the_newest_committed_one_is_refused(tmp
                        connect=lambda: kv.connect(store_addr), rep_pg=None, holders=[],
                        sources=[], world_size=1, nodes={0: 0}, interrupt=Interrupt(), timeout_s=30)
     try:
-        snap.begin(3, state(0, 3), {"rank": 0, "world_size": 1})
+        snap.begin(3, Snapshot(SnapshotHeader(rank=0, world_size=1), state(0, 3)))
         with pytest.raises(ValueError, match="slot 1"):
-            snap.begin(5, state(0, 5), {"rank": 0, "world_size": 1})
+            snap.begin(5, Snapshot(SnapshotHeader(rank=0, world_size=1), state(0, 5)))
     finally:
         snap.stop()
 
@@ -153,9 +154,9 @@ def test_a_same_node_peer_whose_own_snapshot_is_damaged_gets_no_acknowledgement(
                            on_damaged_source=lambda src, why: reported.append((src, why)),
                            rot=lambda step: (r, step) == (0, 1))
         try:
-            snap.begin(0, state(r, 0), {"rank": r, "world_size": 2})
+            snap.begin(0, Snapshot(SnapshotHeader(rank=r, world_size=2), state(r, 0)))
             snap.wait_copied(committed=True)
-            snap.begin(1, state(r, 1), {"rank": r, "world_size": 2})
+            snap.begin(1, Snapshot(SnapshotHeader(rank=r, world_size=2), state(r, 1)))
             with pytest.raises(CommFailure, match="commit/1 not set within 3"):
                 snap.wait_copied(committed=True)
         finally:
@@ -185,7 +186,7 @@ def test_a_same_node_peer_slot_with_a_damaged_header_gets_no_acknowledgement(tmp
     lay = Layout.of(t)
     own.ensure(HEADER_BYTES + lay.data_nbytes)
     own.begin_write(1)
-    own.finish_write(1, lay, {"rank": 0, "generation": 0}, own.write_data(lay, t, lambda: None))
+    own.finish_write(1, lay, SnapshotHeader(rank=0, generation=0), own.write_data(lay, t, lambda: None))
     own.np[24:32] = 0xFF  # the header's length: unreadable
     snap = Snapshotter(shm_dir=tmp_path, rank=1, generation=0,
                        connect=lambda: kv.connect(store_addr), rep_pg=None, holders=holders[1],
@@ -253,7 +254,7 @@ def test_replicas_damaged_again_and_again_stop_the_job_naming_the_link(tmp_path,
         lay = Layout.of(t)
         f.ensure(HEADER_BYTES + lay.data_nbytes)
         f.begin_write(step)
-        f.finish_write(step, lay, {"rank": 1}, f.write_data(lay, t, lambda: None))
+        f.finish_write(step, lay, SnapshotHeader(rank=1), f.write_data(lay, t, lambda: None))
         if damaged:
             f.np[HEADER_BYTES + 7] ^= 0xFF
         return f
@@ -281,17 +282,17 @@ def test_a_begun_snapshot_is_kept_in_host_memory_when_the_generation_changes(tmp
     snap = Snapshotter(shm_dir=tmp_path, rank=0, generation=0,
                        connect=lambda: kv.connect(store_addr), rep_pg=None, holders=[],
                        sources=[], world_size=2, nodes={0: 0, 1: 0}, interrupt=it, timeout_s=30)
-    hdr = {"rank": 0, "world_size": 2}
+    hdr = SnapshotHeader(rank=0, world_size=2)
     try:
         for step in (0, 1):
-            snap.begin(step, state(0, step), hdr)
+            snap.begin(step, Snapshot(hdr, state(0, step)))
             snap.wait_copied()
             if store.add(Keys.ack(0, step), 1) == 2:  # the other rank's copy, acked last
                 mark_committed(store, step, {"generation": 0, "world_size": 2})
             snap.wait_copied(committed=True)
         it.announce(1)  # a failure: generation 1 is published
-        snap.begin(2, state(0, 2), hdr)
-        snap.begin(3, state(0, 3), hdr)
+        snap.begin(2, Snapshot(hdr, state(0, 2)))
+        snap.begin(3, Snapshot(hdr, state(0, 3)))
     finally:
         snap.stop()
     planner = RestorePlanner.for_node(tmp_path)

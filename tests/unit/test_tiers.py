@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError, checksum
-from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, blob_tensors, verify_blob
+from phoenixft.checkpoint.record import SnapshotHeader
+from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, blob_snapshot, verify_blob
 from phoenixft.checkpoint.tiers import FsspecTier, ShmTier
 
 
@@ -19,7 +20,7 @@ def blob(tmp_path, step: int, tensors: dict) -> bytes:
     f.begin_write(step)
     for e in lay.entries:
         f.view(e).copy_(tensors[e.name].reshape(e.shape))
-    f.finish_write(step, lay, {"rank": 3})
+    f.finish_write(step, lay, SnapshotHeader(rank=3))
     return bytes(f.np[:f.used_nbytes()])
 
 
@@ -69,7 +70,7 @@ def test_save_change_restore_corrupt_detect(tier, tmp_path):
     t, _ = tier
     b10, b11 = blob(tmp_path, 10, state(10)), blob(tmp_path, 11, state(11))
     info = t.put(10, 3, b10)
-    assert info.checksum == checksum(b10) and verify_blob(b10, 10)["rank"] == 3
+    assert info.checksum == checksum(b10) and verify_blob(b10, 10).rank == 3
     t.put(11, 3, b11, base=(10, b10))
     assert t.get(10, 3) == b10 and t.get(11, 3) == b11
     assert {(r.step, r.rank) for r in t.list()} == {(10, 3), (11, 3)}
@@ -178,7 +179,7 @@ def sharded_blob(tmp_path, step: int, rank: int, rows: slice, value: float) -> b
     for e in lay.entries:
         f.view(e).copy_(tensors[e.name].reshape(e.shape))
     meta = {"dcp": {"w": [[6, 5], [rows.start, 0]]}, "layout": "fsdp2"}
-    f.finish_write(step, lay, {"rank": rank, "opt": meta})
+    f.finish_write(step, lay, SnapshotHeader(rank=rank, opt=meta))
     return bytes(f.np[:f.used_nbytes()])
 
 
@@ -204,7 +205,7 @@ def test_a_sharded_base_gives_its_blob_back_and_no_dcp_reader_takes_it_alone(tmp
     assert sorted((r.step, r.rank, r.kind) for r in t.list()) == [
         (4, 0, "base"), (4, 1, "base"), (5, 0, "delta")]
     parts = [load(t.fs.cat_file(t.shards_path(4, r))) for r in range(2)]
-    assert torch.equal(parts[1]["w"], blob_tensors(blobs[1], 4)[1]["p.w"])  # DCP's names
+    assert torch.equal(parts[1]["w"], blob_snapshot(blobs[1], 4).tensors["p.w"])  # DCP's names
     assert "optimizer.state.w.step" not in parts[1]  # a scalar is written once
     assert "phoenixft.rank1.rng.torch" in parts[1]  # rank-local state kept apart
     if where == "directory":
