@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from phoenixft.faults.inject import InjectSpec
+from phoenixft.faults.inject import FaultKind, InjectSpec
 
 ONE_NODE_KINDS = ("kill", "stop", "corrupt")
 MANY_NODE_KINDS = ("node", "shm")
@@ -76,4 +76,4 @@ def schedule(cfg: ChaosConfig) -> list[InjectSpec]:
 
 def spares_needed(specs: list[InjectSpec], ranks_per_node: int) -> int:
     """One spare per fault, plus the ranks a lost node takes with it beyond the first."""
-    return len(specs) + sum(ranks_per_node - 1 for s in specs if s.kind == "node")
+    return len(specs) + sum(ranks_per_node - 1 for s in specs if s.kind is FaultKind.NODE)

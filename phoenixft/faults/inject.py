@@ -62,16 +62,38 @@ again when it replays step T.
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "stop", "node", "corrupt", "shm", "raise", "garble", "rot", "slow", "flip")
+
+class FaultKind(str, enum.Enum):
+    """What a spec does (the grammar above)."""
+
+    KILL = "kill"
+    STOP = "stop"
+    NODE = "node"
+    CORRUPT = "corrupt"
+    SHM = "shm"
+    RAISE = "raise"
+    GARBLE = "garble"
+    ROT = "rot"
+    SLOW = "slow"
+    FLIP = "flip"
+
+    __format__ = str.__format__  # f"{kind}" is the value on every Python
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KINDS = tuple(k.value for k in FaultKind)
 # kinds that land inside the snapshot thread, at a point of their own (the caller does the
 # damage: `garbles`, `rots`), instead of at a step's start or phase
-LANDS_AT = {"garble": "received", "rot": "written", "flip": "reduced"}
+LANDS_AT = {FaultKind.GARBLE: "received", FaultKind.ROT: "written", FaultKind.FLIP: "reduced"}
 PHASES = ("start", "backward", "reduce", "clip", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch", "every")
 FLIP_WHERE = ("grad", "param", "optim")
@@ -87,7 +109,7 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class InjectSpec:
-    kind: str
+    kind: FaultKind
     rank: int
     step: int | None = None
     gen: int | None = None
@@ -96,6 +118,9 @@ class InjectSpec:
     factor: float | None = None  # slow: how many times slower its compute becomes
     every: int | None = None  # slow: on one step in `every` only (None: every step)
     where: str | None = None  # flip: which state (FLIP_WHERE)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FaultKind(self.kind))  # (a kind's value is taken)
 
     def __str__(self) -> str:
         parts = [self.kind, f"rank={self.rank}"]
@@ -113,6 +138,7 @@ def parse_spec(text: str) -> InjectSpec:
              f":step=T:phase=P) with KIND one of {', '.join(KINDS)}, got {text!r}")
     if kind not in KINDS:
         raise InjectSpecError(f"unknown fault kind {kind!r} in --inject; {usage}")
+    kind = FaultKind(kind)
     values: dict[str, int | str] = {}
     for f in fields[1:]:
         key, eq, val = f.partition("=")
@@ -128,7 +154,7 @@ def parse_spec(text: str) -> InjectSpec:
                                       f"many times slower), got {val!r}")
             continue
         if key == "where":
-            if kind != "flip" or val not in FLIP_WHERE:
+            if kind is not FaultKind.FLIP or val not in FLIP_WHERE:
                 raise InjectSpecError(f"where=W goes with flip only, W one of "
                                       f"{', '.join(FLIP_WHERE)}, in --inject, got {text!r}")
             values[key] = val
@@ -158,17 +184,17 @@ def parse_spec(text: str) -> InjectSpec:
     if kind in LANDS_AT and ("step" not in values or "microbatch" in values or "phase" in values):
         raise InjectSpecError(f"{kind} takes step=T only (it lands when snapshot T is "
                               f"{LANDS_AT[kind]}), got {text!r}")
-    if "every" in values and kind != "slow":
+    if "every" in values and kind is not FaultKind.SLOW:
         raise InjectSpecError(f"every=P goes with slow only, in --inject, got {text!r}")
-    if ("factor" in values) != (kind == "slow"):
+    if ("factor" in values) != (kind is FaultKind.SLOW):
         raise InjectSpecError(f"factor=F goes with slow, and slow needs step=T:factor=F, in "
                               f"--inject, got {text!r}")
-    if kind == "slow" and ("step" not in values or "microbatch" in values or "phase" in values):
+    if kind is FaultKind.SLOW and ("step" not in values or "microbatch" in values or "phase" in values):
         raise InjectSpecError(f"slow takes step=T:factor=F only (slower from step T on), "
                               f"got {text!r}")
     if values.get("phase") == "start":
         del values["phase"]
-    if kind == "flip":
+    if kind is FaultKind.FLIP:
         values.setdefault("where", "grad")
     return InjectSpec(kind=kind, **values)
 
@@ -212,14 +238,14 @@ class Injector:
         flip of gradients or parameters where no rank holds a copy to vote with (`votes`
         False): it would change the job's result with nothing to find it."""
         for s in self.specs:
-            if s.kind == "flip" and s.where in ("grad", "param") and not votes:
+            if s.kind is FaultKind.FLIP and s.where in ("grad", "param") and not votes:
                 raise InjectSpecError(
                     f"--inject {s} could never be found: no other rank holds this one's "
                     f"{'gradients' if s.where == 'grad' else 'parameters'} to vote with (a "
                     "sharded model without replica groups, one rank, or --fingerprint-every "
                     "0); give the job replicas (data parallel, or HSDP's dp_shard=), or flip "
                     "where=optim, which the rank's own seal finds")
-            if s.kind == "garble" and receivers is not None and s.rank not in receivers:
+            if s.kind is FaultKind.GARBLE and receivers is not None and s.rank not in receivers:
                 raise InjectSpecError(
                     f"--inject {s} can never fire: rank {s.rank} holds no replica (replicas "
                     f"go to another node in a job of several nodes, or to a peer on the "
@@ -228,7 +254,7 @@ class Injector:
                 raise InjectSpecError(
                     f"--inject {s} can never fire: rank {s.rank} computes {per_rank[s.rank]} "
                     f"microbatch(es) per step (microbatch counts from 0)")
-        if self.hooks.agent_pid is None and any(s.kind == "node" for s in self.specs):
+        if self.hooks.agent_pid is None and any(s.kind is FaultKind.NODE for s in self.specs):
             raise InjectSpecError("--inject node:... needs an agent: run under `phoenixft run`")
 
     def _fire(self, point: dict) -> bool:
@@ -254,19 +280,19 @@ class Injector:
         me = os.getpid()
         if s.kind in LANDS_AT:
             return  # the caller does the damage (`garbles`, `rots`)
-        if s.kind == "raise":
+        if s.kind is FaultKind.RAISE:
             raise InjectedFault(f"injected fault {s}")
-        if s.kind == "slow":
+        if s.kind is FaultKind.SLOW:
             if self.hooks.slow is None:
                 raise InjectSpecError(f"--inject {s} needs a session to slow down")
             self.hooks.slow(s)
             return
-        if s.kind == "stop":
+        if s.kind is FaultKind.STOP:
             os.kill(me, signal.SIGSTOP)
             return
-        if s.kind in ("corrupt", "shm") and self.hooks.damage is not None:
+        if s.kind in (FaultKind.CORRUPT, FaultKind.SHM) and self.hooks.damage is not None:
             self.hooks.damage(s.kind)
-        if s.kind == "node" and self.hooks.agent_pid is not None:
+        if s.kind is FaultKind.NODE and self.hooks.agent_pid is not None:
             os.kill(self.hooks.agent_pid, signal.SIGKILL)
         os.kill(me, signal.SIGKILL)
 
@@ -277,22 +303,22 @@ class Injector:
     def garbles(self, rank: int, step: int) -> bool:
         """The snapshot thread, about to check the replicas of `step` it received or
         copied: True when a garble spec fires now (the caller then damages them)."""
-        return self._lands(rank, step, "garble")
+        return self._lands(rank, step, FaultKind.GARBLE)
 
     def rots(self, rank: int, step: int) -> bool:
         """The snapshot thread, its own snapshot `step` written: True when a rot spec
         fires now (the caller then damages it)."""
-        return self._lands(rank, step, "rot")
+        return self._lands(rank, step, FaultKind.ROT)
 
-    def _lands(self, rank: int, step: int, kind: str, **point) -> bool:
-        if not any(s.kind == kind for s in self.specs):
+    def _lands(self, rank: int, step: int, kind: FaultKind, **point) -> bool:
+        if not any(s.kind is kind for s in self.specs):
             return False
         return self._fire({"rank": rank, "step": step, "at": LANDS_AT[kind], **point})
 
     def flips(self, rank: int, step: int, where: str) -> bool:
         """The session at the point of step `step` where a flip of `where` lands
         (FLIP_WHERE): True when a flip spec fires now (the caller then flips the bit)."""
-        return self._lands(rank, step, "flip", where=where)
+        return self._lands(rank, step, FaultKind.FLIP, where=where)
 
     def at_recovery(self, rank: int, gen: int) -> None:
         if self.specs:

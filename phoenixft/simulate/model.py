@@ -33,6 +33,7 @@ as provisioned. Inputs for phoenixft are the measured figures (from `bench recov
 
 from __future__ import annotations
 
+import enum
 import math
 import random
 from dataclasses import dataclass, replace
@@ -40,7 +41,26 @@ from dataclasses import dataclass, replace
 from phoenixft.simulate import scale
 from phoenixft.simulate.rates import HOUR, MIX
 
-STRATEGIES = ("restart", "spares", "recover", "tiers", "hsdp")
+
+class Strategy(str, enum.Enum):
+    """How a job meets failures in the projection."""
+
+    RESTART = "restart"  # checkpoint-restart (the whole job relaunches)
+    SPARES = "spares"  # phoenixft: warm spares take dead ranks
+    RECOVER = "recover"  # ReCoVer: no spares, survivors shrink and take the quota
+    TIERS = "tiers"  # spares + a persistent tier for whole-job outages
+    HSDP = "hsdp"  # replica groups: a group leaves whole
+
+    __format__ = str.__format__  # f"{strategy}" is the value on every Python
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STRATEGIES = tuple(Strategy)
+# the strategies that hold warm spares, and those that resume an outage from a tier
+_WITH_SPARES = (Strategy.SPARES, Strategy.TIERS, Strategy.HSDP)
+_WITH_TIER = (Strategy.TIERS, Strategy.HSDP)
 
 
 @dataclass(frozen=True)
@@ -63,7 +83,7 @@ class Costs:
 
 @dataclass
 class Outcome:
-    strategy: str
+    strategy: Strategy
     gpus: int
     mtbf_min: float
     effective: float  # useful work / (wall x provisioned), failure-free = 1.0
@@ -92,14 +112,20 @@ def young_daly(ckpt_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * ckpt_s * mtbf_s)
 
 
-def simulate(strategy: str, gpus: int, per_gpu_hour: float, costs: Costs, *,
+def simulate(strategy: Strategy | str, gpus: int, per_gpu_hour: float, costs: Costs, *,
              horizon_h: float = 72.0, seed: int = 0) -> Outcome:
-    """One run of `horizon_h` hours of wall time; returns effective throughput."""
+    """One run of `horizon_h` hours of wall time; returns effective throughput. An
+    unknown strategy is a ValueError naming the known ones (it ran as "recover" once)."""
+    try:
+        strategy = Strategy(strategy)
+    except ValueError:
+        raise ValueError(f"unknown strategy {strategy!r}: one of "
+                         f"{', '.join(s.value for s in Strategy)}") from None
     rng = random.Random(seed)
     rate = per_gpu_hour * gpus / HOUR
     horizon = horizon_h * HOUR
     events = _events(rate, costs.outage_per_day / (24 * HOUR), horizon, rng)
-    if strategy == "restart":
+    if strategy is Strategy.RESTART:
         effective = _restart_work(events, rate, horizon, costs) / horizon
     else:
         effective = _elastic_effective(strategy, events, gpus, horizon, costs)
@@ -124,19 +150,19 @@ def _restart_work(events: list[tuple[float, str]], rate: float, horizon: float,
     return work
 
 
-def _elastic_effective(strategy: str, events: list[tuple[float, str]], gpus: int,
+def _elastic_effective(strategy: Strategy, events: list[tuple[float, str]], gpus: int,
                        horizon: float, c: Costs) -> float:
     """spares / recover / tiers: useful GPU-seconds over those provisioned (spares count).
     A failed node is replaced from the spare pool while it lasts, else the job shrinks
     until a repaired node rejoins; each failure costs its stall and the step redone."""
     nodes = gpus // c.gpus_per_node
     # a group of `unit` nodes leaves for one missing node (hsdp); others lose just the node
-    unit = max(1, min(c.group_nodes, nodes)) if strategy == "hsdp" else 1
+    unit = max(1, min(c.group_nodes, nodes)) if strategy is Strategy.HSDP else 1
     spares = (max(1, math.ceil(c.spare_frac * nodes))
-              if strategy in ("spares", "tiers", "hsdp") else 0)
+              if strategy in _WITH_SPARES else 0)
     provisioned = gpus + spares * c.gpus_per_node
     per_fail = c.detect_s + c.recover_s + c.lost_steps * c.step_s
-    speed = 1.0 - (c.snapshot_overhead if strategy != "recover" else 0.0)
+    speed = 1.0 - (c.snapshot_overhead if strategy is not Strategy.RECOVER else 0.0)
     repairs: list[float] = []  # times a failed node comes back
     pool, down = spares, 0  # spare nodes ready, nodes missing from the job
     work, t = 0.0, 0.0
@@ -177,10 +203,10 @@ def _elastic_effective(strategy: str, events: list[tuple[float, str]], gpus: int
     return max(0.0, work) * gpus / (horizon * provisioned)
 
 
-def _outage(strategy: str, work: float, t: float, c: Costs) -> tuple[float, float]:
+def _outage(strategy: Strategy, work: float, t: float, c: Costs) -> tuple[float, float]:
     """A whole-job outage: tiers resume from the newest persisted step (about half the
     persist interval lost); without a persistent tier the job starts over."""
-    if strategy in ("tiers", "hsdp"):
+    if strategy in _WITH_TIER:
         return work - min(work, c.persist_every_s / 2), t + c.restart_s
     return 0.0, t + c.restart_s
 
@@ -190,7 +216,7 @@ def mean_effective(strategy: str, gpus: int, rate: float, costs: Costs, runs: in
     outs = [simulate(strategy, gpus, rate, costs, horizon_h=horizon_h, seed=s)
             for s in range(runs)]
     o = outs[0]
-    return Outcome(strategy, gpus, o.mtbf_min, sum(x.effective for x in outs) / runs,
+    return Outcome(o.strategy, gpus, o.mtbf_min, sum(x.effective for x in outs) / runs,
                    round(sum(x.failures for x in outs) / runs))
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from phoenixft.checkpoint.slots import HEADER_BYTES, SlotKind, slot_path
 from phoenixft.cluster.keys import Keys
-from phoenixft.faults.inject import WorkerHooks
+from phoenixft.faults.inject import FaultKind, WorkerHooks
 from phoenixft.observe.events import EventLog
 
 
@@ -31,7 +31,7 @@ def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: Ev
 
     def on_fire(spec, t: float, point: dict) -> None:
         before_fault()
-        if spec.kind not in ("slow", "flip"):  # (these carry on: not failing)
+        if spec.kind not in (FaultKind.SLOW, FaultKind.FLIP):  # (these carry on: not failing)
             store.set(Keys.failing(wid), repr(t))
         # point may name the gen itself
         events.emit("inject", spec=str(spec), **{**where(), "pid": os.getpid(), **point})

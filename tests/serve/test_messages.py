@@ -44,6 +44,7 @@ def test_every_message_round_trips():
     b'{"op": "abort", "id": "r1", "extra": 1}',
     b'{"op": "add", "id": "r", "prompt": [1], "params": {"max_tokens": 0}, "seed": 1}',
     b'{"op": "out", "outs": [7]}', b"\x80\x04K\x01.",  # the last: a pickle
+    b'{"op": "hello", "pid": 3, "role": "boss"}',  # an engine role that does not exist
 ])
 def test_what_is_not_a_message_is_refused(data):
     with pytest.raises(ValueError):

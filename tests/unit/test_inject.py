@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from phoenixft.faults.inject import (
+    FaultKind,
     InjectedFault,
     Injector,
     InjectSpecError,
@@ -17,6 +18,7 @@ from phoenixft.faults.inject import (
 def test_inject_specs():
     s = parse_spec("kill:rank=2:step=7")
     assert (s.kind, s.rank, s.step) == ("kill", 2, 7) and str(s) == "kill:rank=2:step=7"
+    assert s.kind is FaultKind.KILL and f"{s.kind}" == "kill"  # a kind, not a string
     assert parse_spec("stop:rank=0:gen=1").gen == 1
     assert parse_spec("kill:rank=1:step=3:microbatch=2").microbatch == 2
     assert len(parse_env("kill:rank=1:step=3;stop:rank=0:step=4")) == 2

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from phoenixft.simulate.measured import hsdp_costs
-from phoenixft.simulate.model import Costs, mean_effective, simulate, young_daly
+from phoenixft.simulate.model import Costs, Strategy, mean_effective, simulate, young_daly
 from phoenixft.simulate.rates import RATES
 from phoenixft.simulate.validate import _replay, validate
 
@@ -89,3 +89,10 @@ def test_a_group_loss_is_read_from_an_hsdp_goodput_run(tmp_path):
     run.write_text(json.dumps({"layout": "dp", "modes": {}}))
     with pytest.raises(SystemExit, match="--dp-shard"):
         hsdp_costs(str(run), Costs())
+
+
+def test_an_unknown_strategy_is_named_not_run_as_another():
+    with pytest.raises(ValueError, match="unknown strategy 'spare': one of restart, spares, "
+                                         "recover, tiers, hsdp"):
+        simulate("spare", 1024, 1e-5, Costs())
+    assert simulate("spares", 1024, 1e-5, Costs()).strategy is Strategy.SPARES

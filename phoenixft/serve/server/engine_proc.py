@@ -34,6 +34,7 @@ from .messages import (
     AdapterRefused,
     Add,
     Beat,
+    EngineRole,
     Failed,
     Fatal,
     Hello,
@@ -52,7 +53,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", required=True)
     ap.add_argument("--config", default="{}", help="EngineConfig fields as JSON")
     ap.add_argument("--log-dir", required=True)
-    ap.add_argument("--role", choices=["active", "standby"], required=True)
+    ap.add_argument("--role", type=EngineRole, choices=list(EngineRole), required=True)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ring-bytes", type=int, default=16 << 20)
     ap.add_argument("--compact-bytes", type=int, default=256 << 20)
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     ch = wire.connect(args.socket)
     ch.send(Hello(os.getpid(), args.role))
     threading.Thread(target=_beat, args=(ch,), daemon=True, name="phoenixft-beat").start()
-    if args.role == "standby" and not isinstance(ch.recv(), Activate):
+    if args.role is EngineRole.STANDBY and not isinstance(ch.recv(), Activate):
         os._exit(0)
     server = EngineServer(engine, ch, args, executor)
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ value its class refuses) is a ValueError.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import operator
 import typing
@@ -77,10 +78,25 @@ class Activate(Message, op="activate"):
 
 
 # -- engine -> front ------------------------------------------------------------------------
+class EngineRole(str, enum.Enum):
+    """What an engine process is started as."""
+
+    ACTIVE = "active"  # serves at once
+    STANDBY = "standby"  # warm, waits for Activate to take the log over
+
+    __format__ = str.__format__  # f"{role}" is the value on every Python
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Hello(Message, op="hello"):
     pid: int
-    role: str  # "active" or "standby"
+    role: EngineRole
+
+    def __post_init__(self) -> None:
+        self.role = EngineRole(self.role)  # (from the wire: its value; unknown: ValueError)
 
 
 @dataclass

@@ -28,13 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .messages import Activate, Beat, Hello, Message, Ready
+from .messages import Activate, Beat, EngineRole, Hello, Message, Ready
 from .wire import Channel
 
 
 @dataclass
 class EngineProc:
-    role: str
+    role: EngineRole
     popen: subprocess.Popen
     pidfd: int
     log: Path
@@ -151,12 +151,12 @@ class EngineSupervisor:
         self.on_lost: Callable[[str], None] = lambda error: None
 
     # -- processes -----------------------------------------------------------------------
-    def _spawn(self, role: str) -> EngineProc:
+    def _spawn(self, role: EngineRole) -> EngineProc:
         logs = self.work_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "phoenixft.serve.server.engine_proc", "--socket", self.sock_path,
                "--model", self.model_dir, "--config", json.dumps(self.engine_config),
-               "--log-dir", str(self.log_dir), "--role", role, "--parent", str(os.getpid()),
+               "--log-dir", str(self.log_dir), "--role", role.value, "--parent", str(os.getpid()),
                "--ring-bytes", str(self.ring_bytes), "--compact-bytes", str(self.compact_bytes)]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
@@ -177,8 +177,8 @@ class EngineSupervisor:
         if self.active is not None:
             return self._await_ready(self.active, timeout_s)
         threading.Thread(target=self._accept, daemon=True, name="phoenixft-accept").start()
-        self.active = self._spawn("active")
-        self.standby = self._spawn("standby") if self.recovery else None
+        self.active = self._spawn(EngineRole.ACTIVE)
+        self.standby = self._spawn(EngineRole.STANDBY) if self.recovery else None
         threading.Thread(target=self._watch, daemon=True, name="phoenixft-engine-watch").start()
         ready = self._await_ready(self.active, timeout_s)
         try:
@@ -208,7 +208,7 @@ class EngineSupervisor:
                              name=f"phoenixft-engine-{proc.pid}").start()
             with self._lock:
                 self._ready.notify_all()
-            if proc.role == "standby":
+            if proc.role is EngineRole.STANDBY:
                 self.emit("standby_ready", pid=proc.pid)
                 self.on_change()
 
@@ -277,7 +277,7 @@ class EngineSupervisor:
                             self.emit("failover_error", pid=p.pid, error=repr(exc))
                     elif p is self.standby:
                         self.emit("standby_lost", pid=p.pid, rc=p.popen.returncode)
-                        self.standby = self._spawn("standby")
+                        self.standby = self._spawn(EngineRole.STANDBY)
 
     def _kill_hung(self, procs: list[EngineProc]) -> None:
         """SIGKILL an engine whose heartbeat stood still for `hang_timeout_s` (a SIGSTOP,
@@ -325,7 +325,7 @@ class EngineSupervisor:
             self.on_ready(ready, {"recover_s": recover_s})  # streams go on before anything else
         finally:  # a failing hook must not leave the job without its next standby
             standby.settled.set()
-            self.standby = self._spawn("standby")
+            self.standby = self._spawn(EngineRole.STANDBY)
 
     # -- commands ------------------------------------------------------------------------
     def send(self, msg: Message) -> bool:
