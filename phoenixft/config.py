@@ -136,6 +136,20 @@ class Persistence:
             raise ConfigError("{resume} needs {url} (where the job's checkpoints are)")
 
 
+class StragglerAction(str, enum.Enum):
+    """What is done with a straggler (`--straggler`)."""
+
+    OFF = "off"
+    REPORT = "report"  # an event and a console line
+    SWAP = "swap"  # a spare takes its rank
+    REBALANCE = "rebalance"  # it gets fewer microbatches
+
+    __format__ = str.__format__  # f"{action}" is the value on every Python
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Stragglers:
     """Finding a rank that computes persistently slower than the others
@@ -143,20 +157,19 @@ class Stragglers:
     over the median of the other ranks', its median over the last `window` steps, flagged
     at `ratio` or more."""
 
-    # off | report (an event and a console line) | swap (a spare takes its rank) |
-    # rebalance (it gets fewer microbatches)
-    action: str = "report"
+    action: StragglerAction = StragglerAction.REPORT  # (its value is taken too)
     window: int = 20
     # 2: on this 2-core machine, 3 workers beside a busy process and a test suite, the
     # highest median ratio over 20 steps of a failure-free run was 1.41, once 1.56
     ratio: float = 2.0
 
-    ACTIONS = ("off", "report", "swap", "rebalance")
+    ACTIONS = tuple(a.value for a in StragglerAction)
 
     def __post_init__(self) -> None:
         if self.action not in self.ACTIONS:
             raise ConfigError(f"{{action}} must be one of {', '.join(self.ACTIONS)}, got "
                               f"{self.action!r}")
+        object.__setattr__(self, "action", StragglerAction(self.action))
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 3:
             raise ConfigError(f"{{window}} must be an integer >= 3 (steps), got {self.window}")
         if not (isinstance(self.ratio, (int, float)) and math.isfinite(self.ratio)

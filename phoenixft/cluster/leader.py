@@ -398,31 +398,33 @@ class Leader:
         g, key = plan.generation, Keys.straggler(plan.generation)
         if not self.cfg.swap_stragglers or g in self._swaps_done or not self.store.check([key]):
             return False
-        found, spares = kv.get_json(self.store, key), self._spares()
-        wid, r = found["wid"], found["rank"]
-        if plan.members.get(r) != wid or self.workers[wid].state is not WorkerState.RUNNING:
+        try:
+            said = policy.StragglerReport.from_dict(kv.get_json(self.store, key))
+        except ValueError as exc:
+            self._swaps_done.add(g)
+            self.events.emit("straggler_kept", gen=g, reason=f"unreadable report ({exc})")
+            return False
+        wid, r = said.wid, said.rank
+        worker = self.workers.get(wid)
+        nxt = policy.swap_straggler(plan, said, self._spares(),
+                                    progress=kv.get_int(self.store, Keys.PROGRESS, 0))
+        if nxt is None or worker is None or worker.state is not WorkerState.RUNNING:
             self._swaps_done.add(g)
             return False
-        if not spares:
+        if nxt.decision is policy.Decision.KEEP:
             self._swaps_done.add(g)
-            self.events.emit("straggler_kept", wid=wid, rank=r, gen=g,
-                             reason="no spare to swap it for")
+            self.events.emit("straggler_kept", wid=wid, rank=r, gen=g, reason=nxt.reason)
             return False
         if not self._held(g):
             return True
-        spare = sorted(spares, key=lambda s: (s.node != plan.nodes[r], s.wid))[0]
-        members, nodes = dict(plan.members), dict(plan.nodes)
-        members[r], nodes[r] = spare.wid, spare.node
         self._swaps_done.add(g)
-        self.workers[spare.wid].state = WorkerState.RUNNING
-        self._stop_worker(self.workers[wid], f"straggler ({found['ratio']}x)")
+        [spare] = nxt.taken
+        self.workers[spare].state = WorkerState.RUNNING
+        self._stop_worker(worker, f"straggler ({said.ratio}x)")
         self.quarantined.append(wid)  # never re-admitted
-        self.events.emit("straggler_swapped", wid=wid, rank=r, gen=g, spare=spare.wid,
-                         ratio=found["ratio"], step=found["step"])
-        self._publish(Plan(generation=g + 1, members=members, nodes=nodes, replaced={r: wid},
-                           progress=kv.get_int(self.store, Keys.PROGRESS, 0),
-                           reason=f"straggler: {wid} (rank {r}) computed {found['ratio']}x "
-                                  f"the other ranks' median over {found['window']} steps"))
+        self.events.emit("straggler_swapped", wid=wid, rank=r, gen=g, spare=spare,
+                         ratio=said.ratio, step=said.step)
+        self._publish(nxt.plan)
         return True
 
     def _grow(self) -> None:

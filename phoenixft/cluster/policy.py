@@ -1,5 +1,6 @@
 """The leader's decisions as pure functions: from the current plan, the failures just
-seen and the live spares, the next generation's plan (replace, shrink, grow) or a stop.
+seen (or a straggler rank 0 reported) and the live spares, the next generation's plan
+(replace, shrink, grow, swap) or a stop.
 No store, no clock: `leader.py` gathers the facts, calls these, and publishes what they
 return, so the whole failure policy is unit-tested from tables (tests/unit/test_policy.py)
 the way `train/quota.py` is.
@@ -7,6 +8,7 @@ the way `train/quota.py` is.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -17,6 +19,8 @@ class Decision(enum.Enum):
     REPLACE = "replace"  # spares take the dead ranks
     SHRINK = "shrink"  # no spare left: the survivors go on, renumbered (ReCoVer)
     GROW = "grow"  # spares admitted at a committed step boundary
+    SWAP = "swap"  # a spare takes a straggler's rank at a committed step boundary
+    KEEP = "keep"  # a straggler stays (the reason says why)
     STOP = "stop"  # no way to go on: the reason says why and what to change
 
 
@@ -125,3 +129,60 @@ def grow(plan: Plan, spares: list[Spare], *, target_world: int, progress: int,
     return Next(Decision.GROW, Plan(generation=plan.generation + 1, members=members,
                                     nodes=nodes, reason="grow", progress=progress),
                 taken=tuple(taken))
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerReport:
+    """What rank 0 says of a straggler (`--straggler swap`), through the store to the
+    leader: which rank and worker, in which generation and at which step, and how much
+    slower it computed (`ratio`, the median over `window` steps)."""
+
+    rank: int
+    wid: str
+    gen: int
+    step: int
+    ratio: float
+    window: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: object) -> StragglerReport:
+        """Strict: a record of another shape (a foreign or older writer) is a ValueError
+        naming what is wrong, never a KeyError deep in the leader."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a straggler report is a JSON object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) != names:
+            raise ValueError(f"a straggler report has the fields {sorted(names)}, got "
+                             f"{sorted(d)}")
+        report = cls(**d)
+        if not (isinstance(report.wid, str) and all(
+                isinstance(getattr(report, k), int) and not isinstance(getattr(report, k), bool)
+                for k in ("rank", "gen", "step", "window"))
+                and isinstance(report.ratio, (int, float))):
+            raise ValueError(f"a straggler report's fields have the wrong types: {d}")
+        return report
+
+
+def swap_straggler(plan: Plan, report: StragglerReport, spares: list[Spare], *,
+                   progress: int) -> Next | None:
+    """The straggler's rank goes to a spare, one on its node first (it maps the rank's
+    snapshot from shared memory), else the lowest-named one; nothing is rolled back (the
+    caller has held the members at a committed step boundary before it publishes).
+    KEEP when no spare is left; None when the report no longer applies (another
+    generation, or its rank is held by another worker now)."""
+    r = report.rank
+    if report.gen != plan.generation or plan.members.get(r) != report.wid:
+        return None
+    if not spares:
+        return Next(Decision.KEEP, reason="no spare to swap it for")
+    spare = sorted(spares, key=lambda s: (s.node != plan.nodes[r], s.wid))[0]
+    members, nodes = dict(plan.members), dict(plan.nodes)
+    members[r], nodes[r] = spare.wid, spare.node
+    return Next(Decision.SWAP, Plan(
+        generation=plan.generation + 1, members=members, nodes=nodes,
+        replaced={r: report.wid}, progress=progress,
+        reason=f"straggler: {report.wid} (rank {r}) computed {report.ratio}x the other "
+               f"ranks' median over {report.window} steps"), taken=(spare.wid,))

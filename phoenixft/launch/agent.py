@@ -35,6 +35,7 @@ from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan, PlanKind
 from phoenixft.cluster.protocol import fenced, file_report, latest_plan, register_node
+from phoenixft.config import StragglerAction
 from phoenixft.faults.inject import format_env
 from phoenixft.launch.agent_console import AgentConsole
 from phoenixft.launch.config import AgentConfig, LaunchError
@@ -118,7 +119,7 @@ class Agent:
         return Leader(store, self.events, self.run_dir,
                       LeaderConfig(nnodes=cfg.nnodes, timeouts=cfg.timeouts,
                                    min_world=cfg.min_nproc, injects=[str(s) for s in cfg.inject],
-                                   swap_stragglers=cfg.stragglers.action == "swap"))
+                                   swap_stragglers=cfg.stragglers.action is StragglerAction.SWAP))
 
     def _lead_or_follow(self, store) -> None:
         """Every tick with an external store: renew our lease, or take the lead over from

@@ -36,7 +36,7 @@ from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
 from phoenixft.cluster.protocol import register_worker
 from phoenixft.comm.collectives import CommFailure
-from phoenixft.config import ConfigError
+from phoenixft.config import ConfigError, StragglerAction
 from phoenixft.observe.events import EventLog
 from phoenixft.train import model_io, quota
 from phoenixft.train.config import SessionConfig
@@ -168,7 +168,7 @@ class Session:
         if dp_shard is not None and parallelize is None:
             raise ValueError(f"dp_shard={dp_shard} needs parallelize=: the replica groups "
                              "shard the model with FSDP2")
-        if parallelize is not None and self.cfg.stragglers.action == "rebalance":
+        if parallelize is not None and self.cfg.stragglers.action is StragglerAction.REBALANCE:
             raise ConfigError("--straggler rebalance gives ranks different numbers of "
                              "microbatches, and a sharded model's ranks must run as many "
                              "passes (FSDP2's collectives): use --straggler swap or report")
@@ -386,7 +386,7 @@ class Session:
                                         members=self.member.plan.members, step=st.index,
                                         times=g[lay.times].tolist())
         if swap is not None:  # the leader holds the job at a committed step and swaps it
-            kv.set_json(self.store, Keys.straggler(self.generation), swap)
+            kv.set_json(self.store, Keys.straggler(self.generation), swap.to_dict())
         st.loss = float(g[lay.loss]) / st.m
         g[lay.grads].div_(st.m)
         st.grads, st.audit, st.reduced = g[lay.grads], counts, True

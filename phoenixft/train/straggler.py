@@ -18,7 +18,8 @@ import statistics
 import time
 from collections import deque
 
-from phoenixft.config import Stragglers
+from phoenixft.cluster.policy import StragglerReport
+from phoenixft.config import StragglerAction, Stragglers
 from phoenixft.observe.events import EventLog
 
 
@@ -92,11 +93,12 @@ class StragglerReporter:
         return time.perf_counter() - self._t0
 
     def observe(self, *, rank: int, generation: int, members: dict[int, str], step: int,
-                times: list[float]) -> dict | None:
+                times: list[float]) -> StragglerReport | None:
         """Rank 0: report the stragglers found now; returns the first of them as a swap
         request (`--straggler swap`), else None."""
         self.last_times = times
-        if self.cfg.action == "off" or (rank != 0 and self.cfg.action != "rebalance"):
+        if self.cfg.action is StragglerAction.OFF or (
+                rank != 0 and self.cfg.action is not StragglerAction.REBALANCE):
             return None
         if generation != self._gen:
             self._watch, self._gen = StragglerWatch(len(times), self.cfg.window,
@@ -104,16 +106,16 @@ class StragglerReporter:
             self.weights = None
         swap = None
         for r, ratio in self._watch.observe(times):
-            if self.cfg.action == "rebalance" and self.weights is None:
+            if self.cfg.action is StragglerAction.REBALANCE and self.weights is None:
                 # its microbatches take `ratio` times the others': it gets 1/ratio the share
                 self.weights = [1.0] * len(times)
                 self.weights[r] = 1.0 / ratio
             if rank != 0:
                 continue
-            found = {"rank": r, "wid": members.get(r), "gen": generation, "step": step,
-                     "ratio": round(ratio, 3), "window": self.cfg.window}
-            self.events.emit("straggler", **found, threshold=self.cfg.ratio,
-                             action=self.cfg.action)
-            if self.cfg.action == "swap" and swap is None:
+            found = StragglerReport(rank=r, wid=members[r], gen=generation, step=step,
+                                    ratio=round(ratio, 3), window=self.cfg.window)
+            self.events.emit("straggler", **found.to_dict(), threshold=self.cfg.ratio,
+                             action=self.cfg.action.value)
+            if self.cfg.action is StragglerAction.SWAP and swap is None:
                 swap = found
         return swap

@@ -15,6 +15,7 @@ from phoenixft.config import (
     Persistence,
     Policy,
     Snapshots,
+    StragglerAction,
     Stragglers,
     Timeouts,
     build,
@@ -67,6 +68,9 @@ def test_build_takes_a_nested_dict_and_names_the_path_at_fault():
     assert s.timeouts.join_timeout_s == 5 and s.timeouts.collective_timeout_s == 60
     assert s.persistence == Persistence(url="/tmp/x", every=3)
     assert s.policy is Policy.SHRINK_BATCH and f"{s.policy}" == "shrink-batch"
+    s = build(SessionConfig, {"worker_id": "n0w3", "stragglers": {"action": "swap"}})
+    assert s.stragglers.action is StragglerAction.SWAP and f"{s.stragglers.action}" == "swap"
+    assert Stragglers(action="off").action is StragglerAction.OFF  # (a value is taken too)
     with pytest.raises(ConfigError, match=r"^persistence\.keep must be >= 1, got 0$"):
         build(SessionConfig, {"persistence": {"keep": 0}})
     with pytest.raises(ConfigError, match=r"policy must be one of 'constant', 'shrink-batch'"):

@@ -4,7 +4,15 @@
 import pytest
 
 from phoenixft.cluster.membership import Plan
-from phoenixft.cluster.policy import Decision, Failed, Spare, after_failures, grow
+from phoenixft.cluster.policy import (
+    Decision,
+    Failed,
+    Spare,
+    StragglerReport,
+    after_failures,
+    grow,
+    swap_straggler,
+)
 
 
 def plan(members: str, nodes: str = "", gen: int = 0, **kw) -> Plan:
@@ -119,3 +127,40 @@ def test_replica_groups_leave_whole_when_no_spare_is_left(dead, live, expect):
 def test_grow_admits_whole_replica_groups(live, expect):
     nxt = grow(plan("a b"), spares(*live), target_world=6, progress=9, unit=2)
     assert (nxt.plan.members if nxt else None) == expect
+
+
+def slow(rank: int, wid: str, gen: int = 0) -> StragglerReport:
+    return StragglerReport(rank=rank, wid=wid, gen=gen, step=30, ratio=2.6, window=20)
+
+
+@pytest.mark.parametrize("members, nodes, report, live, expect", [
+    # a spare on the straggler's node first, else the lowest-named one
+    ("a b c", "0 1 1", slow(1, "b"), [("s0", 0), ("s1", 1)], {0: "a", 1: "s1", 2: "c"}),
+    ("a b", "0 0", slow(0, "a"), [("z", 1), ("y", 1)], {0: "y", 1: "b"}),
+])
+def test_a_straggler_swaps_with_a_spare(members, nodes, report, live, expect):
+    nxt = swap_straggler(plan(members, nodes), report, spares(*live), progress=30)
+    assert nxt.decision is Decision.SWAP and nxt.plan.members == expect
+    assert nxt.plan.generation == 1 and nxt.plan.progress == 30
+    assert nxt.plan.replaced == {report.rank: report.wid}
+    assert nxt.taken == (expect[report.rank],)
+    assert nxt.plan.reason == (f"straggler: {report.wid} (rank {report.rank}) computed 2.6x "
+                               "the other ranks' median over 20 steps")
+
+
+def test_a_straggler_stays_without_a_spare_and_a_stale_report_is_passed_over():
+    nxt = swap_straggler(plan("a b"), slow(1, "b"), [], progress=3)
+    assert nxt.decision is Decision.KEEP and nxt.reason == "no spare to swap it for"
+    assert swap_straggler(plan("a c"), slow(1, "b"), spares(("s", 0)), progress=3) is None
+    assert swap_straggler(plan("a b", gen=2), slow(1, "b", gen=1), spares(("s", 0)),
+                          progress=3) is None
+
+
+def test_a_straggler_report_goes_through_the_store_typed_and_a_malformed_one_is_named():
+    r = slow(1, "b")
+    assert StragglerReport.from_dict(r.to_dict()) == r
+    for bad, says in [([], "a JSON object"), ({**r.to_dict(), "extra": 1}, "the fields"),
+                      ({k: v for k, v in r.to_dict().items() if k != "wid"}, "the fields"),
+                      ({**r.to_dict(), "rank": "1"}, "wrong types")]:
+        with pytest.raises(ValueError, match=says):
+            StragglerReport.from_dict(bad)
