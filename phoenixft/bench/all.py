@@ -5,7 +5,7 @@ timings side by side on a small machine), then `phoenixft simulate` fed with the
 figures. Writes FILE (JSON: each benchmark's result with a `goals` list of
 {"name", "goal", "measured", "met"}) and BENCHMARKS.md beside it (a table per benchmark,
 the command, the machine, processes and threads). `--quick` uses the smallest sizes that
-still measure something (about 10 minutes on 2 cores).
+still measure something (about 30 minutes on 2 cores, 31 at the last full run).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("all", help="every benchmark and the simulator: one JSON report and "
                                    "BENCHMARKS.md", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smallest sizes (~10 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="smallest sizes (~30 min on 2 cores)")
     p.add_argument("--out", default="runs/bench/all.json")
     p.add_argument("--markdown", default="BENCHMARKS.md", help="the report (default ./BENCHMARKS.md)")
     p.add_argument("--with", dest="with_args", action="append", default=[],
