@@ -174,6 +174,55 @@ class LlamaForCausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+class LlamaStage(nn.Module):
+    """One pipeline stage of a `LlamaForCausalLM`, split the way torchtitan splits one: the
+    first stage holds the embedding, each stage a contiguous run of decoder layers, the last
+    the final norm and the output head. Its modules are the full model's own (no copy), and
+    its state-dict keys are the full model's (`model.layers.5.mlp.up_proj.weight` keeps its
+    5), so the stages' state dicts together are the model's and a checkpoint can be
+    resharded onto another number of stages. Its input is token ids (first stage) or the
+    previous stage's hidden states; its output hidden states, or logits (last stage)."""
+
+    def __init__(self, model: LlamaForCausalLM, stage: int, num_stages: int) -> None:
+        super().__init__()
+        cfg = model.config
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage {stage} of {num_stages}: a stage is 0 .. {num_stages - 1}")
+        if num_stages > cfg.num_hidden_layers:
+            raise ValueError(f"{num_stages} pipeline stages for {cfg.num_hidden_layers} decoder "
+                             "layers: each stage needs a layer at least (lower --pp)")
+        if cfg.tie_word_embeddings and num_stages > 1:
+            raise ValueError("tied word embeddings live on the first and the last stage at "
+                             "once: untie them (tie_word_embeddings=False) to pipeline the model")
+        self.config, self.stage, self.num_stages = cfg, stage, num_stages
+        self.layer_ids = stage_layers(cfg.num_hidden_layers, stage, num_stages)
+        first, last = stage == 0, stage == num_stages - 1
+        self.model = nn.Module()
+        if first:
+            self.model.embed_tokens = model.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in self.layer_ids})
+        if last:
+            self.model.norm = model.model.norm
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        cos, sin = rope_tables(self.config.head_dim, torch.arange(t), self.config.rope_theta)
+        if self.stage == 0:
+            x = self.model.embed_tokens(x)
+        for layer in self.model.layers.values():
+            x = layer(x, cos, sin)
+        if self.stage == self.num_stages - 1:
+            x = self.lm_head(self.model.norm(x))
+        return x
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
+    """The decoder layers stage `stage` of `num_stages` holds: contiguous, as even as they
+    divide (the first stages take none of the remainder: they hold the embedding)."""
+    return range(stage * num_layers // num_stages, (stage + 1) * num_layers // num_stages)
+
+
 def save_hf(model: LlamaForCausalLM, out_dir: str | Path,
             state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json + model.safetensors that `transformers` and `phoenixft serve` load."""
