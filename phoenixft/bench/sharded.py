@@ -95,7 +95,9 @@ def _killed(root: Path, args: argparse.Namespace) -> dict:
     jobs = {"spares": PhoenixJob(run_dir=root / "goodput-spares", work=work, script=FSDP,
                                  script_extra=[], phase="backward", launcher_args=[
                                      "--spares", "1", "--persist",
-                                     str(root / "goodput-spares-ckpt")]),
+                                     # (inside the run dir, emptied at each start: a
+                                     # second invocation found the first one's job there)
+                                     str(root / "goodput-spares" / "ckpt")]),
             "restart": TorchrunJob(run_dir=root / "goodput-restart", work=work, max_restarts=1,
                                    ckpt_every=args.ckpt_every, script=FSDP_BASELINE, ckpt="dcp")}
     rows = {}
