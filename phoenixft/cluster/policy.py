@@ -49,6 +49,12 @@ class Next:
     taken: tuple[str, ...] = ()  # the spares the plan puts to work
 
 
+def _nearest_first(node: int):
+    """The order in which spares take a rank of `node`: one on that node first (it maps
+    the rank's snapshot from shared memory), then by name."""
+    return lambda s: (s.node != node, s.wid)
+
+
 def after_failures(plan: Plan, failed: list[Failed], spares: list[Spare], *,
                    min_world: int | None, progress: int,
                    previous_recovered: bool, unit: int = 1) -> Next:
@@ -71,7 +77,7 @@ def after_failures(plan: Plan, failed: list[Failed], spares: list[Spare], *,
         return _shrink(plan, failed, min_world=min_world, progress=progress, unit=unit)
     for f in failed:
         node = plan.nodes[f.rank]
-        left.sort(key=lambda s: (s.node != node, s.wid))
+        left.sort(key=_nearest_first(node))
         spare = left.pop(0)
         members[f.rank], nodes[f.rank], replaced[f.rank] = spare.wid, spare.node, f.wid
         taken.append(spare.wid)
@@ -178,7 +184,7 @@ def swap_straggler(plan: Plan, report: StragglerReport, spares: list[Spare], *,
         return None
     if not spares:
         return Next(Decision.KEEP, reason="no spare to swap it for")
-    spare = sorted(spares, key=lambda s: (s.node != plan.nodes[r], s.wid))[0]
+    spare = min(spares, key=_nearest_first(plan.nodes[r]))
     members, nodes = dict(plan.members), dict(plan.nodes)
     members[r], nodes[r] = spare.wid, spare.node
     return Next(Decision.SWAP, Plan(
