@@ -17,8 +17,14 @@ same microbatches: the independent reference. With one replica, the pipelined ru
 per-step losses and final parameters equal it bit for bit; with several, the replicas'
 gradient average sums in another order (a bound of about 1e-6 relative).
 
-`phoenixft run` does not protect a pipelined job yet: under it this script stops with a
-message saying so.
+Under `phoenixft run` the same job is protected (`phoenixft.Pipeline`):
+
+    phoenixft run --nproc 4 --spares 1 examples/train_pp.py --pp 2 --schedule 1f1b
+
+phoenixft builds the mesh (its replicas are --nproc / (--pp x --dp-shard); --dp is not
+used), this script's `split` returns the rank's stage, each step's loop body is
+`step.run_schedule(batch)`, and a dead stage's rank is hot-swapped while the other ranks
+keep their processes. --dp-shard > 1 shards each stage with FSDP2 (phoenixft run only).
 """
 
 import argparse
@@ -168,6 +174,30 @@ def pipelined(args) -> None:
     dist.destroy_process_group()
 
 
+def protected(args) -> None:
+    """The pipelined job under `phoenixft run`: phoenixft splits, schedules and recovers."""
+    import phoenixft
+
+    sess = phoenixft.Session()
+    model, windows = build(args)
+    pipeline = phoenixft.Pipeline(
+        pp=args.pp, schedule=args.schedule, loss_fn=loss_fn,
+        split=lambda m, pp_mesh: LlamaStage(m, pp_mesh.get_local_rank(), args.pp))
+    sess.setup(model, lambda params: adamw(args, params), pipeline=pipeline,
+               dp_shard=args.dp_shard, microbatches=args.microbatches)
+    for step in sess.steps(args.steps):
+        step.run_schedule(lambda j, i=step.index: windows.get(i, j))
+        if args.clip:
+            step.clip_grad_norm_(args.clip)
+    if args.out_dir:
+        full = sess.full_state()  # (collective: every stage's state, on every rank)
+        if sess.rank == 0:
+            from safetensors.torch import save_file
+            Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+            save_file({k.removeprefix("model."): v.contiguous() for k, v in full.items()
+                       if k.startswith("model.")}, str(Path(args.out_dir) / "stages.safetensors"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,6 +207,8 @@ def main() -> None:
                     help="decoder layers (0: the preset's; a stage needs one at least)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks per replica)")
     ap.add_argument("--dp", type=int, default=1, help="pipeline replicas (data parallel)")
+    ap.add_argument("--dp-shard", type=int, default=1,
+                    help="ranks per stage, sharding it with FSDP2 (phoenixft run only)")
     ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                     help="interleaved: two stages per rank (needs 2 x --pp layers at least)")
     ap.add_argument("--microbatches", type=int, default=4,
@@ -190,14 +222,19 @@ def main() -> None:
                     help="write each stage's final parameters (stage{i}.safetensors, from the "
                          "first replica) and the per-step losses (losses.json) here")
     args = ap.parse_args()
-    for flag in ("steps", "pp", "dp", "microbatches", "threads"):
+    for flag in ("steps", "pp", "dp", "dp_shard", "microbatches", "threads"):
         if getattr(args, flag) < 1:
-            ap.error(f"--{flag} must be >= 1")
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     torch.set_num_threads(args.threads)
     if "PHOENIXFT_STORE" in os.environ:
-        raise SystemExit("examples/train_pp.py: phoenixft run does not protect pipeline-parallel "
-                         "jobs yet; run it under plain torchrun (see its docstring)")
-    if "RANK" in os.environ:
+        if args.schedule == "interleaved":
+            ap.error("--schedule interleaved runs under plain torchrun only (phoenixft "
+                     "protects gpipe and 1f1b)")
+        protected(args)
+    elif args.dp_shard != 1:
+        ap.error("--dp-shard > 1 (FSDP2 inside each stage) is this example's under phoenixft "
+                 "run only")
+    elif "RANK" in os.environ:
         pipelined(args)
     elif args.pp != 1 or args.dp != 1:
         raise SystemExit(f"--pp {args.pp} --dp {args.dp} needs {args.pp * args.dp} ranks: "

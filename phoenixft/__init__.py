@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Session": "phoenixft.train.session",
     "Step": "phoenixft.train.step",
+    "Pipeline": "phoenixft.train.pipeline_schedule",
     "JobAborted": "phoenixft.train.lifecycle",
     "SessionConfig": "phoenixft.train.config",
     "state_digest": "phoenixft.train.digest",

@@ -116,6 +116,9 @@ class SwapGroup(dist.ProcessGroup):
         # called before each gradient reduce-scatter is issued (fault injection's
         # phase=backward); None: nothing
         self.before_reduce_scatter: Callable[[], None] | None = None
+        # called before each send or recv is issued, with the method and the peer's rank
+        # in this group (a pipeline's "pp" group: fault injection's phase=forward/backward)
+        self.before_p2p: Callable[[str, int], None] | None = None
         # the other groups of the same mesh: a failure latched in one is latched in all
         # (the generation is over for every collective of the step)
         self.siblings: list[SwapGroup] = []
@@ -178,6 +181,7 @@ class SwapGroup(dist.ProcessGroup):
 
 def _forwarder(method: str):
     scatter = "reduce_scatter" in method
+    p2p = method in ("send", "recv")
 
     def forward(self: SwapGroup, *args, **kwargs):
         if self.retired is not None:
@@ -193,6 +197,9 @@ def _forwarder(method: str):
             return _Done()
         if scatter and self.before_reduce_scatter is not None:
             self.before_reduce_scatter()
+        if p2p and self.before_p2p is not None:  # send(tensors, dstRank, tag), recv alike
+            peer = args[1] if len(args) > 1 else kwargs["dstRank" if method == "send" else "srcRank"]
+            self.before_p2p(method, peer)
         work = getattr(self.inner, method)(*args, **kwargs)
         return _Latched(work, self, self.generation,
                         f"{method} of generation {self.generation}'s mesh group")

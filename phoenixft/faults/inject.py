@@ -43,9 +43,11 @@ WHEN:
                             snapshot T-1 is committed: every rank finished step T-1 and
                             holds its copy (so the fault tests step T, not a race with the
                             end of T-1 or with that copy; phase=snapshot tests the copy)
-    step=T:phase=P          at phase P of step T: backward (a sharded model: as it
-                            starts the step's first gradient reduce-scatter, inside the
-                            backward pass), reduce (before the gradient all-reduce),
+    step=T:phase=P          at phase P of step T: forward (a pipeline: as it issues
+                            a send or recv of activations, in the schedule), backward
+                            (a sharded model: as it starts the step's first gradient
+                            reduce-scatter, inside the backward pass; a pipeline: as it
+                            issues a send or recv of gradients), reduce (before the gradient all-reduce),
                             clip (in step.clip_grad_norm_, before its norm's all-reduce
                             of a sharded model), update (after the all-reduce and any
                             clip, before the optimizer step), snapshot (in the
@@ -94,7 +96,7 @@ KINDS = tuple(k.value for k in FaultKind)
 # kinds that land inside the snapshot thread, at a point of their own (the caller does the
 # damage: `garbles`, `rots`), instead of at a step's start or phase
 LANDS_AT = {FaultKind.GARBLE: "received", FaultKind.ROT: "written", FaultKind.FLIP: "reduced"}
-PHASES = ("start", "backward", "reduce", "clip", "update", "snapshot", "replicate", "commit")
+PHASES = ("start", "forward", "backward", "reduce", "clip", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch", "every")
 FLIP_WHERE = ("grad", "param", "optim")
 

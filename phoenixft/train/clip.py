@@ -18,9 +18,11 @@ import torch
 
 
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+                    norm_type: float = 2.0, combine=None) -> torch.Tensor:
     """Scale the gradients of `params` so their global `norm_type` norm is at most
-    `max_norm`; returns that norm (before clipping, the same on every rank)."""
+    `max_norm`; returns that norm (before clipping, the same on every rank). `combine(norm)`
+    turns the norm of `params` into the global one where other ranks hold other
+    parameters (a pipeline's stages)."""
     from torch.distributed.tensor import DTensor
 
     by_mesh: dict[object, list[torch.Tensor]] = {}  # mesh -> its parameters with gradients
@@ -29,13 +31,16 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float,
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             by_mesh.setdefault(mesh, []).append(p)
     if not by_mesh:
-        return torch.tensor(0.0)
+        zero = torch.tensor(0.0)
+        return combine(zero) if combine is not None else zero
     norms = []
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
         torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    if combine is not None:
+        total = combine(total)
     for group in by_mesh.values():  # (one foreach per mesh: it cannot mix them either)
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

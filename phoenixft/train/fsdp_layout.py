@@ -389,6 +389,8 @@ class Fsdp2Layout(Membership, Holdings, StepMath):
         mine = {}
         for key in sorted(names):
             name = key[2:] if key.startswith("p.") else key[2:].rpartition(".")[0]
+            if name not in self._placement:
+                continue  # another pipeline stage's
             held = [(s.tensors[key], s.header.opt["dcp"][name]) for s in old if key in s.tensors]
             first = held[0][0]
             if first.dim() == 0:

@@ -274,17 +274,25 @@ class ReplicaGroupWork(TensorParallelWork):
     def keeps_work(self) -> bool:
         return self.layout.kept
 
+    def data_index(self, rank: int) -> int:
+        """Which data-parallel place rank `rank` computes the microbatches of (the ranks
+        of a tp group share one; a group's are consecutive)."""
+        return rank // self.tp
+
+    def _per_rank(self, dealt: list[list[int]], world_size: int) -> list[list[int]]:
+        return [dealt[self.data_index(r)] for r in range(world_size)]
+
     def plan(self, m: int, world_size: int) -> list[list[int]]:
-        """TensorParallelWork's plan when M is a multiple of the data-parallel ranks;
+        """The data-parallel plan when M is a multiple of the data-parallel places;
         otherwise the ids go out in rounds of dp_shard (one per place in a group) to the
         groups in turn: every rank of a group runs as many passes, groups may run
         different numbers (the cross-group sum does not care), so M need only be a
         multiple of dp_shard, whatever number of groups the job shrinks to."""
         d = self.data_ranks(world_size)
         if m % d == 0:
-            return super().plan(m, world_size)
-        dp = quota.plan_in_rounds(m, d // self.dp_shard, self.dp_shard)
-        return [dp[r // self.tp] for r in range(world_size)]
+            return self._per_rank(quota.plan(m, d), world_size)
+        return self._per_rank(quota.plan_in_rounds(m, d // self.dp_shard, self.dp_shard),
+                              world_size)
 
     def reassign(self, remaining: list[int], m: int, old_world: int,
                  world_size: int) -> list[list[int]]:
@@ -293,9 +301,11 @@ class ReplicaGroupWork(TensorParallelWork):
         places; but every rank of a group must run as many passes (FSDP2's collectives),
         so when that deal is uneven inside a group, the ids go out in rounds of one per
         member of a group, to the least loaded group first."""
-        tp, s = self.tp, self.dp_shard
-        old = self.plan(m, old_world)[::tp]
-        dealt = quota.reassign(remaining, old, world_size // tp)
+        s = self.dp_shard
+        old = [[] for _ in range(self.data_ranks(old_world))]
+        for r, ids in enumerate(self.plan(m, old_world)):
+            old[self.data_index(r)] = ids
+        dealt = quota.reassign(remaining, old, self.data_ranks(world_size))
         groups = [dealt[i:i + s] for i in range(0, len(dealt), s)]
         if any(len({len(ids) for ids in g}) > 1 for g in groups):
             dealt = [[] for _ in dealt]
@@ -304,7 +314,7 @@ class ReplicaGroupWork(TensorParallelWork):
                 u = min(range(len(groups)), key=lambda k: (len(dealt[k * s]), k))
                 for d, j in enumerate(ids[i:i + s]):
                     dealt[u * s + d].append(j)
-        return [dealt[r // tp] for r in range(world_size)]
+        return self._per_rank(dealt, world_size)
 
     def min_world_error(self, min_world: int, world_size: int) -> str | None:
         if min_world % self.unit:

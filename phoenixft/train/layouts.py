@@ -4,9 +4,11 @@
     flat   no `parallelize`: ZeRO-1 over a flat copy of the parameters (flat_layout.py)
     fsdp2  `parallelize` (FSDP2, with `tp` > 1 tensor parallelism too): fsdp_layout.py
     hsdp   `parallelize` and `dp_shard`: FSDP2 inside replica groups (hsdp_layout.py)
+    pp     `pipeline`: pipeline stages, FSDP2 inside each, replicas of the pipeline
+           (pipeline_layout.py)
 
-A new parallelism (a pipeline: `pp`) adds its kind to `kind_of` and a builder to
-`BUILDERS`; nothing else chooses a layout.
+A new parallelism adds its kind to `kind_of` and a builder to `BUILDERS`; nothing else
+chooses a layout.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ class LayoutArgs:
     parallelize: Callable | None = None  # (model, DeviceMesh) -> anything
     tp: int = 1
     dp_shard: int | None = None
+    pipeline: object | None = None  # pipeline_schedule.Pipeline
     before_reduce_scatter: Callable[[], None] | None = None  # fault injection's hook
+    before_p2p: Callable[[str], None] | None = None  # (phase) fault injection's hook
 
 
 def _flat(a: LayoutArgs) -> Layout:
@@ -55,11 +59,23 @@ def _hsdp(a: LayoutArgs) -> Layout:
     return Layout.of("hsdp", core, ReplicaGroupWork(core))
 
 
+def _pp(a: LayoutArgs) -> Layout:
+    from phoenixft.train.pipeline_layout import PipelineLayout, PipelineWork
+
+    core = PipelineLayout(a.model, a.optimizer, a.pipeline, a.parallelize, a.scheduler,
+                          dp_shard=a.dp_shard or 1, tp=a.tp,
+                          before_reduce_scatter=a.before_reduce_scatter,
+                          before_p2p=a.before_p2p)
+    return Layout.of("pp", core, PipelineWork(core), executor=core.executor)
+
+
 BUILDERS: dict[str, Callable[[LayoutArgs], Layout]] = {"flat": _flat, "fsdp2": _fsdp2,
-                                                        "hsdp": _hsdp}
+                                                        "hsdp": _hsdp, "pp": _pp}
 
 
 def kind_of(a: LayoutArgs) -> str:
+    if a.pipeline is not None:
+        return "pp"
     if a.parallelize is None:
         return "flat"
     return "fsdp2" if a.dp_shard is None else "hsdp"

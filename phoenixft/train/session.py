@@ -46,6 +46,7 @@ from phoenixft.train.fsdp_layout import Parallelize
 from phoenixft.train.layouts import LayoutArgs, build
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
+from phoenixft.train.pipeline_schedule import Pipeline
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.reduce_layout import ReduceLayout
 from phoenixft.train.step import Step, StepPhase
@@ -140,7 +141,7 @@ class Session:
               *, scheduler: SchedulerFactory | None = None,
               track: dict[str, object] | None = None, microbatches: int | None = None,
               parallelize: Parallelize | None = None, tp: int = 1,
-              dp_shard: int | None = None) -> None:
+              dp_shard: int | None = None, pipeline: Pipeline | None = None) -> None:
         """Register the model, the optimizer factory, an optional LR scheduler factory
         (`lambda opt: CosineAnnealingLR(opt, T_max=...)`, stepped after every optimizer
         step; its state is snapshotted and restored with the optimizer's) and any extra
@@ -156,25 +157,30 @@ class Session:
         group's), gradients averaged across groups by phoenixft, a group the unit of
         failure (`hsdp_layout.py`); None: one group of every rank. Without `parallelize`
         the session runs ZeRO-1 over a flat copy of the parameters (`flat_layout.py`).
+        `pipeline` (`phoenixft.Pipeline(pp=..., split=..., loss_fn=..., schedule=...)`):
+        pipeline parallelism, replicas of `pp` stages of `dp_shard` (default 1) FSDP2 ranks;
+        the loop body is `step.run_schedule(batch)` (`pipeline_layout.py`).
         Spares block here until activated."""
         if microbatches is not None and microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         tracked = Tracked()
         for name, obj in (track or {}).items():
             tracked.add(name, obj)
-        if tp != 1 and parallelize is None:
+        if tp != 1 and parallelize is None and pipeline is None:
             raise ValueError(f"tp={tp} needs parallelize=: tensor parallelism is the "
                              "user's parallelize_module over the mesh phoenixft gives")
-        if dp_shard is not None and parallelize is None:
+        if dp_shard is not None and parallelize is None and pipeline is None:
             raise ValueError(f"dp_shard={dp_shard} needs parallelize=: the replica groups "
                              "shard the model with FSDP2")
-        if parallelize is not None and self.cfg.stragglers.action is StragglerAction.REBALANCE:
+        if (parallelize is not None or pipeline is not None) \
+                and self.cfg.stragglers.action is StragglerAction.REBALANCE:
             raise ConfigError("--straggler rebalance gives ranks different numbers of "
                              "microbatches, and a sharded model's ranks must run as many "
                              "passes (FSDP2's collectives): use --straggler swap or report")
         layout = build(LayoutArgs(model=model, optimizer=optimizer, scheduler=scheduler,
                                   parallelize=parallelize, tp=tp, dp_shard=dp_shard,
-                                  before_reduce_scatter=self._in_backward))
+                                  pipeline=pipeline, before_reduce_scatter=self._in_backward,
+                                  before_p2p=self._in_p2p))
         if layout.work.leaves_whole is not None:  # the leader drops whole groups
             self.store.set(Keys.UNIT, str(layout.work.leaves_whole))
         self.state = RankState(model=model, layout=layout,
@@ -337,13 +343,20 @@ class Session:
         return self.state.layout.work.plan(m, self.world_size)
 
     def _new_step(self, index: int, ids: list[int], m: int) -> Step:
-        return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip)
+        return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip,
+                    executor=self.state.layout.executor if self.state is not None else None)
 
     def _in_backward(self) -> None:
         """A sharded model's gradient reduce-scatter is about to be issued (phase=backward
         faults land here, inside the user's backward pass)."""
         if self._current is not None:
             self.member.injector.at_step(self.rank, self._current.index, "backward")
+
+    def _in_p2p(self, phase: str) -> None:
+        """A pipeline's send or recv is about to be issued (phase=forward: activations,
+        phase=backward: gradients)."""
+        if self._current is not None:
+            self.member.injector.at_step(self.rank, self._current.index, phase)
 
     def _on_backward(self, st: Step) -> None:
         self.member.count_pass()

@@ -34,14 +34,22 @@ class MicrobatchExecutor(ABC):
     """Who runs a step's microbatches. `UserLoop`: the user's own loop on each rank runs
     each of its microbatches' forward and backward (`Step.microbatches()` yields the ids,
     `Step.backward(loss)` records each). A pipeline schedule would run the step's
-    microbatches across stages itself (its collectives send/recv) and report the loss
-    from the last stage (docs/architecture.md, "Pipelines")."""
+    microbatches across stages itself (its collectives send/recv), fed by `Step.run_schedule`,
+    and report the loss from the last stage (`PipelineSchedule`, pipeline_schedule.py)."""
 
     user_loop: bool  # whether the user's loop body runs once per microbatch on this rank
 
     @abstractmethod
     def microbatches(self, step: Step) -> Iterator[int]:
         """The ids this rank still computes in `step`, in order."""
+
+    def run(self, step: Step, batch: Callable[[int], tuple]) -> list[torch.Tensor]:
+        """Run the microbatches this rank still computes in `step` (each one's data is
+        `batch(j)`), adding them to `step.done`; returns their losses where they are
+        computed (a pipeline's last stage)."""
+        raise RuntimeError("step.run_schedule(batch) runs a pipelined job's step; this job "
+                           "has no pipeline (setup(pipeline=...)): iterate "
+                           "step.microbatches() and call step.backward(loss) for each")
 
 
 class UserLoop(MicrobatchExecutor):
@@ -105,6 +113,24 @@ class Step:
         self.done.append(j)
         if self._on_backward is not None:
             self._on_backward(self)
+
+    def run_schedule(self, batch: Callable[[int], tuple]) -> None:
+        """A pipelined job's loop body (`setup(pipeline=...)`): run the step's microbatches
+        through the pipeline schedule. `batch(j)` returns microbatch j's (inputs, targets)
+        for this step (a pure function of the step's index and j, as with
+        `microbatches()`); the first stage uses the inputs, the last the targets. The loss
+        of each microbatch comes from the last stage; the step's mean loss is `loss` once
+        the step is reduced. After an in-step recovery the step comes back (`retry`) and
+        this runs what is left of it."""
+        before = len(self.done)
+        losses = self._executor.run(self, batch)
+        finished, self.done = self.done[before:], self.done[:before]
+        for loss in losses:
+            self.loss_sum = self.loss_sum + loss.detach().double()
+        for j in finished:  # recorded one by one, as backward records each
+            self.done.append(j)
+            if self._on_backward is not None:
+                self._on_backward(self)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the step's gradient by its global norm, like
