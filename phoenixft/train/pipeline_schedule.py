@@ -189,6 +189,13 @@ class PipelineSchedule(MicrobatchExecutor):
         pairs = [batch(j) for j in ids] if (self.first or self.last) else []
         x = torch.cat([p[0] for p in pairs]).to(self.device) if self.first else None
         losses: list[torch.Tensor] = []
+        # torch 2.13: an FSDP2 stage's gradients from an earlier schedule step are lost by
+        # the next one (measured: the second step's replace them), so the gradients a
+        # recovery kept are set aside and added back (kept + new, as the replicas' sum
+        # would add them)
+        held = {p: p.grad for p in self.module.parameters() if p.grad is not None}
+        for p in held:
+            p.grad = None
         try:
             if self._stage is None:
                 self._stage = self._build_stage(pairs[0][0].to(self.device) if self.first
@@ -210,5 +217,8 @@ class PipelineSchedule(MicrobatchExecutor):
             step.failure = failed
             self._stage = None
             return []
+        finally:
+            for p, g in held.items():
+                p.grad = g if p.grad is None else g.add_(p.grad)
         step.done.extend(ids)
         return losses
