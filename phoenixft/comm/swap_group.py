@@ -22,6 +22,7 @@ are garbage and are never used: the generation is recovered from snapshots.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -78,10 +79,12 @@ class _Latched(dist.Work):
         if self._waited or not self.group.live(self.generation):
             return True
         ops = self.group.ops
+        t0 = time.perf_counter()
         try:
             wait_work(self.inner, ops.interrupt, ops.timeout_s, self.what)
         except CommFailure as exc:
             self.group.latch(exc)
+        self.group.blocked_s += time.perf_counter() - t0
         self._waited = True
         return True
 
@@ -123,6 +126,7 @@ class SwapGroup(dist.ProcessGroup):
         # (the generation is over for every collective of the step)
         self.siblings: list[SwapGroup] = []
         self.retired: str | None = None  # why this group cannot be used any more (`retire`)
+        self.blocked_s = 0.0  # seconds waited on its collectives (a pipeline's on its peers)
 
     # -- identity (what c10d, DeviceMesh and FSDP2 ask) ---------------------------------
     def rank(self) -> int:

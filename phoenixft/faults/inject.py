@@ -96,6 +96,7 @@ KINDS = tuple(k.value for k in FaultKind)
 # kinds that land inside the snapshot thread, at a point of their own (the caller does the
 # damage: `garbles`, `rots`), instead of at a step's start or phase
 LANDS_AT = {FaultKind.GARBLE: "received", FaultKind.ROT: "written", FaultKind.FLIP: "reduced"}
+LAYOUT_PHASES = ("forward", "backward")  # reached only by some layouts (Membership.fault_phases)
 PHASES = ("start", "forward", "backward", "reduce", "clip", "update", "snapshot", "replicate", "commit")
 _INT_KEYS = ("rank", "step", "gen", "microbatch", "every")
 FLIP_WHERE = ("grad", "param", "optim")
@@ -233,13 +234,23 @@ class Injector:
         self.hooks = hooks
 
     def check_plan(self, per_rank: list[int], receivers: set[int] | None = None,
-                   votes: bool = True) -> None:
+                   votes: bool = True, layout_phases: frozenset[str] | None = None) -> None:
         """Refuse a spec that can never fire: rank R computes `per_rank[R]` microbatches
         per step, so its J-th (from 0) exists only when J < per_rank[R]; a garble needs
         rank R among `receivers`, the ranks that hold a replica (None: not checked). And a
         flip of gradients or parameters where no rank holds a copy to vote with (`votes`
-        False): it would change the job's result with nothing to find it."""
+        False): it would change the job's result with nothing to find it. A phase only
+        some layouts reach (forward, backward) where the job's does not (`layout_phases`,
+        None: not checked)."""
         for s in self.specs:
+            if layout_phases is not None and s.phase in LAYOUT_PHASES \
+                    and s.phase not in layout_phases:
+                raise InjectSpecError(
+                    f"--inject {s} can never fire: phase={s.phase} is "
+                    + ("a pipeline's send or recv of activations (setup(pipeline=...))"
+                       if s.phase == "forward" else "a sharded model's first gradient "
+                       "reduce-scatter or a pipeline's send or recv of gradients")
+                    + " and this job has neither; use microbatch=J or phase=reduce")
             if s.kind is FaultKind.FLIP and s.where in ("grad", "param") and not votes:
                 raise InjectSpecError(
                     f"--inject {s} could never be found: no other rank holds this one's "

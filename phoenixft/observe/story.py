@@ -105,8 +105,10 @@ class Story:
             then = {"swap": "a spare takes its rank at the next committed step, if there is one",
                     "rebalance": "from the next step it gets a share of the microbatches in "
                                  "proportion to its speed"}.get(e.get("action"), "reported only")
-            return [Line(f"phoenixft: rank {e.get('rank')} ({e.get('wid')}) is a straggler: its "
-                         f"compute per step is {e.get('ratio')}x the other ranks' median over "
+            place = f", {e['where']}" if e.get("where") else ""
+            others = "the same stage's ranks'" if e.get("where") else "the other ranks'"
+            return [Line(f"phoenixft: rank {e.get('rank')} ({e.get('wid')}{place}) is a "
+                         f"straggler: its compute per step is {e.get('ratio')}x {others} median over "
                          f"the last {e.get('window')} steps (step {e.get('step')}; --straggler "
                          f"{e.get('action')}: {then})", failure=True)]
         if ev == "straggler_swapped":

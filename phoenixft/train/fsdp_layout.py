@@ -175,6 +175,9 @@ class Fsdp2Layout(Membership, Holdings, StepMath):
     def can_move(self) -> bool:
         return self.group is None  # `fully_shard` fixed this worker's shard
 
+    def fault_phases(self) -> frozenset[str]:
+        return frozenset({"backward"})
+
     def bind(self, ops: GroupOps, generation: int, microbatches: int,
              groups: dict[str, GroupOps]) -> None:
         self.group.swap(ops, generation)

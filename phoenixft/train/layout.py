@@ -102,6 +102,12 @@ class Membership(ABC):
         generation leaves out exits instead of waiting as a spare)."""
         return True
 
+    def fault_phases(self) -> frozenset[str]:
+        """The fault-injection phases inside the passes this layout reaches: "backward"
+        (a sharded model's reduce-scatter, a pipeline's gradient send/recv), "forward" (a
+        pipeline's activation send/recv)."""
+        return frozenset()
+
 
 class Holdings(ABC):
     """What this rank's training state is, and how it is saved, loaded and resharded.
@@ -280,6 +286,15 @@ class WorkSplit:
 
     def min_world_error(self, min_world: int, world_size: int) -> str | None:
         """Why `--min-nproc min_world` can never take effect with this split, or None."""
+        return None
+
+    def peer_classes(self, world_size: int) -> list[list[int]]:
+        """The ranks whose compute times are comparable (the same work each step): a
+        straggler is a rank slower than the others of its class."""
+        return [list(range(world_size))]
+
+    def where(self, rank: int, world_size: int) -> str | None:
+        """Where rank `rank` sits, for a person (a pipeline: its stage and replica)."""
         return None
 
 

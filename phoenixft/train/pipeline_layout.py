@@ -123,6 +123,9 @@ class PipelineLayout(HsdpLayout):
             forward = (method == "send") == (peer > self.stage)
             self._before_p2p("forward" if forward else "backward")
 
+    def fault_phases(self) -> frozenset[str]:
+        return frozenset({"forward", "backward"})
+
     def mesh_groups(self, rank: int, world_size: int) -> dict[str, tuple[int, int]]:
         u, local = divmod(rank, self.unit)
         s, d = divmod(local, self.dp_shard)
@@ -210,6 +213,14 @@ class PipelineWork(ReplicaGroupWork):
 
     def contributes(self) -> bool:
         return self.layout.stage == self.layout.pp - 1
+
+    def peer_classes(self, world_size: int) -> list[list[int]]:
+        """The same stage and shard in every replica (stages compute different layers)."""
+        return self.layout.vote_classes(world_size)
+
+    def where(self, rank: int, world_size: int) -> str | None:
+        u, local = divmod(rank, self.unit)
+        return f"stage {local // self.dp_shard} of pipeline replica {u}"
 
     def min_world_error(self, min_world: int, world_size: int) -> str | None:
         if min_world % self.unit:

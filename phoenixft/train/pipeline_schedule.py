@@ -137,6 +137,12 @@ class PipelineSchedule(MicrobatchExecutor):
                            "schedule: call step.run_schedule(batch) (batch(j) -> (inputs, "
                            "targets) of microbatch j), not step.microbatches()")
 
+    def blocked_s(self) -> float:
+        waited = getattr(self.group, "blocked_s", 0.0)
+        if self.group is not None:
+            self.group.blocked_s = 0.0
+        return waited
+
     def rebuild(self, module: nn.Module, stage_index: int, group: dist.ProcessGroup) -> None:
         """A new generation: torch's stage and schedules are made again at the next step."""
         self.module, self.stage_index, self.group = module, stage_index, group
@@ -173,6 +179,10 @@ class PipelineSchedule(MicrobatchExecutor):
         if n not in self._schedules:
             cls = {ScheduleKind.GPIPE: ScheduleGPipe,
                    ScheduleKind.ONE_F_ONE_B: Schedule1F1B}[self.spec.schedule]
+            if n < self.spec.pp:
+                # 1F1B needs a microbatch per stage at least; a replica given fewer (a
+                # shrunk job's uneven share) runs them as GPipe, which computes the same
+                cls = ScheduleGPipe
             # the gradient is summed over the microbatches: the layout divides it by the
             # step's M once every replica's sum is in (scale_grads=False)
             self._schedules[n] = cls(self._stage, n, loss_fn=self.spec.loss_fn,

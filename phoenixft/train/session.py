@@ -199,7 +199,7 @@ class Session:
         self.member.injector.check_plan(
             [len(ids) for ids in lay.work.plan(m, self.world_size)],
             receivers=self.member.replica_receivers() if self.generation == 0 else None,
-            votes=votes)
+            votes=votes, layout_phases=lay.members.fault_phases())
 
     def _check_min_world(self, layout) -> None:
         """`--min-nproc` that this layout can never shrink to is refused at set-up, not at
@@ -249,6 +249,7 @@ class Session:
                 member.injector.at_step(self.rank, st.index)
             self._current = st
             self._stragglers.start()
+            state.layout.executor.blocked_s()  # (counted from the step's start)
             yield st
             self._current = None
             try:
@@ -375,7 +376,8 @@ class Session:
         g = state.grad[:lay.total]
         state.layout.math.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
-        g[lay.times.start + self.rank] = self._stragglers.compute_s(self.member.slowdown(st.index))
+        g[lay.times.start + self.rank] = self._stragglers.compute_s(
+            self.member.slowdown(st.index), state.layout.executor.blocked_s())
         if state.layout.work.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
@@ -395,9 +397,12 @@ class Session:
         self._flip(st, "grad", g[lay.grads])
         self._fingerprints.begin(st, state, g[lay.grads], lay.total)
         self._grow_requested = bool(g[lay.grow] > 0)
+        work, world = state.layout.work, self.world_size
         swap = self._stragglers.observe(rank=self.rank, generation=self.generation,
                                         members=self.member.plan.members, step=st.index,
-                                        times=g[lay.times].tolist())
+                                        times=g[lay.times].tolist(),
+                                        classes=work.peer_classes(world),
+                                        where=lambda r: work.where(r, world))
         if swap is not None:  # the leader holds the job at a committed step and swaps it
             kv.set_json(self.store, Keys.straggler(self.generation), swap.to_dict())
         st.loss = float(g[lay.loss]) / st.m

@@ -43,6 +43,11 @@ class MicrobatchExecutor(ABC):
     def microbatches(self, step: Step) -> Iterator[int]:
         """The ids this rank still computes in `step`, in order."""
 
+    def blocked_s(self) -> float:
+        """Seconds this rank waited on other ranks in its microbatches since the last call
+        (a pipeline stage on its neighbours: not its own compute, which stragglers time)."""
+        return 0.0
+
     def run(self, step: Step, batch: Callable[[int], tuple]) -> list[torch.Tensor]:
         """Run the microbatches this rank still computes in `step` (each one's data is
         `batch(j)`), adding them to `step.done`; returns their losses where they are

@@ -17,6 +17,7 @@ import bisect
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 
 from phoenixft.cluster.policy import StragglerReport
 from phoenixft.config import StragglerAction, Stragglers
@@ -34,9 +35,14 @@ def _median_without(order: list[float], i: int) -> float:
 
 
 class StragglerWatch:
-    def __init__(self, world_size: int, window: int, ratio: float) -> None:
+    """Per rank, its time over the median of the other ranks of its class (`classes`: the
+    ranks that do the same work each step; default all of them: data parallelism)."""
+
+    def __init__(self, world_size: int, window: int, ratio: float,
+                 classes: list[list[int]] | None = None) -> None:
         self.window, self.ratio = window, ratio
         self._ratios = [deque(maxlen=window) for _ in range(world_size)]
+        self.classes = classes if classes is not None else [list(range(world_size))]
         self.flagged: set[int] = set()
 
     def observe(self, times: list[float]) -> list[tuple[int, float]]:
@@ -44,11 +50,15 @@ class StragglerWatch:
         with the median ratio that flagged it."""
         if len(times) < 2 or len(times) != len(self._ratios):
             return []
-        order = sorted(times)  # once per step: each rank's "others" is it less one value
-        for r, t in enumerate(times):
-            others = _median_without(order, bisect.bisect_left(order, t))
-            if others > 0:
-                self._ratios[r].append(t / others)
+        for ranks in self.classes:
+            if len(ranks) < 2:
+                continue  # nobody to compare it with
+            # once per class and step: each rank's "others" is it less one value
+            order = sorted(times[r] for r in ranks)
+            for r in ranks:
+                others = _median_without(order, bisect.bisect_left(order, times[r]))
+                if others > 0:
+                    self._ratios[r].append(times[r] / others)
         found = []
         for r, hist in enumerate(self._ratios):
             if len(hist) < self.window:
@@ -86,23 +96,27 @@ class StragglerReporter:
     def start(self) -> None:
         self._t0 = time.perf_counter()
 
-    def compute_s(self, slow_factor: float = 1.0) -> float:
-        t = time.perf_counter() - self._t0
+    def compute_s(self, slow_factor: float = 1.0, blocked_s: float = 0.0) -> float:
+        """Seconds since `start`, less `blocked_s` spent waiting on other ranks inside the
+        step (a pipeline stage on its neighbours)."""
+        t = max(0.0, time.perf_counter() - self._t0 - blocked_s)
         if slow_factor > 1:  # an injected slow device: the same work, `factor` times longer
             time.sleep((slow_factor - 1) * t)
-        return time.perf_counter() - self._t0
+        return max(0.0, time.perf_counter() - self._t0 - blocked_s)
 
     def observe(self, *, rank: int, generation: int, members: dict[int, str], step: int,
-                times: list[float]) -> StragglerReport | None:
+                times: list[float], classes: list[list[int]] | None = None,
+                where: Callable[[int], str | None] | None = None) -> StragglerReport | None:
         """Rank 0: report the stragglers found now; returns the first of them as a swap
-        request (`--straggler swap`), else None."""
+        request (`--straggler swap`), else None. `classes`: `StragglerWatch`'s; `where(r)`
+        names rank r's place in the event (a pipeline's stage)."""
         self.last_times = times
         if self.cfg.action is StragglerAction.OFF or (
                 rank != 0 and self.cfg.action is not StragglerAction.REBALANCE):
             return None
         if generation != self._gen:
             self._watch, self._gen = StragglerWatch(len(times), self.cfg.window,
-                                                    self.cfg.ratio), generation
+                                                    self.cfg.ratio, classes), generation
             self.weights = None
         swap = None
         for r, ratio in self._watch.observe(times):
@@ -114,8 +128,9 @@ class StragglerReporter:
                 continue
             found = StragglerReport(rank=r, wid=members[r], gen=generation, step=step,
                                     ratio=round(ratio, 3), window=self.cfg.window)
+            place = where(r) if where is not None else None
             self.events.emit("straggler", **found.to_dict(), threshold=self.cfg.ratio,
-                             action=self.cfg.action.value)
+                             action=self.cfg.action.value, **({"where": place} if place else {}))
             if self.cfg.action is StragglerAction.SWAP and swap is None:
                 swap = found
         return swap

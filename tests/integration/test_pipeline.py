@@ -36,8 +36,8 @@ STEPS = 6
 EXAMPLE_ARGS = ("--preset", "tiny", "--layers", "4", "--microbatches", "4", "--clip", "1.0")
 
 
-def _pp(tmp_path, *launch: str, script_args: tuple = (), steps: int = STEPS):
-    return run_script(tmp_path, GATED, "--nproc", "4", *launch, timeout=240,
+def _pp(tmp_path, *launch: str, script_args: tuple = (), steps: int = STEPS, nproc: int = 4):
+    return run_script(tmp_path, GATED, "--nproc", str(nproc), *launch, timeout=240,
                       script_args=("--steps", str(steps), *script_args))
 
 
@@ -179,3 +179,33 @@ def test_the_whole_job_killed_resumes_onto_fewer_stages(tmp_path, two_stages):
     for x, y in zip(resumed.summary["losses"], ref.summary["losses"][start:]):
         assert abs(x - y) <= 1e-4 * abs(y), (x, y)
     assert start == newest
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_stage_is_named_and_its_neighbours_are_not(tmp_path):
+    """Rank 3 (stage 1 of replica 1) computes 8x slower: it is compared with the same
+    stage's rank of the other replica and named with its stage; rank 2, its replica's
+    other stage, waits on it in its send/recv, which is not its compute: not flagged."""
+    job = _pp(tmp_path, "--straggler", "report", "--straggler-window", "4",
+              "--straggler-ratio", "3", "--inject", "slow:rank=3:step=2:factor=8",
+              steps=10)
+    assert job.rc == 0, job.out[-3000:]
+    found = job.of("straggler")
+    assert [e["rank"] for e in found] == [3], found
+    assert found[0]["where"] == "stage 1 of pipeline replica 1"
+    assert "rank 3 (n0w3, stage 1 of pipeline replica 1) is a straggler" in job.out
+
+
+@pytest.mark.timeout(400)
+def test_the_vote_across_three_replicas_finds_a_flipped_stage(tmp_path):
+    """3 replicas of 2 stages: the ranks of one stage vote; a bit flipped in rank 3's
+    parameters (stage 1 of replica 1) is outvoted, a spare takes its place, and the final
+    state equals the run without the flip."""
+    ref = _pp(tmp_path / "ref", "--fingerprint-every", "1", steps=5, nproc=6)
+    assert ref.rc == 0, ref.out[-3000:]
+    job = _pp(tmp_path / "flip", "--spares", "1", "--fingerprint-every", "1",
+              "--inject", "flip:rank=3:step=3:where=param", steps=5, nproc=6)
+    assert job.rc == 0, job.out[-3000:]
+    [failure] = job.summary["failures"]
+    assert "differ from the majority" in json.dumps(failure), failure
+    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]

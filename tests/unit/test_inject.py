@@ -143,3 +143,16 @@ def test_a_flip_lands_only_where_it_says():
     assert inj.flips(1, 4, "optim") and not inj.flips(1, 4, "optim")
     assert inj.flips(1, 4, "grad")
     assert claimed == {"flip:rank=1:step=4:where=optim", "flip:rank=1:step=4:where=grad"}
+
+
+@pytest.mark.parametrize("phase,reaches", [("forward", {"forward", "backward"}),
+                                           ("backward", {"backward"})])
+def test_a_phase_inside_the_passes_is_refused_where_the_layout_never_reaches_it(phase, reaches):
+    inj = Injector(parse_env(f"kill:rank=1:step=4:phase={phase}"), WorkerHooks(claim=lambda s: True))
+    inj.check_plan([1, 1], layout_phases=frozenset(reaches))  # a pipeline / a sharded model
+    with pytest.raises(InjectSpecError, match=f"can never fire: phase={phase} is"):
+        inj.check_plan([1, 1], layout_phases=frozenset())  # data parallel: no such point
+    with pytest.raises(InjectSpecError, match="phase=forward is a pipeline's"):
+        Injector(parse_env("kill:rank=1:step=4:phase=forward"),
+                 WorkerHooks(claim=lambda s: True)).check_plan(
+            [1, 1], layout_phases=frozenset({"backward"}))

@@ -45,3 +45,19 @@ def test_the_median_of_the_other_ranks_is_statistics_median_of_them():
             for r, x in enumerate(t):
                 assert _median_without(order, bisect.bisect_left(order, x)) == \
                     statistics.median(t[:r] + t[r + 1:])
+
+
+def test_ranks_are_compared_within_their_class_only():
+    """A pipeline's stages compute different layers: a stage twice as heavy as another is
+    no straggler; a rank slower than the same stage's rank in the other replica is."""
+    classes = [[0, 2], [1, 3]]  # stage 0 and stage 1 of two replicas
+    watch = StragglerWatch(4, window=3, ratio=2.0, classes=classes)
+    found = []
+    for _ in range(3):
+        found += watch.observe([1.0, 2.0, 1.0, 2.0])  # stage 1 twice stage 0: as it is
+    assert found == []
+    whole = StragglerWatch(4, window=3, ratio=1.9)  # one class: stage 1's ranks look slow
+    assert {r for _ in range(3) for r, _ in whole.observe([1.0, 2.0, 1.0, 2.0])} == {1, 3}
+    for _ in range(3):
+        found += watch.observe([1.0, 2.0, 1.0, 5.0])
+    assert [(r, round(x, 2)) for r, x in found] == [(3, 2.5)]
