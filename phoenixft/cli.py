@@ -39,6 +39,7 @@ _BENCHES = [
     "phoenixft.bench.serve_ft",
     "phoenixft.bench.torchft_side",
     "phoenixft.bench.sharded",
+    "phoenixft.bench.pipeline",
     "phoenixft.bench.consensus",
     "phoenixft.bench.control_plane",
     "phoenixft.bench.all",

@@ -75,40 +75,46 @@ def measure(opts: BenchOptions) -> dict:
             "shard_bytes": size["bytes_per_slot"], "copies": size["copies"],
             "host_bytes_per_rank": size["host_bytes_per_rank"],
             "host_per_shard": size["host_bytes_per_rank"] / size["bytes_per_slot"],
-            **_killed(root, args), "wall_s": round(time.time() - t0, 1)}
+            **killed_goodput(root, args, label="sharded", script=FSDP, baseline=FSDP_BASELINE,
+                             phase="backward", microbatches=args.nproc),
+            "wall_s": round(time.time() - t0, 1)}
 
 
-def _killed(root: Path, args: argparse.Namespace) -> dict:
+def killed_goodput(root: Path, args: argparse.Namespace, *, label: str, script: Path,
+                   baseline: Path, phase: str, microbatches: int,
+                   script_extra: tuple[str, ...] = ()) -> dict:
     """phoenixft (a warm spare, persistence on) and torchrun + dcp.async_save with a
-    restart, through the same SIGKILL (see the module docstring): `kill`, phoenixft's
+    restart (`baseline`), through the same SIGKILL of `args.nproc` workers' job (see the
+    module docstring; phoenixft's rank dies at `phase` of the step): `kill`, phoenixft's
     recovery figures, and `torchrun_dcp_async`, the goodput of both."""
     from phoenixft.bench.faults import FaultConfig, drive
     from phoenixft.bench.goodput import measure_mode
     from phoenixft.bench.goodput_jobs import PhoenixJob, TorchrunJob, Workload
     from phoenixft.bench.torchrun_baseline import microbatch_tokens
 
-    work = Workload(preset=args.preset, steps=args.kill_steps, microbatches=args.nproc,
+    work = Workload(preset=args.preset, steps=args.kill_steps, microbatches=microbatches,
                     nproc=args.nproc)
     kill_step = 2 * args.kill_steps // 3
     cfg = FaultConfig(failures=1, at_steps=(kill_step,), timeout_s=args.timeout)
     faults = cfg.step_faults(args.nproc, shrinking=False)
-    jobs = {"spares": PhoenixJob(run_dir=root / "goodput-spares", work=work, script=FSDP,
-                                 script_extra=[], phase="backward", launcher_args=[
+    jobs = {"spares": PhoenixJob(run_dir=root / "goodput-spares", work=work, script=script,
+                                 script_extra=list(script_extra), phase=phase, launcher_args=[
                                      "--spares", "1", "--persist",
                                      # (inside the run dir, emptied at each start: a
                                      # second invocation found the first one's job there)
                                      str(root / "goodput-spares" / "ckpt")]),
             "restart": TorchrunJob(run_dir=root / "goodput-restart", work=work, max_restarts=1,
-                                   ckpt_every=args.ckpt_every, script=FSDP_BASELINE, ckpt="dcp")}
+                                   ckpt_every=args.ckpt_every, script=baseline, ckpt="dcp",
+                                   script_extra=list(script_extra))}
     rows = {}
     for mode, job in jobs.items():
-        print(f"[sharded] goodput {mode}: {' '.join(job.argv())}", flush=True)
+        print(f"[{label}] goodput {mode}: {' '.join(job.argv())}", flush=True)
         rows[mode] = measure_mode(mode, drive(job, cfg, faults), work,
-                                  microbatch_tokens(args.preset) * args.nproc)
+                                  microbatch_tokens(args.preset) * microbatches)
         rows[mode]["processes"] = (f"{args.nproc} + 1 spare, 1 torch thread each" if mode == "spares"
                                    else f"{args.nproc}, new ones per restart, 1 torch thread each")
         if not rows[mode].get("completed"):
-            raise SystemExit(f"phoenixft bench sharded: the goodput run {mode} did not complete "
+            raise SystemExit(f"phoenixft bench {label}: the goodput run {mode} did not complete "
                              f"(rc {rows[mode]['rc']}); see {job.run_dir}")
     if isinstance(jobs["restart"], TorchrunJob):
         rows["restart"]["restarts"] = jobs["restart"].restart_report()

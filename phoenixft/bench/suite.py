@@ -16,6 +16,7 @@ from phoenixft.bench import (
     control_plane,
     goodput,
     overhead,
+    pipeline,
     recovery,
     serve,
     serve_ft,
@@ -98,6 +99,9 @@ SUITE: list[Entry] = [
            ["--steps", "34", "--kill-step", "20", "--no-free-runs"]),
     _bench("sharded", sharded, "4 FSDP2 workers x 1 torch thread (+1 spare for the kill)",
            ["--preset", "tiny", "--blocks", "20", "--kill-steps", "24"]),
+    _bench("pipeline", pipeline, "4 workers (2 stages x 2 replicas) x 1 torch thread (+1 spare "
+           "for the kill); torchrun pipelining beside", ["--preset", "tiny", "--blocks", "20",
+                                                         "--kill-steps", "24"]),
     _bench("consensus", consensus, "3 workers x 1 torch thread per mode (+1 spare for swap; "
            "+1 busy process for the false alarms)", ["--steps", "80", "--noisy-steps", "300"]),
     _bench("control-plane", control_plane, "1 store + 1 leader + 2 hollow-member processes "

@@ -10,10 +10,12 @@ collective to `inner`, a c10d front end over the generation's training group (bu
 `GroupBuilds`), and `swap` puts the next generation's group there.
 
 Failure rule. FSDP2 issues its collectives inside the user's forward and backward and
-waits on them with no timeout. A failed or late collective must neither hang there nor
-raise through the user's loop (the exception would leave the training script). So every
-work this group returns waits with the generation's deadline and interrupt
-(`wait_work`), and a failure is latched instead of raised: the group turns *dead*, the
+waits on them with no timeout (a pipeline schedule its send/recv alike). A failed or late
+collective must neither hang there nor raise through the user's loop (the exception would
+leave the training script). So every work this group returns waits with the generation's
+deadline and interrupt (`wait_work`), a collective that fails as it is issued (gloo
+refuses a send once the peer's connection closed) is not raised either, and a failure is
+latched instead of raised: the group turns *dead*, the
 wait returns, every later collective of the generation completes at once without
 touching its buffers, and the session raises the latched `CommFailure` when the step
 reaches phoenixft again (before its own all-reduce). The step's values after the failure
@@ -204,9 +206,13 @@ def _forwarder(method: str):
         if p2p and self.before_p2p is not None:  # send(tensors, dstRank, tag), recv alike
             peer = args[1] if len(args) > 1 else kwargs["dstRank" if method == "send" else "srcRank"]
             self.before_p2p(method, peer)
-        work = getattr(self.inner, method)(*args, **kwargs)
-        return _Latched(work, self, self.generation,
-                        f"{method} of generation {self.generation}'s mesh group")
+        what = f"{method} of generation {self.generation}'s mesh group"
+        try:
+            work = getattr(self.inner, method)(*args, **kwargs)
+        except RuntimeError as exc:  # gloo refuses a send to a peer whose connection closed
+            self.latch(CommFailure(f"{what} failed as it was issued: {exc}"))
+            return _Done()
+        return _Latched(work, self, self.generation, what)
     forward.__name__ = method
     return forward
 
