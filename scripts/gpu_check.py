@@ -12,6 +12,11 @@
 4. the serving engine on CUDA against transformers on the same random Llama: logits of
    every generated token within tolerance, greedy tokens equal.
 
+No pipeline case: a pipeline's stages are at least two ranks of one communicator, which
+NCCL refuses on one GPU (the FSDP2 case above runs its mesh on one rank for the same
+reason). The pipeline's own parts are the HSDP layout's groups plus torch's schedule;
+on one GPU they would run only over gloo, which is what CI already runs.
+
 `--device cpu` runs the same checks on the CPU (gloo), to try the script itself on a
 machine without a GPU. Writes report.json to $OUT (or runs/gpu-check); exit 0 only when
 every check passed.
