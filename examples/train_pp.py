@@ -227,10 +227,7 @@ def main() -> None:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     torch.set_num_threads(args.threads)
     if "PHOENIXFT_STORE" in os.environ:
-        if args.schedule == "interleaved":
-            ap.error("--schedule interleaved runs under plain torchrun only (phoenixft "
-                     "protects gpipe and 1f1b)")
-        protected(args)
+        protected(args)  # (phoenixft.Pipeline refuses an interleaved schedule, saying why)
     elif args.dp_shard != 1:
         ap.error("--dp-shard > 1 (FSDP2 inside each stage) is this example's under phoenixft "
                  "run only")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.support.jobs import ROOT, kill_tree, plain_torchrun
+from tests.support.jobs import ROOT, kill_tree, plain_torchrun, run_script
 
 PP = ROOT / "examples" / "train_pp.py"
 ARGS = ("--steps", "3", "--preset", "tiny", "--layers", "4", "--microbatches", "4")
@@ -72,9 +72,12 @@ def test_two_pipeline_replicas_train_like_the_unpipelined_model_within_a_bound(t
     assert max(float((params[k] - ref_params[k]).abs().max()) for k in params) < 1e-4
 
 
-def test_under_phoenixft_the_example_says_it_is_not_protected_yet(tmp_path):
-    env = {**os.environ, "PHOENIXFT_STORE": "127.0.0.1:1"}
-    r = subprocess.run([sys.executable, str(PP), *ARGS], env=env, capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 1
-    assert "does not protect pipeline-parallel jobs yet" in r.stderr
+@pytest.mark.timeout(120)
+def test_under_phoenixft_an_interleaved_schedule_is_refused_with_the_fix(tmp_path):
+    """Interleaved 1F1B (two stages per rank) runs under plain torchrun only: under
+    phoenixft run the example says so before any worker trains, instead of running
+    something else."""
+    job = run_script(tmp_path, PP, "--nproc", "2",
+                     script_args=(*ARGS, "--pp", "2", "--schedule", "interleaved"))
+    assert job.rc != 0
+    assert "interleaved schedules run under plain torchrun only" in job.out
