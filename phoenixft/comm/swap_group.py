@@ -185,6 +185,16 @@ class SwapGroup(dist.ProcessGroup):
         return self.failure is None and generation == self.generation
 
 
+_LOST_PEER = ("connection closed", "connection reset", "broken pipe", "connection refused",
+              "timed out", "socket")
+
+
+def _lost_peer(exc: RuntimeError) -> bool:
+    """Whether an error raised as a collective was issued says the peer is gone (gloo
+    raises a plain RuntimeError naming the socket's fate; NCCL a DistError)."""
+    return isinstance(exc, dist.DistError) or any(w in str(exc).lower() for w in _LOST_PEER)
+
+
 def _forwarder(method: str):
     scatter = "reduce_scatter" in method
     p2p = method in ("send", "recv")
@@ -209,7 +219,10 @@ def _forwarder(method: str):
         what = f"{method} of generation {self.generation}'s mesh group"
         try:
             work = getattr(self.inner, method)(*args, **kwargs)
-        except RuntimeError as exc:  # gloo refuses a send to a peer whose connection closed
+        except RuntimeError as exc:
+            if not _lost_peer(exc):  # a bug (a tensor on the wrong device, ...): raised
+                raise
+            # gloo refuses a send to a peer whose connection closed, as it is issued
             self.latch(CommFailure(f"{what} failed as it was issued: {exc}"))
             return _Done()
         return _Latched(work, self, self.generation, what)

@@ -47,7 +47,9 @@ WHEN:
                             a send or recv of activations, in the schedule), backward
                             (a sharded model: as it starts the step's first gradient
                             reduce-scatter, inside the backward pass; a pipeline: as it
-                            issues a send or recv of gradients), reduce (before the gradient all-reduce),
+                            issues a send or recv of gradients; forward and backward
+                            wait, as microbatch=J does, for snapshot T-1's commit),
+                            reduce (before the gradient all-reduce),
                             clip (in step.clip_grad_norm_, before its norm's all-reduce
                             of a sharded model), update (after the all-reduce and any
                             clip, before the optimizer step), snapshot (in the
@@ -278,7 +280,8 @@ class Injector:
                     getattr(s, k) != point.get(k) for k in ("rank", "step", "gen", "microbatch",
                                                             "phase", "where")):
                 continue
-            if s.microbatch is not None and self.hooks.settle is not None:
+            if (s.microbatch is not None or s.phase in LAYOUT_PHASES) \
+                    and self.hooks.settle is not None:
                 self.hooks.settle()
             if self.hooks.claim(str(s)):
                 if self.hooks.on_fire is not None:

@@ -406,7 +406,9 @@ class Fsdp2Layout(Membership, Holdings, StepMath):
             _, offsets = self._placement[name]
             shape = ti.local(params[name]).shape
             mine[key] = whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].clone()
-        self.load_unique(mine, old[0].header.opt)
+        meta = dict(old[0].header.opt)  # (a pipeline's old stages each hold their own names')
+        meta["opt_scalars"] = {k: v for s in old for k, v in s.header.opt.get("opt_scalars", {}).items()}
+        self.load_unique(mine, meta)
 
     @property
     def rank(self) -> int:

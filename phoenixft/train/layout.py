@@ -266,6 +266,10 @@ class WorkSplit:
         """Ranks that compute distinct microbatches (M's default: one microbatch each)."""
         return world_size
 
+    def default_m(self, world_size: int) -> int:
+        """M when `setup` names none: one microbatch per data-parallel rank."""
+        return self.data_ranks(world_size)
+
     def contributes(self) -> bool:
         return True
 

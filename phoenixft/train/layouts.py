@@ -63,7 +63,7 @@ def _pp(a: LayoutArgs) -> Layout:
     from phoenixft.train.pipeline_layout import PipelineLayout, PipelineWork
 
     core = PipelineLayout(a.model, a.optimizer, a.pipeline, a.parallelize, a.scheduler,
-                          dp_shard=a.dp_shard or 1, tp=a.tp,
+                          dp_shard=1 if a.dp_shard is None else a.dp_shard, tp=a.tp,
                           before_reduce_scatter=a.before_reduce_scatter,
                           before_p2p=a.before_p2p)
     return Layout.of("pp", core, PipelineWork(core), executor=core.executor)

@@ -154,7 +154,7 @@ class Member:
         plan = self.await_plan(0, self.cfg.timeouts.spare_wait_s)
         first = Plan.from_json(self.store.get(Keys.plan(0)))
         state.initial_world = first.world_size or 1
-        state.m = state.m or state.layout.work.data_ranks(state.initial_world)
+        state.m = state.m or state.layout.work.default_m(state.initial_world)
         return self.enter(plan, state)
 
     def enter(self, plan: Plan, state: RankState, in_flight: Step | None = None) -> Step | None:

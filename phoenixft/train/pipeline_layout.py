@@ -71,7 +71,11 @@ class PipelineLayout(HsdpLayout):
                          before_reduce_scatter=before_reduce_scatter)
         self.pp = spec.pp
         self.unit = self.pp * self.dp_shard
+        self.unit_words = "pipeline replicas of pp x dp_shard"
         self._full_names = {n for n, _ in model.named_parameters()}
+        # the whole model's: the parameters other stages train are not the rank's fixed
+        # tensors (persisted once, as they are; an export would take them over the trained)
+        self._trained = {n for n, p in model.named_parameters() if p.requires_grad}
         self._before_p2p = before_p2p
         self._pp_ops: GroupOps | None = None
         self.executor = PipelineSchedule(spec, self.device)
@@ -136,11 +140,19 @@ class PipelineLayout(HsdpLayout):
              groups: dict[str, GroupOps]) -> None:
         super().bind(ops, generation, microbatches, groups)
         self._pp_ops = next(g for n, g in groups.items() if n.startswith("pp."))
-        self.executor.rebuild(self.model, self.stage, self.dims["pp"])
+        self._rebuild()
 
     def relocate(self) -> None:
         super().relocate()
-        self.executor.rebuild(self.model, self.stage, self.dims["pp"])
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        # (a stage also waits on the other places of its dp_shard group: their pipelines)
+        self.executor.rebuild(self.model, self.stage, self.dims["pp"],
+                              waits=[self.dims["pp"], self.dims["dp_shard"]])
+
+    def trained_names(self) -> set[str]:
+        return set(self._trained)
 
     # -- the step ----------------------------------------------------------------------
     def clip(self, grads: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
@@ -149,7 +161,7 @@ class PipelineLayout(HsdpLayout):
         self._settle_grads()
 
         def across_stages(norm: torch.Tensor) -> torch.Tensor:
-            t = norm.detach().clone()
+            t = norm.detach().to(self.device, copy=True)
             if math.isinf(norm_type):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dims["pp"])
                 return t
@@ -175,14 +187,15 @@ class PipelineLayout(HsdpLayout):
             if s == self.stage:
                 head = json.dumps([[k, list(t.shape), str(t.dtype).removeprefix("torch.")]
                                    for k, t in mine.items()]).encode()
-                n = torch.tensor([len(head)], dtype=torch.int64)
+                n = torch.tensor([len(head)], dtype=torch.int64, device=self.device)
             else:
-                n = torch.zeros(1, dtype=torch.int64)
-            self._pp_ops.broadcast(n, s, what)
-            buf = (torch.frombuffer(bytearray(head), dtype=torch.uint8) if s == self.stage
-                   else torch.zeros(int(n), dtype=torch.uint8))
+                n = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._pp_ops.broadcast(n, s, what)  # (NCCL sends device memory only)
+            buf = (torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.device)
+                   if s == self.stage else torch.zeros(int(n), dtype=torch.uint8,
+                                                       device=self.device))
             self._pp_ops.broadcast(buf, s, what)
-            for k, shape, dtype in json.loads(bytes(buf.tolist()).decode()):
+            for k, shape, dtype in json.loads(bytes(buf.cpu().tolist()).decode()):
                 t = mine[k].to(self.device) if s == self.stage else torch.empty(
                     shape, dtype=getattr(torch, dtype), device=self.device)
                 self._pp_ops.broadcast(t, s, what)
@@ -210,6 +223,10 @@ class PipelineWork(ReplicaGroupWork):
 
     def data_ranks(self, world_size: int) -> int:
         return world_size // self.unit * self.dp_shard
+
+    def default_m(self, world_size: int) -> int:
+        """A microbatch per stage for each data-parallel place: 1F1B's least."""
+        return self.data_ranks(world_size) * self.layout.pp
 
     def contributes(self) -> bool:
         return self.layout.stage == self.layout.pp - 1

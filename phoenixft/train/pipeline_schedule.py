@@ -121,8 +121,8 @@ class PipelineSchedule(MicrobatchExecutor):
         self.stage_index = -1
         self.group: dist.ProcessGroup | None = None
         self._stage = None
-        self._schedules: dict[int, object] = {}
-        self.on_p2p: Callable[[str], None] | None = None  # (phase) fault injection's hook
+        self._schedule_n: tuple[int, object] | None = None  # (n, the schedule for n)
+        self._waits: list = []  # groups whose waits are not this rank's compute
 
     @property
     def first(self) -> bool:
@@ -138,15 +138,18 @@ class PipelineSchedule(MicrobatchExecutor):
                            "targets) of microbatch j), not step.microbatches()")
 
     def blocked_s(self) -> float:
-        waited = getattr(self.group, "blocked_s", 0.0)
-        if self.group is not None:
-            self.group.blocked_s = 0.0
+        waited = sum(g.blocked_s for g in self._waits)
+        for g in self._waits:
+            g.blocked_s = 0.0
         return waited
 
-    def rebuild(self, module: nn.Module, stage_index: int, group: dist.ProcessGroup) -> None:
-        """A new generation: torch's stage and schedules are made again at the next step."""
+    def rebuild(self, module: nn.Module, stage_index: int, group: dist.ProcessGroup,
+                waits: list | None = None) -> None:
+        """A new generation: torch's stage and schedule are made again at the next step.
+        `waits`: the `SwapGroup`s whose waits `blocked_s` counts (default: `group`)."""
         self.module, self.stage_index, self.group = module, stage_index, group
-        self._stage, self._schedules = None, {}
+        self._waits = waits if waits is not None else [group]
+        self._stage, self._schedule_n = None, None
 
     def _build_stage(self, x: torch.Tensor):
         """torch's `PipelineStage` for this generation, its shapes passed down the pipeline
@@ -158,14 +161,14 @@ class PipelineSchedule(MicrobatchExecutor):
                 dist.get_global_rank(g, s + 1) if not self.last else -1]
         if self.first:
             inp = torch.empty(x.shape, dtype=x.dtype, device="meta")
-        else:
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+        else:  # (on the device: NCCL sends device memory only)
+            meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
             dist.recv(meta, src=peer[0], group=g)
-            inp = _decode(meta)
+            inp = _decode(meta.cpu())
         probe = x if self.first else torch.zeros(inp.shape, dtype=inp.dtype, device=self.device)
         out = _probe_forward(self.module, probe)
         if not self.last:
-            dist.send(_encode(out), dst=peer[1], group=g)
+            dist.send(_encode(out).to(self.device), dst=peer[1], group=g)
         # what autograd connects: a stage's floating-point output needs the next stage's
         # gradient, and its floating-point input (activations) sends one back
         trains = any(p.requires_grad for p in self.module.parameters())
@@ -176,7 +179,8 @@ class PipelineSchedule(MicrobatchExecutor):
     def _schedule(self, n: int):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-        if n not in self._schedules:
+        if self._schedule_n is None or self._schedule_n[0] != n:
+            # one at a time: a schedule's set-up rewrites the stage's buffers for its n
             cls = {ScheduleKind.GPIPE: ScheduleGPipe,
                    ScheduleKind.ONE_F_ONE_B: Schedule1F1B}[self.spec.schedule]
             if n < self.spec.pp:
@@ -185,9 +189,9 @@ class PipelineSchedule(MicrobatchExecutor):
                 cls = ScheduleGPipe
             # the gradient is summed over the microbatches: the layout divides it by the
             # step's M once every replica's sum is in (scale_grads=False)
-            self._schedules[n] = cls(self._stage, n, loss_fn=self.spec.loss_fn,
-                                     scale_grads=False)
-        return self._schedules[n]
+            self._schedule_n = (n, cls(self._stage, n, loss_fn=self.spec.loss_fn,
+                                       scale_grads=False))
+        return self._schedule_n[1]
 
     def run(self, step: Step, batch: Batch) -> list[torch.Tensor]:
         """Run the microbatches of `step` this replica still computes; returns their losses
@@ -225,7 +229,7 @@ class PipelineSchedule(MicrobatchExecutor):
             # the pp group failed (latched): what the schedule did after it is garbage and
             # may trip torch's checks; the session recovers when the loop body returns
             step.failure = failed
-            self._stage = None
+            self._stage, self._schedule_n = None, None
             return []
         finally:
             for p, g in held.items():

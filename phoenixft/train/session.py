@@ -188,6 +188,16 @@ class Session:
         self._warm_up(optimizer)
         self._pending = self.member.start(self.state)
         self._check_min_world(layout)
+        action = self.cfg.stragglers.action
+        if action is not StragglerAction.OFF and self.world_size > 1 and all(
+                len(c) < 2 for c in layout.work.peer_classes(self.world_size)):
+            why = ("a rank is compared with the ranks that do the same work (a pipeline stage "
+                   "with the same stage of the other replicas), and this job has one of each")
+            if action is not StragglerAction.REPORT:  # (report is the default: said, not refused)
+                raise ConfigError(f"--straggler {action}: {why}: run 2 pipeline replicas at "
+                                  "least, or --straggler report|off")
+            if self.rank == 0:
+                self.events.emit("stragglers_unwatched", reason=why)
         m = self.state.m_for(self.world_size)
         lay = self.state.layout
         # whether a vote can ever compare this rank's gradients and parameters with a copy
@@ -376,8 +386,13 @@ class Session:
         g = state.grad[:lay.total]
         state.layout.math.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
-        g[lay.times.start + self.rank] = self._stragglers.compute_s(
-            self.member.slowdown(st.index), state.layout.executor.blocked_s())
+        t = self._stragglers.compute_s(self.member.slowdown(st.index),
+                                       state.layout.executor.blocked_s())
+        if not state.layout.executor.user_loop and st.done:
+            # a pipeline replica's share may differ from another's (an uneven plan): its
+            # stages are compared per microbatch
+            t /= len(st.done)
+        g[lay.times.start + self.rank] = t
         if state.layout.work.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
@@ -413,6 +428,8 @@ class Session:
         """`Step.clip_grad_norm_`: the global norm of the averaged gradient, computed and
         applied per parameter exactly as `torch.nn.utils.clip_grad_norm_` does (over every
         shard of a sharded model: `layout.math.clip`)."""
+        if st.failure is not None:  # (a pipeline schedule that a failure cut short)
+            return torch.tensor(float("nan"))
         if len(st.done) < len(st.ids):
             raise RuntimeError(f"step {st.index}: clip_grad_norm_ must come after every "
                                "microbatch's backward (it reduces the step's gradients)")

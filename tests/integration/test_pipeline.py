@@ -154,7 +154,8 @@ def test_the_whole_job_killed_resumes_onto_fewer_stages(tmp_path, two_stages):
     """4 stages on 4 ranks, the whole job SIGKILLed at step 6; --resume onto 2 stages on 2
     ranks from the 4 ranks' records: the losses of the 2-stage run that never failed (one
     pipeline replica computes what the unpipelined model does, at any depth). `ckpt
-    export` of the 4-stage records is the whole model."""
+    export` of the 4-stage records is the whole model, and of the final step the model
+    as trained."""
     ref, _ = two_stages
     ckpt = tmp_path / "ckpt"
     persist = ("--persist", str(ckpt), "--persist-every", "2", "--persist-cpu-share", "1")
@@ -171,7 +172,8 @@ def test_the_whole_job_killed_resumes_onto_fewer_stages(tmp_path, two_stages):
     assert {k: v.shape for k, v in exported.items()} == \
         {k: v.shape for k, v in full.state_dict().items()}
     resumed = run_script(tmp_path / "resumed", PP, "--nproc", "2", *persist, "--resume",
-                         timeout=240, script_args=(*EXAMPLE_ARGS, "--pp", "2", "--steps", "8"))
+                         timeout=240, script_args=(*EXAMPLE_ARGS, "--pp", "2", "--steps", "8",
+                                                   "--out-dir", str(tmp_path / "final")))
     assert resumed.rc == 0, resumed.out[-3000:]
     start = resumed.summary["resumed_from"]
     assert 0 < start < 6 and resumed.of("resumed")[0]["from_world_size"] == 4
@@ -179,6 +181,15 @@ def test_the_whole_job_killed_resumes_onto_fewer_stages(tmp_path, two_stages):
     for x, y in zip(resumed.summary["losses"], ref.summary["losses"][start:]):
         assert abs(x - y) <= 1e-4 * abs(y), (x, y)
     assert start == newest
+    # the final step's records, exported, are the trained model (every stage's parameters
+    # as the session holds them at the end, none of them the initial copy a rank keeps
+    # of another stage's layers)
+    subprocess.run([*PHOENIXFT, "ckpt", "export", str(ckpt), "--to", str(tmp_path / "hf8")],
+                   cwd=ROOT, check=True, timeout=120)
+    final = load_file(str(tmp_path / "hf8" / "model.safetensors"))
+    trained = load_file(str(tmp_path / "final" / "stages.safetensors"))
+    assert final.keys() == trained.keys()
+    assert [k for k in final if not torch.equal(final[k], trained[k])] == []
 
 
 @pytest.mark.timeout(300)

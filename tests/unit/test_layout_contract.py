@@ -196,8 +196,11 @@ def _resharded(rank: int, kind: str, addr: str, world: int, prefix: str, old: li
     m, lay, ops = _joined(kind, 100 + rank, addr, rank, world, prefix)
     lay.state.reshard([Snapshot(SnapshotHeader.from_json(h.encode(), "test"), t) for t, h in old])
     full = _full(lay, ops)
+    # the parameters this rank's model trains: a sharded one's are DTensors (a pipeline
+    # stage's only; the rest of the model on that rank is never trained there)
+    sharded = {n for n, p in m.named_parameters() if hasattr(p, "full_tensor")}
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for n, p in m.named_parameters() if n in lay.state.trained_names()}
+              for n, p in m.named_parameters() if not sharded or n in sharded}
     return full, params
 
 
