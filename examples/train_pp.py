@@ -24,7 +24,8 @@ Under `phoenixft run` the same job is protected (`phoenixft.Pipeline`):
 phoenixft builds the mesh (its replicas are --nproc / (--pp x --dp-shard); --dp is not
 used), this script's `split` returns the rank's stage, each step's loop body is
 `step.run_schedule(batch)`, and a dead stage's rank is hot-swapped while the other ranks
-keep their processes. --dp-shard > 1 shards each stage with FSDP2 (phoenixft run only).
+keep their processes. --dp-shard > 1 shards each stage with FSDP2, --tp > 1 cuts its
+MLPs with tensor parallelism (phoenixft run only).
 """
 
 import argparse
@@ -174,6 +175,25 @@ def pipelined(args) -> None:
     dist.destroy_process_group()
 
 
+def parallelize_stage(stage: LlamaStage, mesh) -> None:
+    """--tp > 1: each decoder layer's MLP cut over mesh["tp"] (gate and up by columns, down
+    by rows), then FSDP2 over mesh["dp_shard"] per layer and on the stage."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    for layer in stage.model.layers.values():
+        # src_data_rank=None: every rank built the same weights (a spare cuts its own)
+        parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(),
+                                                   "up_proj": ColwiseParallel(),
+                                                   "down_proj": RowwiseParallel()},
+                           src_data_rank=None)
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(stage, mesh=mesh["dp_shard"])
+
+
 def protected(args) -> None:
     """The pipelined job under `phoenixft run`: phoenixft splits, schedules and recovers."""
     import phoenixft
@@ -184,7 +204,8 @@ def protected(args) -> None:
         pp=args.pp, schedule=args.schedule, loss_fn=loss_fn,
         split=lambda m, pp_mesh: LlamaStage(m, pp_mesh.get_local_rank(), args.pp))
     sess.setup(model, lambda params: adamw(args, params), pipeline=pipeline,
-               dp_shard=args.dp_shard, microbatches=args.microbatches)
+               dp_shard=args.dp_shard, tp=args.tp, microbatches=args.microbatches,
+               parallelize=parallelize_stage if args.tp > 1 else None)
     for step in sess.steps(args.steps):
         step.run_schedule(lambda j, i=step.index: windows.get(i, j))
         if args.clip:
@@ -209,6 +230,8 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1, help="pipeline replicas (data parallel)")
     ap.add_argument("--dp-shard", type=int, default=1,
                     help="ranks per stage, sharding it with FSDP2 (phoenixft run only)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallelism inside each stage (its MLPs; phoenixft run only)")
     ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                     help="interleaved: two stages per rank (needs 2 x --pp layers at least)")
     ap.add_argument("--microbatches", type=int, default=4,
@@ -222,15 +245,15 @@ def main() -> None:
                     help="write each stage's final parameters (stage{i}.safetensors, from the "
                          "first replica) and the per-step losses (losses.json) here")
     args = ap.parse_args()
-    for flag in ("steps", "pp", "dp", "dp_shard", "microbatches", "threads"):
+    for flag in ("steps", "pp", "dp", "dp_shard", "tp", "microbatches", "threads"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     torch.set_num_threads(args.threads)
     if "PHOENIXFT_STORE" in os.environ:
         protected(args)  # (phoenixft.Pipeline refuses an interleaved schedule, saying why)
-    elif args.dp_shard != 1:
-        ap.error("--dp-shard > 1 (FSDP2 inside each stage) is this example's under phoenixft "
-                 "run only")
+    elif args.dp_shard != 1 or args.tp != 1:
+        ap.error("--dp-shard and --tp > 1 (FSDP2, tensor parallelism inside each stage) are "
+                 "this example's under phoenixft run only")
     elif "RANK" in os.environ:
         pipelined(args)
     elif args.pp != 1 or args.dp != 1:

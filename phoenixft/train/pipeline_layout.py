@@ -2,15 +2,18 @@
 groups whose members are a pipeline's stages (`hsdp_layout.py`); a pipeline replica is
 the unit of failure (ReCoVer's unit once no spare is left).
 
-Ranks. A job of R pipeline replicas of `pp` stages of `dp_shard` ranks each: rank
-r * U + s * dp_shard + d (U = pp x dp_shard: a replica's ranks are consecutive, stage by
-stage). Each rank gets a DeviceMesh ("pp", "dp_shard") over its replica's ranks, each
-dimension a `SwapGroup`: the user's `split(model, mesh["pp"])` returns this rank's stage
-module (torchtitan's splitter), then `parallelize(stage, mesh)` shards it with FSDP2 over
-mesh["dp_shard"] (default: one `fully_shard` of the stage; with dp_shard = 1 a shard is
-the whole stage). The pipeline's send/recv go over the "pp" group, a stage's FSDP2
-collectives over "dp_shard": both are the generation's communicators underneath, swapped
-at a recovery while the stage module, its parameters and the optimizer stay.
+Ranks. A job of R pipeline replicas of `pp` stages of `dp_shard x tp` ranks each: rank
+r * U + (s * dp_shard + d) * tp + t (U = pp x dp_shard x tp: a replica's ranks are
+consecutive, stage by stage, a tp group's innermost). Each rank gets a DeviceMesh ("pp",
+"dp_shard"[, "tp"]) over its replica's ranks, each dimension a `SwapGroup`: the user's
+`split(model, mesh["pp"])` returns this rank's stage module (torchtitan's splitter), then
+`parallelize(stage, mesh)` applies tensor parallelism over mesh["tp"] and FSDP2 over
+mesh["dp_shard"] (default, without tp: one `fully_shard` of the stage; with dp_shard = 1
+a shard is the whole stage). The pipeline's send/recv go over the "pp" group (the ranks
+of one (dp_shard, tp) place in every stage: a tp group's ranks run the same pipeline on
+the same microbatches), a stage's FSDP2 and tp collectives over "dp_shard" and "tp": all
+are the generation's communicators underneath, swapped at a recovery while the stage
+module, its parameters and the optimizer stay.
 
 The step (`PipelineSchedule`, pipeline_schedule.py) runs the replica's microbatches
 through torch's schedule, which sums their gradients on each stage (FSDP2 reduce-scatters
@@ -51,7 +54,7 @@ from phoenixft.train.clip import clip_grad_norm_
 from phoenixft.train.hsdp_layout import HsdpLayout, ReplicaGroupWork
 from phoenixft.train.pipeline_schedule import Pipeline, PipelineSchedule
 
-PP_DIMS = ("pp", "dp_shard")
+PP_DIMS = ("pp", "dp_shard", "tp")
 
 
 class PipelineLayout(HsdpLayout):
@@ -62,16 +65,17 @@ class PipelineLayout(HsdpLayout):
     def __init__(self, model: nn.Module, factory, spec: Pipeline, parallelize=None,
                  scheduler=None, *, dp_shard: int = 1, tp: int = 1,
                  before_reduce_scatter=None, before_p2p=None) -> None:
-        if tp != 1:
-            raise ConfigError(f"tp={tp} with a pipeline: tensor parallelism inside a pipeline "
-                              "stage is not supported yet (pp x dp_shard is)")
+        if tp != 1 and parallelize is None:
+            raise ConfigError(f"tp={tp} with a pipeline needs parallelize=: tensor parallelism "
+                              "inside a stage is the user's parallelize_module over mesh[\"tp\"] "
+                              "(then fully_shard over mesh[\"dp_shard\"])")
         self.spec = spec
         self._user_parallelize = parallelize
-        super().__init__(model, factory, self._split, scheduler, tp=1, dp_shard=dp_shard,
+        super().__init__(model, factory, self._split, scheduler, tp=tp, dp_shard=dp_shard,
                          before_reduce_scatter=before_reduce_scatter)
         self.pp = spec.pp
-        self.unit = self.pp * self.dp_shard
-        self.unit_words = "pipeline replicas of pp x dp_shard"
+        self.unit = self.pp * self.dp_shard * self.tp
+        self.unit_words = "pipeline replicas of pp x dp_shard x tp"
         self._full_names = {n for n, _ in model.named_parameters()}
         # the whole model's: the parameters other stages train are not the rank's fixed
         # tensors (persisted once, as they are; an export would take them over the trained)
@@ -84,7 +88,7 @@ class PipelineLayout(HsdpLayout):
     @property
     def stage(self) -> int:
         """This worker's stage, for life (-1 before its first join)."""
-        return self._local // self.dp_shard if self._local >= 0 else -1
+        return self._local // (self.dp_shard * self.tp) if self._local >= 0 else -1
 
     def _split(self, model: nn.Module, mesh) -> None:
         """`Fsdp2Layout.join`'s parallelize: this rank's stage from the user's split, then
@@ -111,14 +115,23 @@ class PipelineLayout(HsdpLayout):
     def _make_mesh(self, rank: int, world_size: int):
         from torch.distributed.device_mesh import DeviceMesh
         base = rank - rank % self.unit
-        grid = torch.arange(base, base + self.unit).view(self.pp, self.dp_shard)
-        s, d = divmod(rank % self.unit, self.dp_shard)
-        self.dims = {"pp": sub_group("pp", grid[:, d].tolist(), rank),
-                     "dp_shard": sub_group("dp_shard", grid[s].tolist(), rank)}
+        grid = torch.arange(base, base + self.unit).view(self.pp, self.dp_shard, self.tp)
+        s, d, t = self._coords(rank)
+        self.dims = {"pp": sub_group("pp", grid[:, d, t].tolist(), rank),
+                     "dp_shard": sub_group("dp_shard", grid[s, :, t].tolist(), rank)}
+        if self.tp > 1:
+            self.dims["tp"] = sub_group("tp", grid[s, d].tolist(), rank)
         self.dims["dp_shard"].before_reduce_scatter = self._before_reduce_scatter
         self.dims["pp"].before_p2p = self._on_p2p
-        return DeviceMesh.from_group(list(self.dims.values()), self.device.type, mesh=grid,
-                                     mesh_dim_names=PP_DIMS)
+        names = PP_DIMS if self.tp > 1 else PP_DIMS[:2]
+        return DeviceMesh.from_group(list(self.dims.values()), self.device.type,
+                                     mesh=grid if self.tp > 1 else grid[..., 0],
+                                     mesh_dim_names=names)
+
+    def _coords(self, rank: int) -> tuple[int, int, int]:
+        """(stage, place in its dp_shard group, place in its tp group) of `rank`."""
+        s, rest = divmod(rank % self.unit, self.dp_shard * self.tp)
+        return (s, *divmod(rest, self.tp))
 
     def _on_p2p(self, method: str, peer: int) -> None:
         """A send or recv of the "pp" group is about to be issued: activations go to the
@@ -132,9 +145,12 @@ class PipelineLayout(HsdpLayout):
 
     def mesh_groups(self, rank: int, world_size: int) -> dict[str, tuple[int, int]]:
         u, local = divmod(rank, self.unit)
-        s, d = divmod(local, self.dp_shard)
-        return {f"pp.{u}.{d}": (s, self.pp), f"dp_shard.{u}.{s}": (d, self.dp_shard),
-                f"dp_replicate.{local}": (u, world_size // self.unit)}
+        s, d, t = self._coords(rank)
+        out = {f"pp.{u}.{d}.{t}": (s, self.pp), f"dp_shard.{u}.{s}.{t}": (d, self.dp_shard),
+               f"dp_replicate.{local}": (u, world_size // self.unit)}
+        if self.tp > 1:
+            out[f"tp.{u}.{s}.{d}"] = (t, self.tp)
+        return out
 
     def bind(self, ops: GroupOps, generation: int, microbatches: int,
              groups: dict[str, GroupOps]) -> None:
@@ -149,7 +165,7 @@ class PipelineLayout(HsdpLayout):
     def _rebuild(self) -> None:
         # (a stage also waits on the other places of its dp_shard group: their pipelines)
         self.executor.rebuild(self.model, self.stage, self.dims["pp"],
-                              waits=[self.dims["pp"], self.dims["dp_shard"]])
+                              waits=list(self.dims.values()))
 
     def trained_names(self) -> set[str]:
         return set(self._trained)
@@ -218,8 +234,10 @@ class PipelineWork(ReplicaGroupWork):
         super().__init__(layout)
 
     def data_index(self, rank: int) -> int:
+        """The ranks of a stage's tp group compute the same microbatches, and every stage
+        of a replica those of its place in dp_shard."""
         u, local = divmod(rank, self.unit)
-        return u * self.dp_shard + local % self.dp_shard
+        return u * self.dp_shard + (local // self.tp) % self.dp_shard
 
     def data_ranks(self, world_size: int) -> int:
         return world_size // self.unit * self.dp_shard
@@ -229,7 +247,9 @@ class PipelineWork(ReplicaGroupWork):
         return self.data_ranks(world_size) * self.layout.pp
 
     def contributes(self) -> bool:
-        return self.layout.stage == self.layout.pp - 1
+        """The last stage's ranks, one of each tp group."""
+        lay = self.layout
+        return lay.stage == lay.pp - 1 and (lay.group is None or lay.rank % lay.tp == 0)
 
     def peer_classes(self, world_size: int) -> list[list[int]]:
         """The same stage and shard in every replica (stages compute different layers)."""
@@ -237,11 +257,11 @@ class PipelineWork(ReplicaGroupWork):
 
     def where(self, rank: int, world_size: int) -> str | None:
         u, local = divmod(rank, self.unit)
-        return f"stage {local // self.dp_shard} of pipeline replica {u}"
+        return f"stage {local // (self.dp_shard * self.tp)} of pipeline replica {u}"
 
     def min_world_error(self, min_world: int, world_size: int) -> str | None:
         if min_world % self.unit:
             return (f"--min-nproc {min_world}: a pipeline replica ({self.unit} ranks: pp x "
-                    f"dp_shard) leaves the job whole, so it can only shrink to a multiple of "
+                    f"dp_shard x tp) leaves the job whole, so it can only shrink to a multiple of "
                     f"{self.unit}")
         return None

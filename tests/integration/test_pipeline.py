@@ -10,7 +10,8 @@
 - No spare: the dead rank's pipeline replica leaves whole, the other takes its
   microbatches (each step's audit equals the failure-free run's), and --respawn brings a
   replica back.
-- pp=2 with FSDP2 inside each stage (dp_shard=2) + 1 spare: a rank killed, same digest.
+- pp=2 with FSDP2 inside each stage (dp_shard=2), or tensor parallelism (tp=2), + 1 spare:
+  a rank killed, same digest.
 - The whole job killed: --resume onto 2 stages from a 4-stage run's records, and `ckpt
   export` of the 4-stage checkpoint is the whole model.
 """
@@ -138,8 +139,11 @@ def test_without_a_spare_a_replica_leaves_and_comes_back(tmp_path, reference):
 
 
 @pytest.mark.timeout(400)
-def test_fsdp2_inside_each_stage_hot_swaps_a_rank(tmp_path):
-    args = ("--dp-shard", "2")
+@pytest.mark.parametrize("inside", ["--dp-shard", "--tp"])
+def test_fsdp2_or_tensor_parallelism_inside_each_stage_hot_swaps_a_rank(tmp_path, inside):
+    """pp 2 x dp_shard 2 (FSDP2 in each stage), or pp 2 x tp 2 (each stage's MLPs cut over
+    a tp group, its two ranks running the same pipeline): rank 3 killed, same digest."""
+    args = (inside, "2")
     ref = _pp(tmp_path / "ref", script_args=args)
     assert ref.rc == 0, ref.out[-3000:]
     job = _pp(tmp_path / "kill", "--spares", "1", "--inject", "kill:rank=3:step=4:phase=backward",

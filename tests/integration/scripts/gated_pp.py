@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--dp-shard", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--hold-at", type=int, default=0, help="wait at this step for new spares")
     ap.add_argument("--spares", type=int, default=2, help="respawned workers to wait for")
     args = ap.parse_args()
@@ -37,7 +38,8 @@ def main() -> None:
         pp=args.pp, schedule="1f1b", loss_fn=train_pp.loss_fn,
         split=lambda m, mesh: train_pp.LlamaStage(m, mesh.get_local_rank(), args.pp))
     sess.setup(model, lambda p: train_pp.adamw(job, p), pipeline=pipeline,
-               dp_shard=args.dp_shard, microbatches=4)
+               dp_shard=args.dp_shard, tp=args.tp, microbatches=4,
+               parallelize=train_pp.parallelize_stage if args.tp > 1 else None)
     for step in sess.steps(args.steps):
         if step.index == args.hold_at and not step.retry:
             hold(run_dir, None, args.spares)
