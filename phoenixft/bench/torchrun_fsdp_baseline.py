@@ -75,6 +75,60 @@ def newest_complete(root: Path) -> tuple[int, Path] | None:
     return max(done) if done else None
 
 
+class AsyncSaves:
+    """torchtitan's way with `dcp.async_save`: the model's and optimizer's state dicts
+    (`get_state_dict`) saved every K steps into ``<root>/step-N`` over a gloo group of
+    their own, one save in flight (the previous awaited before the next starts), and on
+    (re)start the newest complete one loaded. Rank 0 logs each save's start (the stall)
+    and end."""
+
+    def __init__(self, root: Path, module, opt, every: int, group, log: EventLog, rank: int,
+                 options=None) -> None:
+        self.root, self.module, self.opt, self.every = root, module, opt, every
+        self.group, self.log, self.rank, self.options = group, log, rank, options
+        self.pending = None  # the save in flight: (step, future, when it started)
+        root.mkdir(parents=True, exist_ok=True)
+
+    def load_newest(self) -> int:
+        """The newest complete save into the module and optimizer; its step (0: none)."""
+        found = newest_complete(self.root)
+        if found is None:
+            return 0
+        step, path = found
+        msd, osd = get_state_dict(self.module, self.opt, options=self.options)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.module, self.opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=self.options)
+        return step
+
+    def after_step(self, step: int) -> None:
+        if step % self.every:
+            return
+        t0 = time.perf_counter()
+        self._await()
+        msd, osd = get_state_dict(self.module, self.opt, options=self.options)
+        fut = dcp.async_save({"model": msd, "optim": osd},
+                             checkpoint_id=str(self.root / f"step-{step}"),
+                             process_group=self.group)
+        self.pending = (step, fut, t0)
+        if self.rank == 0:
+            self.log.emit("checkpoint_started", step=step,
+                          stall_s=round(time.perf_counter() - t0, 4))
+
+    def _await(self) -> None:
+        if self.pending is None:
+            return
+        step, fut, t0 = self.pending
+        fut.result()
+        self.pending = None
+        if self.rank == 0:
+            self.log.emit("checkpoint", step=step, save_s=round(time.perf_counter() - t0, 4))
+
+    def finish(self) -> None:
+        self._await()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     kills = parse_kills(args.kill_at)
@@ -105,24 +159,14 @@ def main(argv: list[str] | None = None) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=0.01)
-    root = Path(args.ckpt)
-    root.mkdir(parents=True, exist_ok=True)
-    start = 0
-    found = newest_complete(root)
-    if found is not None:
-        start, path = found
-        msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+    saves = AsyncSaves(Path(args.ckpt), model, opt, args.ckpt_every, saver, log, rank)
+    start = saves.load_newest()
     corpus = stdlib_corpus(EOS_ID, max_bytes=2_000_000 if args.preset == "tiny" else None)
     windows = MicrobatchWindows(corpus, context=cfg.max_position_embeddings,
                                 batch=BATCH[args.preset], seed=args.seed)
     log.emit("resumed", step=start, init_s=round(time.time() - t_launch, 3))
 
     claims = Path(args.events or args.ckpt).parent
-    pending = None  # the async save in flight: (step, future, when it started)
     for step in range(start + 1, args.steps + 1):
         maybe_self_kill(kills, rank, step, claims, log, world)
         x, y = windows.get(step, rank)
@@ -132,23 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         opt.zero_grad(set_to_none=True)
         if rank == 0:
             log.emit("step", step=step, loss=float(loss.detach()), world_size=world)
-        if step % args.ckpt_every == 0:
-            t0 = time.perf_counter()
-            if pending is not None:
-                pending[1].result()  # one save in flight
-                if rank == 0:
-                    log.emit("checkpoint", step=pending[0], save_s=round(time.perf_counter() - pending[2], 4))
-            msd, osd = get_state_dict(model, opt)
-            fut = dcp.async_save({"model": msd, "optim": osd},
-                                 checkpoint_id=str(root / f"step-{step}"), process_group=saver)
-            pending = (step, fut, t0)
-            if rank == 0:
-                log.emit("checkpoint_started", step=step,
-                         stall_s=round(time.perf_counter() - t0, 4))
-    if pending is not None:
-        pending[1].result()
-        if rank == 0:
-            log.emit("checkpoint", step=pending[0], save_s=round(time.perf_counter() - pending[2], 4))
+        saves.after_step(step)
+    saves.finish()
     log.emit("done", step=args.steps)
     dist.barrier()
     dist.destroy_process_group()

@@ -30,17 +30,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 
 from phoenixft.bench.torchrun_baseline import BATCH, init_process_group, maybe_self_kill, parse_kills
-from phoenixft.bench.torchrun_fsdp_baseline import newest_complete
+from phoenixft.bench.torchrun_fsdp_baseline import AsyncSaves
 from phoenixft.models.llama import EOS_ID, LlamaForCausalLM, LlamaStage, preset
 from phoenixft.observe.events import EventLog
 from phoenixft.train.data import MicrobatchWindows, stdlib_corpus
@@ -109,17 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     schedule = Schedule1F1B(stage, local_m, loss_fn=_loss)
     params = [p for p in stage_mod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    root = Path(args.ckpt)
-    root.mkdir(parents=True, exist_ok=True)
-    start = 0
-    found = newest_complete(root)
-    if found is not None:
-        start, path = found
-        msd, osd = get_state_dict(stage_mod, opt, options=FLAT)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(stage_mod, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=FLAT)
+    saves = AsyncSaves(Path(args.ckpt), stage_mod, opt, args.ckpt_every, saver, log, rank,
+                       options=FLAT)
+    start = saves.load_newest()
     corpus = stdlib_corpus(EOS_ID, max_bytes=2_000_000 if args.preset == "tiny" else None)
     windows = MicrobatchWindows(corpus, context=cfg.max_position_embeddings,
                                 batch=BATCH[args.preset], seed=args.seed)
@@ -128,7 +115,6 @@ def main(argv: list[str] | None = None) -> None:
     claims = Path(args.events or args.ckpt).parent
     first, last = s == 0, s == args.pp - 1
     ids = range(d * local_m, (d + 1) * local_m)
-    pending = None  # the async save in flight: (step, future, when it started)
     for step in range(start + 1, args.steps + 1):
         maybe_self_kill(kills, rank, step, claims, log, world)
         pairs = [windows.get(step, j) for j in ids]
@@ -147,24 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         if last and d == 0:
             log.emit("step", step=step, loss=sum(float(v) for v in losses) / len(losses),
                      world_size=world)
-        if step % args.ckpt_every == 0:
-            t0 = time.perf_counter()
-            if pending is not None:
-                pending[1].result()  # one save in flight
-                if rank == 0:
-                    log.emit("checkpoint", step=pending[0],
-                             save_s=round(time.perf_counter() - pending[2], 4))
-            msd, osd = get_state_dict(stage_mod, opt, options=FLAT)
-            fut = dcp.async_save({"model": msd, "optim": osd},
-                                 checkpoint_id=str(root / f"step-{step}"), process_group=saver)
-            pending = (step, fut, t0)
-            if rank == 0:
-                log.emit("checkpoint_started", step=step,
-                         stall_s=round(time.perf_counter() - t0, 4))
-    if pending is not None:
-        pending[1].result()
-        if rank == 0:
-            log.emit("checkpoint", step=pending[0], save_s=round(time.perf_counter() - pending[2], 4))
+        saves.after_step(step)
+    saves.finish()
     log.emit("done", step=args.steps)
     dist.barrier()
     dist.destroy_process_group()
