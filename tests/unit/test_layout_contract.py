@@ -1,12 +1,13 @@
 """The parallelism seam's one shared test body (train/layout.py): every layout the registry
-builds (flat, FSDP2, FSDP2 + tensor parallel, HSDP) trains, saves its unique state,
-changes, restores it, and reshards it onto other world sizes, and must come back to the
+builds (flat, FSDP2, FSDP2 + tensor parallel, HSDP, a 2-stage pipeline) trains, saves its
+unique state, changes, restores it, and reshards it onto other world sizes, and must come back to the
 same world-size-free state bit for bit. Layouts are built by `layouts.build` from
 `setup`'s arguments and used only through their roles. Real gloo groups over a real
 TCPStore (the layout's mesh groups too); ranks are threads where the layout allows it,
 and processes where it makes torch.distributed's default group its own (FSDP2).
 
-A new layout (a pipeline, ...) is added to LAYOUTS and passes the same body."""
+A new layout is added to LAYOUTS and passes the same body (a pipeline's steps run through
+its executor, the schedule)."""
 
 from __future__ import annotations
 
