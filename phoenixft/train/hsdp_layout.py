@@ -60,7 +60,7 @@ class HsdpLayout(Fsdp2Layout, VoteScope):
             raise ValueError(f"dp_shard must be >= 1, got {dp_shard}")
         self.dp_shard = dp_shard
         self.unit = dp_shard * self.tp
-        self.unit_words = "replica groups of dp_shard x tp (--dp-shard, --tp)"
+        self.unit_words = ("replica groups of dp_shard x tp", "--dp-shard, --tp")
         self._place = (-1, 0)  # (rank, world size) of the generation joined last
         self._local = -1  # this worker's rank inside its group, for life
         self._rep_ops: GroupOps | None = None
@@ -78,9 +78,9 @@ class HsdpLayout(Fsdp2Layout, VoteScope):
 
     def join(self, rank: int, world_size: int) -> bool:
         if world_size % self.unit:
-            raise ConfigError(f"--nproc {world_size}: {world_size} ranks cannot form "
-                              f"{self.unit_words} = {self.unit}: run a multiple of {self.unit} "
-                              "ranks")
+            words, flags = self.unit_words
+            raise ConfigError(f"--nproc {world_size}: {world_size} ranks cannot form {words} = "
+                              f"{self.unit} ({flags}): run a multiple of {self.unit} ranks")
         if self.group is not None:
             if rank % self.unit != self._local:
                 raise RuntimeError(f"a replica group member keeps its place in its group: this "

@@ -75,7 +75,7 @@ class PipelineLayout(HsdpLayout):
                          before_reduce_scatter=before_reduce_scatter)
         self.pp = spec.pp
         self.unit = self.pp * self.dp_shard * self.tp
-        self.unit_words = "pipeline replicas of pp x dp_shard x tp"
+        self.unit_words = ("pipeline replicas of pp x dp_shard x tp", "Pipeline(pp=), dp_shard=, tp=")
         self._full_names = {n for n, _ in model.named_parameters()}
         # the whole model's: the parameters other stages train are not the rank's fixed
         # tensors (persisted once, as they are; an export would take them over the trained)

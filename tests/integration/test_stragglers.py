@@ -117,7 +117,9 @@ def test_a_rank_slow_on_one_step_in_ten_is_not_named(tmp_path):
               script_args=("--data", "ids"))
     assert job.rc == 0, job.out[-3000:]
     assert [e["spec"] for e in job.of("inject")] == ["slow:rank=1:step=5:factor=4.0:every=10"]
-    slow = [e["compute_s"][1] / max(e["compute_s"][0], e["compute_s"][2])
+    # its bursts were slow indeed: against the mean of the other two ranks (their max was
+    # lifted under 1.6x once when the suite's other worker ran 7 processes beside it)
+    slow = [e["compute_s"][1] / ((e["compute_s"][0] + e["compute_s"][2]) / 2)
             for e in job.of("step") if e["step"] >= 5 and (e["step"] - 5) % 10 == 0]
-    assert statistics.median(slow) > 2  # its bursts were slow indeed
+    assert statistics.median(slow) > 2
     assert job.of("straggler") == []
