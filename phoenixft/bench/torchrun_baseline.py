@@ -83,18 +83,17 @@ def init_process_group(how: str, rank: int, world: int, attempt: int, timeout: t
                             rank=rank, world_size=world, timeout=timeout)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--preset", default="tiny", choices=sorted(BATCH))
-    ap.add_argument("--microbatches", type=int, default=8, help="microbatches per optimizer step")
-    ap.add_argument("--ckpt-every", type=int, default=20, help="steps between checkpoints")
-    ap.add_argument("--ckpt", default="runs/baseline/ckpt.pt")
+def job_args(ap: argparse.ArgumentParser, *, ckpt_every: int, ckpt: str, init: str) -> None:
+    """The flags every torchrun baseline shares (this one, torchrun_fsdp_baseline.py,
+    torchrun_pp_baseline.py): checkpoints, the progress log, the fault injection, the
+    process group's set-up; each its own defaults for the first three."""
+    ap.add_argument("--ckpt-every", type=int, default=ckpt_every, help="steps between checkpoints")
+    ap.add_argument("--ckpt", default=ckpt, help="where the checkpoints go")
     ap.add_argument("--events", default=None, help="JSON-lines progress log")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--init", default="env", choices=["env", "per-attempt"],
+    ap.add_argument("--init", default=init, choices=["env", "per-attempt"],
                     help="how the process group finds its peers (see init_process_group)")
     ap.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP",
                     help="SIGKILL this worker when rank RANK starts step STEP, once per job "
@@ -103,6 +102,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pg-timeout", type=float, default=60.0,
                     help="process-group timeout in seconds (gloo's default of 30 min turns a "
                          "hung restart into a hung job)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--preset", default="tiny", choices=sorted(BATCH))
+    ap.add_argument("--microbatches", type=int, default=8, help="microbatches per optimizer step")
+    job_args(ap, ckpt_every=20, ckpt="runs/baseline/ckpt.pt", init="env")
     return ap.parse_args(argv)
 
 

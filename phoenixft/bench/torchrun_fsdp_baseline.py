@@ -37,7 +37,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from phoenixft.bench.torchrun_baseline import BATCH, init_process_group, maybe_self_kill, parse_kills
+from phoenixft.bench.torchrun_baseline import (
+    BATCH,
+    init_process_group,
+    job_args,
+    maybe_self_kill,
+    parse_kills,
+)
 from phoenixft.models.llama import EOS_ID, LlamaForCausalLM, preset
 from phoenixft.observe.events import EventLog
 from phoenixft.train.data import MicrobatchWindows, stdlib_corpus
@@ -51,17 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=None,
                     help="microbatches per step: the number of ranks (one each), as "
                          "examples/train_fsdp.py runs by default")
-    ap.add_argument("--ckpt-every", type=int, default=10, help="steps between async saves")
-    ap.add_argument("--ckpt", default="runs/baseline/dcp", help="directory of the saves")
-    ap.add_argument("--events", default=None, help="JSON-lines progress log")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--init", default="per-attempt", choices=["env", "per-attempt"],
-                    help="how the process group finds its peers (torchrun_baseline.py)")
-    ap.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP",
-                    help="SIGKILL this worker when rank RANK starts step STEP, once per job")
-    ap.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, s")
+    job_args(ap, ckpt_every=10, ckpt="runs/baseline/dcp", init="per-attempt")
     ap.add_argument("--dp-shard", type=int, default=-1,
                     help="ranks per FSDP2 shard group; fewer than the world makes it HSDP "
                          "(world / dp_shard replica groups), -1: the world")

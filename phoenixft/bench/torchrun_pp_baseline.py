@@ -34,7 +34,13 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 
-from phoenixft.bench.torchrun_baseline import BATCH, init_process_group, maybe_self_kill, parse_kills
+from phoenixft.bench.torchrun_baseline import (
+    BATCH,
+    init_process_group,
+    job_args,
+    maybe_self_kill,
+    parse_kills,
+)
 from phoenixft.bench.torchrun_fsdp_baseline import AsyncSaves
 from phoenixft.models.llama import EOS_ID, LlamaForCausalLM, LlamaStage, preset
 from phoenixft.observe.events import EventLog
@@ -49,17 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the preset's)")
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages")
     ap.add_argument("--microbatches", type=int, default=4, help="per step, over all replicas")
-    ap.add_argument("--ckpt-every", type=int, default=10, help="steps between async saves")
-    ap.add_argument("--ckpt", default="runs/baseline/dcp-pp", help="directory of the saves")
-    ap.add_argument("--events", default=None, help="JSON-lines progress log")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--init", default="per-attempt", choices=["env", "per-attempt"],
-                    help="how the process group finds its peers (torchrun_baseline.py)")
-    ap.add_argument("--kill-at", action="append", default=[], metavar="RANK:STEP",
-                    help="SIGKILL this worker when rank RANK starts step STEP, once per job")
-    ap.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, s")
+    job_args(ap, ckpt_every=10, ckpt="runs/baseline/dcp-pp", init="per-attempt")
     return ap.parse_args(argv)
 
 
