@@ -230,14 +230,10 @@ class PipelineWork(ReplicaGroupWork):
     microbatches (the dp_shard ranks of a stage each its own share), the last stage counts
     them, and a replica (pp x dp_shard ranks) is the failure unit, as HSDP's group."""
 
-    def __init__(self, layout: PipelineLayout) -> None:
-        super().__init__(layout)
-
     def data_index(self, rank: int) -> int:
         """The ranks of a stage's tp group compute the same microbatches, and every stage
         of a replica those of its place in dp_shard."""
-        u, local = divmod(rank, self.unit)
-        return u * self.dp_shard + (local // self.tp) % self.dp_shard
+        return rank // self.unit * self.dp_shard + self.layout._coords(rank)[1]
 
     def data_ranks(self, world_size: int) -> int:
         return world_size // self.unit * self.dp_shard
@@ -256,8 +252,7 @@ class PipelineWork(ReplicaGroupWork):
         return self.layout.vote_classes(world_size)
 
     def where(self, rank: int, world_size: int) -> str | None:
-        u, local = divmod(rank, self.unit)
-        return f"stage {local // (self.dp_shard * self.tp)} of pipeline replica {u}"
+        return f"stage {self.layout._coords(rank)[0]} of pipeline replica {rank // self.unit}"
 
     def min_world_error(self, min_world: int, world_size: int) -> str | None:
         if min_world % self.unit:
