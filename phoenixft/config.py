@@ -192,6 +192,20 @@ class Fingerprints:
             raise ConfigError(f"{{every}} must be an integer >= 0 (0: off), got {self.every}")
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Groups:
+    """Process groups across generations (train/kept_groups.py): a new generation keeps
+    every mesh group whose members and collectives it finds whole, and rebuilds the rest.
+    keep=False rebuilds every group every generation (the behaviour before; a
+    benchmark's baseline)."""
+
+    keep: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, bool):
+            raise ConfigError(f"{{keep}} must be true or false, got {self.keep!r}")
+
+
 def build(cls: type, data: dict[str, Any]) -> Any:
     """`cls` from a nested dict (JSON, or what a CLI collected): branches that are
     dataclasses are built from their own dicts, enums from their values, and a

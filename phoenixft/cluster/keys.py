@@ -122,6 +122,12 @@ class Keys:
         return f"gen/{g}/{name}/"
 
     @staticmethod
+    def keep_vote(g: int, name: str, place: int) -> str:  # the member at `place` of
+        # generation g's mesh group `name`: its ledger of the group it would keep, or
+        # "build" (train/kept_groups.py)
+        return f"gen/{g}/keep/{name}/{place}"
+
+    @staticmethod
     def fence(wid: str) -> str:  # the leader: this worker must be killed by its agent
         return f"fence/{wid}"
 

@@ -69,22 +69,61 @@ class Interrupt:
             self.cond.notify_all()
 
 
-def wait_work(work, interrupt: Interrupt, timeout_s: float, what: str = "collective") -> None:
+def wait_work(work, interrupt: Interrupt, timeout_s: float, what: str = "collective",
+              on_done: Callable[[], None] | None = None) -> None:
     """Wait for a c10d Work: returns when it completed, raises CommFailure otherwise.
+    `on_done` is called once the work has succeeded, even after this wait gave up on it
+    (a `Ledger` learns that an abandoned collective did finish).
 
-    Collectives expose a future we can subscribe to; gloo's point-to-point works do not
-    ("getFuture not implemented"), so those are waited on by a helper thread."""
+    Collectives expose a future we can subscribe to; gloo's point-to-point works and its
+    reduce-scatter do not ("getFuture not implemented"; the latter never reports
+    `is_completed` either, and ignores a timeout given to `wait`), so those are waited on
+    by a helper thread."""
     try:
         fut = work.get_future()
     except RuntimeError:
-        call_with_deadline(work.wait, interrupt, timeout_s, what)
+        def waited() -> None:
+            work.wait()
+            if on_done is not None:
+                on_done()
+        call_with_deadline(waited, interrupt, timeout_s, what)
         return
-    fut.add_done_callback(lambda _f: interrupt.notify())
+
+    def done(f) -> None:
+        interrupt.notify()
+        if on_done is not None and _succeeded(f):
+            on_done()
+    fut.add_done_callback(done)
     interrupt.wait_until(fut.done, timeout_s, what)
     try:
         work.wait()
     except Exception as exc:  # gloo: "Connection closed by peer", "Read error", timeouts
         raise CommFailure(f"{what} failed: {exc}") from exc
+
+
+def watch_work(work, on_done: Callable[[], None]) -> None:
+    """Call `on_done` once `work` has succeeded, without waiting for it here (a work its
+    waiter no longer waits for: the generation was left)."""
+    try:
+        fut = work.get_future()
+    except RuntimeError:
+        def waited() -> None:
+            try:
+                work.wait()
+            except Exception:
+                return
+            on_done()
+        threading.Thread(target=waited, name="phoenixft-watch-work", daemon=True).start()
+        return
+    fut.add_done_callback(lambda f: on_done() if _succeeded(f) else None)
+
+
+def _succeeded(fut) -> bool:
+    try:
+        fut.value()
+        return True
+    except Exception:
+        return False
 
 
 class Pending:
@@ -138,20 +177,115 @@ def call_with_deadline(fn: Callable[[], T], interrupt: Interrupt, timeout_s: flo
     return Pending(fn, interrupt, what).result(timeout_s)
 
 
+class Ledger:
+    """What one process group has carried over its whole life, so that a later generation
+    can tell whether the group may be kept as it is (`train/kept_groups.py`): gloo and
+    NCCL match operations by their order on the group, so a group is only reusable when
+    every member issued the same collectives, every send met its receive, and nothing is
+    still in flight or failed. Counts are cumulative (the backend's sequence is)."""
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.sent: dict[int, int] = {}  # group rank of the peer -> sends issued to it
+        self.received: dict[int, int] = {}
+        self.spoiled: str | None = None  # why the group can no longer be trusted
+        self._open: dict[int, object] = {}  # the works not known to have succeeded, by id
+        self.last_error = ""  # the last failed wait's error (why a work stays open)
+        self._cond = threading.Condition()
+
+    def issued(self, work, method: str = "collective", peer: int | None = None) -> None:
+        with self._cond:
+            if method == "send":
+                self.sent[peer] = self.sent.get(peer, 0) + 1
+            elif method == "recv":
+                self.received[peer] = self.received.get(peer, 0) + 1
+            else:
+                self.collectives += 1
+            self._open[id(work)] = work
+
+    def completed(self, work) -> Callable[[], None]:
+        """The callback that marks `work` succeeded (`wait_work`'s `on_done`: the only
+        proof; gloo's reduce-scatter never reports `is_completed`, a failed work does)."""
+        key = id(work)
+
+        def done() -> None:
+            with self._cond:
+                self._open.pop(key, None)
+                self._cond.notify_all()
+        return done
+
+    def failed(self, why: str) -> None:
+        """A wait gave up (the work stays open unless it succeeds later)."""
+        self.last_error = why[:200]
+
+    def spoil(self, why: str) -> None:
+        """An operation failed as it was issued: the group cannot be trusted again."""
+        if self.spoiled is None:
+            self.spoiled = why[:200]
+
+    def settle(self, timeout_s: float) -> None:
+        """Give the works still open up to `timeout_s` to finish (a collective between
+        live members that a wait stopped waiting for completes on its own)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._open, timeout_s)
+
+    def summary(self) -> dict:
+        """This member's account: `clean` when nothing failed and nothing is in flight."""
+        with self._cond:
+            clean = self.spoiled is None and not self._open
+            return {"clean": clean, "collectives": self.collectives,
+                    "sent": {str(k): v for k, v in self.sent.items()},
+                    "received": {str(k): v for k, v in self.received.items()}}
+
+    def why_not(self) -> str:
+        """Why the group is not clean ("" when it is)."""
+        s = self.summary()
+        if s["clean"]:
+            return ""
+        return self.spoiled or (f"{len(self._open)} operation(s) never completed"
+                                + (f" ({self.last_error})" if self.last_error else ""))
+
+
+def consistent(summaries: list[dict]) -> bool:
+    """Whether the members' ledgers (`Ledger.summary`, in group-rank order) agree: all
+    clean, the same number of collectives, every member's sends to a peer received by it."""
+    if not summaries or not all(s.get("clean") for s in summaries):
+        return False
+    if len({s["collectives"] for s in summaries}) > 1:
+        return False
+    for a, s in enumerate(summaries):
+        for b in range(len(summaries)):
+            if s["sent"].get(str(b), 0) != summaries[b]["received"].get(str(a), 0):
+                return False
+    return True
+
+
 class GroupOps:
     """A generation's process group whose every operation has a deadline and gives up
     when a newer generation is announced (raising `CommFailure` / `GenerationChanged`).
 
     The one way training and recovery code talks over a group, so no call can forget
-    the deadline (a bare `work.wait()` on gloo waits 30 minutes for a hung peer)."""
+    the deadline (a bare `work.wait()` on gloo waits 30 minutes for a hung peer).
+    `ledger` keeps the group's account across the generations that use it."""
 
-    def __init__(self, pg: dist.ProcessGroup, interrupt: Interrupt, timeout_s: float) -> None:
+    def __init__(self, pg: dist.ProcessGroup, interrupt: Interrupt, timeout_s: float,
+                 ledger: Ledger | None = None) -> None:
         self.pg = pg
         self.interrupt = interrupt
         self.timeout_s = timeout_s
+        self.ledger = ledger or Ledger()
 
     def wait(self, work, what: str) -> None:
-        wait_work(work, self.interrupt, self.timeout_s, what)
+        try:
+            wait_work(work, self.interrupt, self.timeout_s, what,
+                      on_done=self.ledger.completed(work))
+        except CommFailure as exc:
+            self.ledger.failed(str(exc))
+            raise
+
+    def _issued(self, work, method: str = "collective", peer: int | None = None):
+        self.ledger.issued(work, method, peer)
+        return work
 
     def allreduce(self, t, what: str, op=None):
         self.allreduce_start(t, what, op)()
@@ -159,7 +293,7 @@ class GroupOps:
 
     def allreduce_start(self, t, what: str, op=None) -> Callable[[], None]:
         """`allreduce`, issued now; returns the wait (which raises as it would)."""
-        work = self.pg.allreduce([t], op=op or dist.ReduceOp.SUM)
+        work = self._issued(self.pg.allreduce([t], op=op or dist.ReduceOp.SUM))
         return lambda: self.wait(work, what)
 
     def all_gather_into(self, out, t, what: str):
@@ -172,18 +306,18 @@ class GroupOps:
         if self.pg.size() == 1:  # gloo's all-gather of one member took 2.3 ms for 6.8 MB
             out.copy_(t.reshape(out.shape))  # here, against 0.25 ms for this copy
             return lambda: None
-        work = all_gather_base(self.pg, out, t.contiguous())
+        work = self._issued(all_gather_base(self.pg, out, t.contiguous()))
         return lambda: self.wait(work, what)
 
     def broadcast(self, t, src: int, what: str):
-        self.wait(self.pg.broadcast(t, src), what)
+        self.wait(self._issued(self.pg.broadcast(t, src)), what)
         return t
 
     def send(self, t, dst: int, tag: int, what: str) -> None:
-        self.wait(self.pg.send([t], dst, tag), what)
+        self.wait(self._issued(self.pg.send([t], dst, tag), "send", dst), what)
 
     def recv(self, t, src: int, tag: int, what: str):
-        self.wait(self.pg.recv([t], src, tag), what)
+        self.wait(self._issued(self.pg.recv([t], src, tag), "recv", src), what)
         return t
 
     def barrier(self, what: str) -> None:

@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from phoenixft.comm.collectives import CommFailure, GroupOps, wait_work
+from phoenixft.comm.collectives import CommFailure, GroupOps, wait_work, watch_work
 from phoenixft.torch_internals import (
     PROCESS_GROUP_COLLECTIVES,
     backend_registered,
@@ -75,16 +75,23 @@ class _Latched(dist.Work):
     def __init__(self, inner: dist.Work, group: SwapGroup, generation: int, what: str) -> None:
         super().__init__()
         self.inner, self.group, self.generation, self.what = inner, group, generation, what
+        self.ops = group.ops  # the generation's (the group may swap to the next one's)
         self._waited = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if self._waited or not self.group.live(self.generation):
+        if self._waited:
             return True
-        ops = self.group.ops
+        ops = self.ops
+        if not self.group.live(self.generation):  # (its ledger still learns if it ends)
+            watch_work(self.inner, ops.ledger.completed(self.inner))
+            self._waited = True
+            return True
         t0 = time.perf_counter()
         try:
-            wait_work(self.inner, ops.interrupt, ops.timeout_s, self.what)
+            wait_work(self.inner, ops.interrupt, ops.timeout_s, self.what,
+                      on_done=ops.ledger.completed(self.inner))
         except CommFailure as exc:
+            ops.ledger.failed(str(exc))
             self.group.latch(exc)
         self.group.blocked_s += time.perf_counter() - t0
         self._waited = True
@@ -213,9 +220,11 @@ def _forwarder(method: str):
             return _Done()
         if scatter and self.before_reduce_scatter is not None:
             self.before_reduce_scatter()
-        if p2p and self.before_p2p is not None:  # send(tensors, dstRank, tag), recv alike
+        peer = None
+        if p2p:  # send(tensors, dstRank, tag), recv alike
             peer = args[1] if len(args) > 1 else kwargs["dstRank" if method == "send" else "srcRank"]
-            self.before_p2p(method, peer)
+            if self.before_p2p is not None:
+                self.before_p2p(method, peer)
         what = f"{method} of generation {self.generation}'s mesh group"
         try:
             work = getattr(self.inner, method)(*args, **kwargs)
@@ -223,8 +232,10 @@ def _forwarder(method: str):
             if not _lost_peer(exc):  # a bug (a tensor on the wrong device, ...): raised
                 raise
             # gloo refuses a send to a peer whose connection closed, as it is issued
+            self.ops.ledger.spoil(f"{what} failed as it was issued: {exc}")
             self.latch(CommFailure(f"{what} failed as it was issued: {exc}"))
             return _Done()
+        self.ops.ledger.issued(work, method if p2p else "collective", peer)
         return _Latched(work, self, self.generation, what)
     forward.__name__ = method
     return forward

@@ -15,6 +15,7 @@ from pathlib import Path
 from phoenixft.config import (
     ConfigError,
     Fingerprints,
+    Groups,
     Persistence,
     Policy,
     Snapshots,
@@ -136,6 +137,7 @@ class AgentConfig:
     snapshots: Snapshots = field(default_factory=Snapshots)
     stragglers: Stragglers = field(default_factory=Stragglers)
     fingerprints: Fingerprints = field(default_factory=Fingerprints)
+    groups: Groups = field(default_factory=Groups)
     persistence: Persistence = field(default_factory=Persistence)
     policy: Policy = Policy.CONSTANT  # microbatches per step after a shrink
     min_nproc: int | None = None  # ReCoVer: shrink down to this many ranks without spares
@@ -192,7 +194,7 @@ class AgentConfig:
         return {"timeouts": to_dict(self.timeouts), "snapshots": to_dict(self.snapshots),
                 "persistence": to_dict(self.persistence), "policy": self.policy.value,
                 "stragglers": to_dict(self.stragglers),
-                "fingerprints": to_dict(self.fingerprints)}
+                "fingerprints": to_dict(self.fingerprints), "groups": to_dict(self.groups)}
 
     @property
     def cadence(self) -> tuple[int | None, float | None]:

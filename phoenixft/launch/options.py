@@ -104,6 +104,10 @@ OPTIONS = (
               "collectives are replayed), and every step each rank checks its optimizer "
               "shard against its last snapshot's seal; a rank found is replaced like a dead "
               "one, before the step's update (default 1; 0: off)"),
+    _opt("--rebuild-groups", path="groups.keep", action="store_false",
+         help="rebuild every process group at every recovery (default: a recovery keeps "
+              "the mesh groups it finds whole, e.g. the FSDP2 groups of the replica groups "
+              "that lost nobody, and rebuilds only the rest)"),
     _opt("--respawn", path="respawn", type=int,
          help="replacement workers this agent may start; they grow the job back"),
     _opt("--persist", path="persistence.url", metavar="URL",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from phoenixft.config import (
     Fingerprints,
+    Groups,
     Persistence,
     Policy,
     Snapshots,
@@ -39,6 +40,7 @@ class SessionConfig:
     policy: Policy = Policy.CONSTANT
     stragglers: Stragglers = field(default_factory=Stragglers)
     fingerprints: Fingerprints = field(default_factory=Fingerprints)
+    groups: Groups = field(default_factory=Groups)
 
     def __post_init__(self) -> None:
         self.policy = Policy(self.policy)

@@ -87,6 +87,34 @@ class GroupBuilds:
                 self._builds, self._built_upto = {**kept, g: builds}, g
             return self._builds[g]  # (older generations' builds are dropped: abandoned)
 
+    def names(self, generation: int) -> set[str]:
+        """The groups of `generation` whose builds began (and were not taken yet)."""
+        with self._lock:
+            return set(self._builds.get(generation, {}))
+
+    def take(self, generation: int, name: str, timeout_s: float) -> dist.ProcessGroup:
+        """Wait for the build of `generation`'s group `name` and take its group: the
+        builds no longer hold it (burying the generation leaves it to its taker: a kept
+        mesh group outlives it, `kept_groups.py`)."""
+        with self._lock:
+            p = self._builds[generation][name]
+        pg = p.result(timeout_s)
+        with self._lock:
+            self._builds.get(generation, {}).pop(name, None)
+        return pg
+
+    def late(self, generation: int, name: str, rank: int, size: int,
+             device: torch.device) -> None:
+        """Start `generation`'s group `name` now, after the generation's other builds (a
+        group the members decided not to keep: `kept_groups.py`); a no-op when begun."""
+        with self._lock:
+            if generation != self._built_upto or generation not in self._builds:
+                raise GenerationChanged(f"building generation {generation}'s {name} group: "
+                                        f"generation {self._built_upto}'s builds began")
+            builds = self._builds[generation]
+            if name not in builds:
+                builds[name] = self._pending(generation, name, rank, size, device)
+
     def _pending(self, g: int, name: str, rank: int, size: int, device: torch.device) -> Pending:
         return Pending(lambda: new_group(self.connect(), Keys.group(g, name), rank, size,
                                          device=device, bind_host=self.bind_host,
@@ -104,5 +132,10 @@ class GroupBuilds:
         for p in builds.values():
             p.discard(abort_group)
         del builds
-        list(map(abort_group, dead))  # (no loop variable left holding the last one)
-        threading.Thread(target=dead.clear, name="phoenixft-bury-groups", daemon=True).start()
+        drop(dead)
+
+
+def drop(dead: list[dist.ProcessGroup]) -> None:
+    """Abort the groups `dead`, then drop them on a helper thread (the module docstring)."""
+    list(map(abort_group, dead))  # (no loop variable left holding the last one)
+    threading.Thread(target=dead.clear, name="phoenixft-bury-groups", daemon=True).start()

@@ -56,7 +56,8 @@ from phoenixft.train.ahead import local_step_of_every_rank
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.consensus import Seal
 from phoenixft.train.fault_hooks import member_hooks
-from phoenixft.train.group_builds import GroupBuilds
+from phoenixft.train.group_builds import GroupBuilds, drop
+from phoenixft.train.kept_groups import KeptGroups
 from phoenixft.train.lifecycle import JobAborted
 from phoenixft.train.rank_state import RankState, SnapSource
 from phoenixft.train.recovery import JoinContext, RestorePoint
@@ -109,6 +110,8 @@ class Member:
         self.seal = Seal()  # this rank's unique state, hashed once each snapshot is copied
         self._rep_pg = None
         self._mesh_ops: dict[str, GroupOps] = {}  # the layout's mesh groups (`mesh_groups`)
+        self.kept: KeptGroups | None = None  # mesh groups kept across generations
+        self._groups: dict[str, dict] = {}  # the last join's groups: size, kept, identity
         self._layout = None  # the rank's Layout, once `start` is given it
         self._stopped = False
         self._watchers: list[threading.Thread] = []
@@ -151,6 +154,7 @@ class Member:
         """Wait (as a spare, for as long as it takes) for a plan that includes this
         worker, and join it. Fixes M and the starting world size from generation 0."""
         self._layout = state.layout
+        self.kept = KeptGroups(state.layout.members.mesh_groups)
         plan = self.await_plan(0, self.cfg.timeouts.spare_wait_s)
         first = Plan.from_json(self.store.get(Keys.plan(0)))
         state.initial_world = first.world_size or 1
@@ -164,6 +168,8 @@ class Member:
             if plan.kind is not PlanKind.RUN:
                 self._leave(plan)
             if plan.rank_of(self.wid) is None:
+                if self.kept is not None:
+                    drop(self.kept.release())
                 if state.joined and not state.layout.members.can_move():
                     self._leave_unit(plan)
                 plan = self.await_plan(plan.generation + 1, self.cfg.timeouts.spare_wait_s)
@@ -178,8 +184,8 @@ class Member:
                 self.report(ReportKind.FATAL, str(exc))
                 raise JobAborted(f"phoenixft: worker {self.wid} cannot recover: {exc}") from None
             except CommFailure as exc:
-                self.events.emit("join_failed", gen=plan.generation, error=str(exc))
-                self._bury_groups()
+                self.events.emit("join_failed", gen=plan.generation, error=str(exc),
+                                 groups=self._leave_groups())
                 plan = self.await_plan(plan.generation + 1, self.cfg.timeouts.join_timeout_s)
 
     def slowdown(self, step: int) -> float:
@@ -284,7 +290,7 @@ class Member:
         self.events.emit("joined", gen=self.generation, rank=self.rank,
                          world_size=self.world_size, step=state.step, source=source,
                          pid=os.getpid(), backend=self.ops.pg.name(), groups_early=early,
-                         rebuilt=self._rebuilt,
+                         rebuilt=self._rebuilt, groups=self._groups,
                          phases={k: round(v, 4) for k, v in phases.items()})
         return pending
 
@@ -350,26 +356,50 @@ class Member:
                           NODE_RANK=str(self.cfg.node), TORCHELASTIC_RESTART_COUNT=str(g))
 
     def _build_groups(self, plan: Plan, t0: float) -> dict[str, float]:
-        """This generation's groups, from the builds `_start_builds` began (early, or now)."""
-        builds, wait_s = self._start_builds(plan), self.cfg.timeouts.join_timeout_s
-        self.ops = GroupOps(builds["train"].result(wait_s), self.interrupt,
-                            self.cfg.timeouts.collective_timeout_s)
+        """This generation's groups: the mesh groups the members agree to keep
+        (`kept_groups.py`), the others from the builds `_start_builds` began (early, or
+        now, or late: a group the members did not keep)."""
+        self._start_builds(plan)
+        g, wait_s = plan.generation, self.cfg.timeouts.join_timeout_s
+        timeout_s = self.cfg.timeouts.collective_timeout_s
+        mesh = self._layout.members.mesh_groups(self.rank, self.world_size)
+        kept, dead = ({}, []) if not self.cfg.groups.keep else self.kept.decide(
+            plan, self.rank, self.builds.names(g), self.store, self.connect, self.interrupt,
+            wait_s)
+        drop(dead)
+        for name, (place, n) in mesh.items():
+            if name not in kept:
+                self.builds.late(g, name, place, n, self._device)
+        self.ops = GroupOps(self.builds.take(g, "train", wait_s), self.interrupt, timeout_s)
         phases = {"group": time.time() - t0}
-        self._rep_pg = builds["replicate"].result(wait_s) if "replicate" in builds else None
-        self._mesh_ops = {
-            name: GroupOps(builds[name].result(wait_s),
-                           self.unit_interrupt if self._layout.work.in_unit(name) else self.interrupt,
-                           self.cfg.timeouts.collective_timeout_s)
-            for name in self._layout.members.mesh_groups(self.rank, self.world_size)}
+        self._rep_pg = (self.builds.take(g, "replicate", wait_s)
+                        if "replicate" in self.builds.names(g) else None)
+        self._mesh_ops = {}
+        for name in mesh:
+            interrupt = self.unit_interrupt if self._layout.work.in_unit(name) else self.interrupt
+            old = kept.get(name)
+            self._mesh_ops[name] = (
+                GroupOps(old.pg, interrupt, timeout_s, ledger=old.ledger) if old is not None
+                else GroupOps(self.builds.take(g, name, wait_s), interrupt, timeout_s))
+        self.kept.joined(plan, self._mesh_ops)
+        self._groups = {"train": {"size": self.world_size, "kept": False}}
+        for name, (_, n) in mesh.items():
+            self._groups[name] = {"size": n, "kept": name in kept,
+                                  "pg": f"{id(self._mesh_ops[name].pg):x}"}
         return phases
 
     def _start_builds(self, plan: Plan) -> dict[str, Pending]:
-        """Start building `plan`'s groups in the background, once (`group_builds.py`)."""
+        """Start building `plan`'s groups in the background, once (`group_builds.py`),
+        except the mesh groups this worker may keep (`kept_groups.py`)."""
         rank = plan.rank_of(self.wid)
+        mesh = self._layout.members.mesh_groups(rank, plan.world_size) if self._layout else {}
+        if mesh and self.cfg.groups.keep:
+            maybe = self.kept.candidates(plan, mesh)
+            mesh = {n: v for n, v in mesh.items() if n not in maybe}
         return self.builds.start(
             plan, rank, self._device, current=self.generation,
             replicate=bool(crossing_replicas(plan.nodes, self._replica_holders(plan))),
-            mesh=self._layout.members.mesh_groups(rank, plan.world_size) if self._layout else None)
+            mesh=mesh)
 
     def _prepare(self, state: RankState, first: bool) -> None:
         lay = state.layout
@@ -451,25 +481,34 @@ class Member:
         self.tell_passes()
         if not isinstance(exc, GenerationChanged):
             self.report(ReportKind.COLLECTIVE, str(exc))
-        self.events.emit("failure_seen", gen=self.generation, rank=self.rank, step=state.step,
-                         error=str(exc)[:300])
         if self.snap is not None:
             self.snap.stop()
         if self.persister is not None:
             self.persister.stop()
-        self._bury_groups()
+        groups = self._leave_groups()
+        self.events.emit("failure_seen", gen=self.generation, rank=self.rank, step=state.step,
+                         error=str(exc)[:300], groups=groups)
         # ...and never let the old groups' late-finishing ops write into live buffers.
         state.layout.members.relocate()
         return self.enter(self.await_plan(self.generation + 1, self.cfg.timeouts.join_timeout_s),
                           state, in_flight)
 
-    def _bury_groups(self) -> None:
-        """Abort the dead generation's groups, then drop them (`GroupBuilds.bury`)."""
-        dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg,
-                              *(o.pg for o in self._mesh_ops.values())) if pg is not None]
+    def _leave_groups(self) -> dict[str, str]:
+        """Leave the generation's groups: the mesh groups whose ledgers are clean are
+        parked for the next join to keep (`kept_groups.py`); the rest are aborted, then
+        dropped (`GroupBuilds.bury`). Returns each mesh group's state ("clean" or why not)."""
+        dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg)
+                if pg is not None]
+        states = {}
+        if self._mesh_ops and self.cfg.groups.keep:
+            spoiled, states = self.kept.park(self._mesh_ops, self.plan)
+            dead += spoiled
+        else:
+            dead += [ops.pg for ops in self._mesh_ops.values()]
         self.ops = self._rep_pg = None
         self._mesh_ops = {}
         self.builds.bury(self.generation, dead)
+        return states
 
     def hand_over_for_growth(self, state: RankState) -> Step | None:
         """The leader asked to admit new members: finish here, at a committed step

@@ -1,0 +1,175 @@
+"""Which mesh groups a new generation keeps from the last one: recovery that stays local.
+
+A generation used to build every process group anew. At scale that is the recovery's
+cost (every communicator of the job rebuilt for one lost rank), and it interrupts
+groups that never saw the failure. Now a mesh group (FSDP2's dp_shard, tp, a pipeline's
+pp, HSDP's dp_replicate) is *kept*, the same process-group object, when the new
+generation has a group of the same dimension with the same members in the same places
+(matched by worker id, not by name: a replica group renumbered after another left
+keeps its groups), and the group is whole: gloo and NCCL match operations by their
+order on a group, so it is kept only when every member issued the same collectives,
+every send met its receive, and nothing failed or is still in flight (each group's
+`Ledger`, counted by `GroupOps` and `SwapGroup`). Every other group is built anew.
+
+Agreement. Each member decides alone what it could keep, but a group is kept only if
+all its members keep it: at the join of generation g every member writes one vote per
+mesh group of g (`Keys.keep_vote`): its ledger of the group it holds, or "build" (it
+holds none, or its build already started). A member that holds a candidate waits for
+every vote of that group and keeps it iff all are ledgers and they agree
+(`collectives.consistent`); otherwise it builds the group late, under the generation's
+prefix, where the members that voted "build" already started it. Everyone reads the same
+votes, so everyone decides the same.
+
+Parking. A worker leaving a generation (a failure, a new plan) does not destroy its mesh
+groups: a group an operation failed in as it was issued is buried at once
+(`GroupBuilds.bury`), the others are parked under their key until the next join decides
+(a collective whose wait was given up may still finish there: the join gives those
+SETTLE_S); what that join does not keep is buried then, and all of them when a plan
+leaves this worker out. The training group ("train", the world) and
+the replication group span the job, so they always contain a replaced rank: they are
+built anew every generation, as before.
+
+Which collectives a kept group's members finished is what decides, so a kill that lands
+while a survivor is inside a collective of a group without the dead rank (an FSDP2 job
+whose ranks are one failure unit, interrupted mid-step) rebuilds that group too; HSDP's
+untouched replica groups are never interrupted (`WorkSplit.in_unit`) and always keep
+theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
+from phoenixft.cluster.membership import Plan
+from phoenixft.comm.collectives import GroupOps, Interrupt, call_with_deadline, consistent
+
+GroupKey = tuple[str, tuple[str, ...]]  # (mesh dimension, member worker ids by group rank)
+BUILD = "build"
+# how long a join waits, in all, for collectives left in flight in the groups it could
+# keep (between live members they finish; one waiting on a dead or departed peer never does)
+SETTLE_S = 0.25
+
+
+def dimension(name: str) -> str:
+    """A mesh group's dimension: "dp_shard" of "dp_shard.2.0"."""
+    return name.split(".")[0]
+
+
+class KeptGroups:
+    """One worker's parked mesh groups and the keep/build decision at each join (see the
+    module docstring). `mesh_groups(rank, world_size)` is the layout's
+    (`Membership.mesh_groups`). Thread-safe: the plan watcher asks for candidates while
+    the training thread parks."""
+
+    def __init__(self, mesh_groups: Callable[[int, int], dict[str, tuple[int, int]]]) -> None:
+        self.mesh_groups = mesh_groups
+        self._parked: dict[GroupKey, GroupOps] = {}
+        self._live: dict[GroupKey, GroupOps] = {}  # the generation joined last
+        self._ranks: tuple[int, dict[str, list[int]]] | None = None  # (world size, groups)
+        self._lock = threading.Lock()
+
+    # -- keys --------------------------------------------------------------------------
+    def group_ranks(self, world_size: int) -> dict[str, list[int]]:
+        """Every mesh group of a world of `world_size` ranks: name -> its ranks by place."""
+        if self._ranks is None or self._ranks[0] != world_size:
+            out: dict[str, dict[int, int]] = {}
+            for r in range(world_size):
+                for name, (place, _) in self.mesh_groups(r, world_size).items():
+                    out.setdefault(name, {})[place] = r
+            self._ranks = (world_size, {n: [p[i] for i in sorted(p)] for n, p in out.items()})
+        return self._ranks[1]
+
+    def key(self, plan: Plan, name: str) -> GroupKey:
+        ranks = self.group_ranks(plan.world_size)[name]
+        return dimension(name), tuple(plan.members[r] for r in ranks)
+
+    def candidates(self, plan: Plan, names) -> set[str]:
+        """The names among `names` (plan's mesh groups of this worker) that a group this
+        worker holds, live or parked, may stand for."""
+        with self._lock:
+            held = self._parked.keys() | self._live.keys()
+        return {n for n in names if self.key(plan, n) in held}
+
+    # -- leaving a generation ------------------------------------------------------------
+    def park(self, mesh_ops: dict[str, GroupOps], plan: Plan | None
+             ) -> tuple[list[dist.ProcessGroup], dict[str, str]]:
+        """The generation `plan` is left: park its mesh groups `mesh_ops` whose ledgers are
+        clean; returns those to bury now and each group's state ("clean", or why not)."""
+        dead, states = [], {}
+        with self._lock:
+            self._live = {}
+            for name, ops in mesh_ops.items():
+                # (a work still open may finish: `decide` gives it a moment, then judges)
+                if ops.ledger.spoiled is None and plan is not None:
+                    old = self._parked.get(self.key(plan, name))
+                    if old is not None and old.pg is not ops.pg:
+                        dead.append(old.pg)
+                    self._parked[self.key(plan, name)] = ops
+                    states[name] = ops.ledger.why_not() or "clean"
+                else:
+                    dead.append(ops.pg)
+                    states[name] = ops.ledger.why_not() or "the generation's plan is unknown"
+        return dead, states
+
+    def release(self) -> list[dist.ProcessGroup]:
+        """Every parked group, to bury (this worker is in no plan now)."""
+        with self._lock:
+            dead, self._parked = [ops.pg for ops in self._parked.values()], {}
+        return dead
+
+    # -- joining one -------------------------------------------------------------------
+    def decide(self, plan: Plan, rank: int, started: set[str], store: dist.Store,
+               connect: Callable[[], dist.Store], interrupt: Interrupt, timeout_s: float
+               ) -> tuple[dict[str, GroupOps], list[dist.ProcessGroup]]:
+        """Plan `plan`'s join: vote for each of this rank's mesh groups, and wait for the
+        votes of those it could keep (`started`: names whose build began; they are not
+        kept). Returns the groups kept (name -> the parked ops) and the parked groups to
+        bury (the rest)."""
+        g, mine = plan.generation, self.mesh_groups(rank, plan.world_size)
+        with self._lock:
+            offer = {n: self._parked.get(self.key(plan, n)) for n in mine if n not in started}
+        offer = {n: ops for n, ops in offer.items() if ops is not None}
+        deadline = time.monotonic() + SETTLE_S
+        for ops in offer.values():
+            ops.ledger.settle(max(0.0, deadline - time.monotonic()))
+        summaries = {n: ops.ledger.summary() for n, ops in offer.items()}
+        names = list(mine)
+        store.multi_set([Keys.keep_vote(g, n, mine[n][0]) for n in names],
+                        [json.dumps(summaries[n]) if n in summaries else BUILD for n in names])
+        kept: dict[str, GroupOps] = {}
+        if offer:
+            keys = {n: [Keys.keep_vote(g, n, p) for p in range(mine[n][1])] for n in offer}
+            flat = [k for ks in keys.values() for k in ks]
+            votes = dict(zip(flat, call_with_deadline(
+                lambda: _read_votes(connect, flat, timeout_s), interrupt, timeout_s,
+                f"generation {g}'s votes on the groups it may keep")))
+            for n, ks in keys.items():
+                got = [votes[k] for k in ks]
+                if BUILD not in got and consistent([json.loads(v) for v in got]):
+                    kept[n] = offer[n]
+        with self._lock:
+            taken = {self.key(plan, n) for n in kept}
+            dead = [ops.pg for k, ops in self._parked.items() if k not in taken]
+            self._parked = {}
+            self._live = {self.key(plan, n): ops for n, ops in kept.items()}
+        return kept, dead
+
+    def joined(self, plan: Plan, mesh_ops: dict[str, GroupOps]) -> None:
+        """The join took `mesh_ops` (kept and built): they are the live groups."""
+        with self._lock:
+            self._live = {self.key(plan, n): ops for n, ops in mesh_ops.items()}
+
+
+def _read_votes(connect: Callable[[], dist.Store], keys: list[str], timeout_s: float) -> list[str]:
+    """(A helper thread, its own store connection: an abandoned wait keeps blocking.)"""
+    store = connect()
+    if not kv.wait_for(store, keys, timeout_s):
+        raise TimeoutError(f"{len(keys)} votes not all written within {timeout_s:.0f}s")
+    return [v.decode() for v in store.multi_get(keys)]

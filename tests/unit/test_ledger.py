@@ -1,0 +1,94 @@
+"""A process group's `Ledger`: what decides whether a later generation may keep the group
+(`train/kept_groups.py`). Real gloo groups of two ranks, one per thread of this process,
+over loopback: the counts of both members agree after matched operations, a collective
+whose wait was given up leaves its group unclean until it really finishes (then the
+ledger learns it), and gloo's reduce-scatter, which never reports `is_completed`, is
+counted finished once waited for."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phoenixft.comm.collectives import GenerationChanged, GroupOps, Interrupt, consistent
+from phoenixft.comm.groups import new_group
+from phoenixft.comm.swap_group import SwapGroup
+
+
+def _pair(prefix: str) -> list[GroupOps]:
+    """A gloo group of 2, both members in this process (built concurrently)."""
+    store = dist.HashStore()
+    pgs: list = [None, None]
+
+    def build(r: int) -> None:
+        pgs[r] = new_group(store, prefix, r, 2, device=torch.device("cpu"), timeout_s=30)
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    out = []
+    for pg in pgs:
+        it = Interrupt()
+        it.enter(0)
+        out.append(GroupOps(pg, it, 30.0))
+    return out
+
+
+def _both(fn0, fn1) -> None:
+    err: list[BaseException] = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            err.append(exc)
+    threads = [threading.Thread(target=run, args=(f,)) for f in (fn0, fn1)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert not err, err
+
+
+def test_matched_collectives_and_sends_leave_both_ledgers_clean_and_agreeing():
+    a, b = _pair("matched/")
+    x, y = torch.ones(3), torch.ones(3)
+    _both(lambda: (a.allreduce(x, "sum"), a.send(x, 1, 0, "send")),
+          lambda: (b.allreduce(y, "sum"), b.recv(y, 0, 0, "recv")))
+    sa, sb = a.ledger.summary(), b.ledger.summary()
+    assert sa["clean"] and sb["clean"]
+    assert (sa["collectives"], sa["sent"], sb["received"]) == (1, {"1": 1}, {"0": 1})
+    assert consistent([sa, sb])
+    # a send its receiver never posted: both clean, the counts tell
+    assert not consistent([{**sa, "sent": {"1": 2}}, sb])
+    assert not consistent([sa, {**sb, "collectives": 2}])
+
+
+def test_a_collective_given_up_on_stays_open_until_it_really_finishes():
+    a, b = _pair("abandoned/")
+    x, y = torch.ones(2), torch.ones(2)
+    threading.Timer(0.1, a.interrupt.announce, args=(1,)).start()
+    with pytest.raises(GenerationChanged):
+        a.allreduce(x, "a lone all-reduce")  # its peer has not issued it (yet)
+    assert not a.ledger.summary()["clean"]
+    assert "never completed" in a.ledger.why_not()
+    b.allreduce(y, "the peer's")  # the abandoned all-reduce meets it and finishes
+    a.ledger.settle(10)
+    assert a.ledger.summary()["clean"] and consistent([a.ledger.summary(), b.ledger.summary()])
+    assert x.tolist() == [2.0, 2.0]
+
+
+def test_a_reduce_scatter_through_a_swap_group_is_counted_finished_once_waited():
+    a, b = _pair("scatter/")
+    groups = []
+    for r, ops in enumerate((a, b)):
+        g = SwapGroup(r, 2, name=f"test_rs_{r}")
+        g.swap(ops, 0)
+        groups.append(g)
+    outs = [torch.zeros(2), torch.zeros(2)]
+
+    def scatter(r: int):
+        return lambda: groups[r]._reduce_scatter_base(outs[r], torch.arange(4.0)).wait()
+    _both(scatter(0), scatter(1))
+    assert outs[0].tolist() == [0.0, 2.0] and outs[1].tolist() == [4.0, 6.0]
+    assert consistent([a.ledger.summary(), b.ledger.summary()])
