@@ -40,6 +40,7 @@ _BENCHES = [
     "phoenixft.bench.torchft_side",
     "phoenixft.bench.sharded",
     "phoenixft.bench.pipeline",
+    "phoenixft.bench.regroup",
     "phoenixft.bench.consensus",
     "phoenixft.bench.control_plane",
     "phoenixft.bench.all",

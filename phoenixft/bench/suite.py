@@ -18,6 +18,7 @@ from phoenixft.bench import (
     overhead,
     pipeline,
     recovery,
+    regroup,
     serve,
     serve_ft,
     serve_open,
@@ -102,6 +103,8 @@ SUITE: list[Entry] = [
     _bench("pipeline", pipeline, "4 workers (2 stages x 2 replicas) x 1 torch thread (+1 spare "
            "for the kill); torchrun pipelining beside", ["--preset", "tiny", "--blocks", "20",
                                                          "--kill-steps", "24"]),
+    _bench("regroup", regroup, "8 workers (4 replica groups x 2 FSDP2) x 1 torch thread + 1 "
+           "spare, with --rebuild-groups and without, one after the other", []),
     _bench("consensus", consensus, "3 workers x 1 torch thread per mode (+1 spare for swap; "
            "+1 busy process for the false alarms)", ["--steps", "80", "--noisy-steps", "300"]),
     _bench("control-plane", control_plane, "1 store + 1 leader + 2 hollow-member processes "

@@ -136,10 +136,13 @@ class Pending:
         self._interrupt, self.what = interrupt, what
         self._lock = threading.Lock()
         self._release: Callable[[T], None] | None = None  # set by `discard`
+        self.took_s: float | None = None  # how long `fn` ran, once it returned
+        t0 = time.monotonic()
 
         def run() -> None:
             try:
                 value = fn()
+                self.took_s = time.monotonic() - t0
                 with self._lock:
                     release = self._release
                     if release is None:
@@ -223,17 +226,24 @@ class Ledger:
         if self.spoiled is None:
             self.spoiled = why[:200]
 
-    def settle(self, timeout_s: float) -> None:
-        """Give the works still open up to `timeout_s` to finish (a collective between
-        live members that a wait stopped waiting for completes on its own)."""
+    def settle(self, interrupt: Interrupt, timeout_s: float, what: str) -> None:
+        """Wait for the works still open to finish (a collective every member issued
+        finishes on its own, even when its waiters gave up on it); raises as a wait
+        does (`Interrupt.wait_until`)."""
+        def done(_=None) -> None:
+            interrupt.notify()
         with self._cond:
-            self._cond.wait_for(lambda: not self._open, timeout_s)
+            pending = list(self._open.values())
+        for w in pending:  # (wake the interrupt's waiter as each finishes)
+            watch_work(w, done)
+        interrupt.wait_until(lambda: not self._open, timeout_s, what)
 
     def summary(self) -> dict:
         """This member's account: `clean` when nothing failed and nothing is in flight."""
         with self._cond:
             clean = self.spoiled is None and not self._open
-            return {"clean": clean, "collectives": self.collectives,
+            return {"clean": clean, "spoiled": self.spoiled is not None,
+                    "open": len(self._open), "collectives": self.collectives,
                     "sent": {str(k): v for k, v in self.sent.items()},
                     "received": {str(k): v for k, v in self.received.items()}}
 
@@ -247,9 +257,11 @@ class Ledger:
 
 
 def consistent(summaries: list[dict]) -> bool:
-    """Whether the members' ledgers (`Ledger.summary`, in group-rank order) agree: all
-    clean, the same number of collectives, every member's sends to a peer received by it."""
-    if not summaries or not all(s.get("clean") for s in summaries):
+    """Whether the members' ledgers (`Ledger.summary`, in group-rank order) agree: none
+    spoiled, the same number of collectives, every member's sends to a peer received by
+    it. Then every operation still open was issued by every member it needs, so it
+    finishes (`Ledger.settle`)."""
+    if not summaries or any(s["spoiled"] for s in summaries):
         return False
     if len({s["collectives"] for s in summaries}) > 1:
         return False

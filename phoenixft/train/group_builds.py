@@ -52,6 +52,7 @@ class GroupBuilds:
         self._builds: dict[int, dict[str, Pending]] = {}  # generation -> its group builds
         self._lock = threading.Lock()
         self._built_upto = -1  # the newest generation whose builds began (never lowered)
+        self.took_s: dict[str, float] = {}  # group name -> its last taken build's seconds
 
     def started(self, generation: int) -> bool:
         return generation in self._builds
@@ -101,6 +102,7 @@ class GroupBuilds:
         pg = p.result(timeout_s)
         with self._lock:
             self._builds.get(generation, {}).pop(name, None)
+            self.took_s[name] = p.took_s or 0.0
         return pg
 
     def late(self, generation: int, name: str, rank: int, size: int,

@@ -8,8 +8,10 @@ generation has a group of the same dimension with the same members in the same p
 (matched by worker id, not by name: a replica group renumbered after another left
 keeps its groups), and the group is whole: gloo and NCCL match operations by their
 order on a group, so it is kept only when every member issued the same collectives,
-every send met its receive, and nothing failed or is still in flight (each group's
-`Ledger`, counted by `GroupOps` and `SwapGroup`). Every other group is built anew.
+every send met its receive, and nothing failed as it was issued (each group's `Ledger`,
+counted by `GroupOps` and `SwapGroup`). A collective its waiters gave up on (a new plan
+interrupted them) that every member issued still finishes: the join waits for it
+(`Ledger.settle`) before using the group. Every other group is built anew.
 
 Agreement. Each member decides alone what it could keep, but a group is kept only if
 all its members keep it: at the join of generation g every member writes one vote per
@@ -22,25 +24,25 @@ votes, so everyone decides the same.
 
 Parking. A worker leaving a generation (a failure, a new plan) does not destroy its mesh
 groups: a group an operation failed in as it was issued is buried at once
-(`GroupBuilds.bury`), the others are parked under their key until the next join decides
-(a collective whose wait was given up may still finish there: the join gives those
-SETTLE_S); what that join does not keep is buried then, and all of them when a plan
-leaves this worker out. The training group ("train", the world) and
-the replication group span the job, so they always contain a replaced rank: they are
-built anew every generation, as before.
+(`GroupBuilds.bury`), the others are parked under their key until the next join decides;
+what that join does not keep is buried then, and all of them when a plan leaves this
+worker out. The training group ("train", the world) and the replication group span the
+job, so they always contain a replaced rank: they are built anew every generation, as
+before.
 
-Which collectives a kept group's members finished is what decides, so a kill that lands
-while a survivor is inside a collective of a group without the dead rank (an FSDP2 job
-whose ranks are one failure unit, interrupted mid-step) rebuilds that group too; HSDP's
-untouched replica groups are never interrupted (`WorkSplit.in_unit`) and always keep
-theirs.
+Which collectives a kept group's members issued is what decides, so a group without the
+dead rank is rebuilt too when one of its members left without issuing a collective the
+others issued: in an FSDP2 job whose ranks are one failure unit, a rank that waited on
+the dead one mid-step while its row waited on it; HSDP's cross-group dp_replicate group
+whose member in the dead rank's replica group never reached the step's reduction.
+HSDP's untouched replica groups are never interrupted (`WorkSplit.in_unit`) and always
+keep theirs.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -52,9 +54,6 @@ from phoenixft.comm.collectives import GroupOps, Interrupt, call_with_deadline, 
 
 GroupKey = tuple[str, tuple[str, ...]]  # (mesh dimension, member worker ids by group rank)
 BUILD = "build"
-# how long a join waits, in all, for collectives left in flight in the groups it could
-# keep (between live members they finish; one waiting on a dead or departed peer never does)
-SETTLE_S = 0.25
 
 
 def dimension(name: str) -> str:
@@ -136,9 +135,6 @@ class KeptGroups:
         with self._lock:
             offer = {n: self._parked.get(self.key(plan, n)) for n in mine if n not in started}
         offer = {n: ops for n, ops in offer.items() if ops is not None}
-        deadline = time.monotonic() + SETTLE_S
-        for ops in offer.values():
-            ops.ledger.settle(max(0.0, deadline - time.monotonic()))
         summaries = {n: ops.ledger.summary() for n, ops in offer.items()}
         names = list(mine)
         store.multi_set([Keys.keep_vote(g, n, mine[n][0]) for n in names],
@@ -154,6 +150,9 @@ class KeptGroups:
                 got = [votes[k] for k in ks]
                 if BUILD not in got and consistent([json.loads(v) for v in got]):
                     kept[n] = offer[n]
+        for n, ops in kept.items():  # every member issued its open works: they finish
+            ops.ledger.settle(interrupt, timeout_s, f"generation {g} keeping {n}: its "
+                                                    "last collectives finishing")
         with self._lock:
             taken = {self.key(plan, n) for n in kept}
             dead = [ops.pg for k, ops in self._parked.items() if k not in taken]

@@ -382,10 +382,13 @@ class Member:
                 GroupOps(old.pg, interrupt, timeout_s, ledger=old.ledger) if old is not None
                 else GroupOps(self.builds.take(g, name, wait_s), interrupt, timeout_s))
         self.kept.joined(plan, self._mesh_ops)
-        self._groups = {"train": {"size": self.world_size, "kept": False}}
+        took = self.builds.took_s
+        self._groups = {"train": {"size": self.world_size, "kept": False,
+                                  "build_s": round(took["train"], 4)}}
         for name, (_, n) in mesh.items():
             self._groups[name] = {"size": n, "kept": name in kept,
-                                  "pg": f"{id(self._mesh_ops[name].pg):x}"}
+                                  "pg": f"{id(self._mesh_ops[name].pg):x}",
+                                  **({} if name in kept else {"build_s": round(took[name], 4)})}
         return phases
 
     def _start_builds(self, plan: Plan) -> dict[str, Pending]:
@@ -499,11 +502,11 @@ class Member:
         dropped (`GroupBuilds.bury`). Returns each mesh group's state ("clean" or why not)."""
         dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg)
                 if pg is not None]
-        states = {}
         if self._mesh_ops and self.cfg.groups.keep:
             spoiled, states = self.kept.park(self._mesh_ops, self.plan)
             dead += spoiled
         else:
+            states = {n: ops.ledger.why_not() or "clean" for n, ops in self._mesh_ops.items()}
             dead += [ops.pg for ops in self._mesh_ops.values()]
         self.ops = self._rep_pg = None
         self._mesh_ops = {}

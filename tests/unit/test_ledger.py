@@ -72,8 +72,11 @@ def test_a_collective_given_up_on_stays_open_until_it_really_finishes():
         a.allreduce(x, "a lone all-reduce")  # its peer has not issued it (yet)
     assert not a.ledger.summary()["clean"]
     assert "never completed" in a.ledger.why_not()
+    assert not consistent([a.ledger.summary(), b.ledger.summary()])  # 1 against 0
     b.allreduce(y, "the peer's")  # the abandoned all-reduce meets it and finishes
-    a.ledger.settle(10)
+    assert consistent([a.ledger.summary(), b.ledger.summary()])  # so a group keeps it...
+    a.interrupt.enter(1)
+    a.ledger.settle(a.interrupt, 10, "the abandoned all-reduce")  # ...once it finished
     assert a.ledger.summary()["clean"] and consistent([a.ledger.summary(), b.ledger.summary()])
     assert x.tolist() == [2.0, 2.0]
 
