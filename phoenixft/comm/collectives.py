@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from phoenixft.comm.ledger import Ledger, allreduce_shape, succeeded
 from phoenixft.torch_internals import all_gather_base
 
 T = TypeVar("T")
@@ -91,7 +92,7 @@ def wait_work(work, interrupt: Interrupt, timeout_s: float, what: str = "collect
 
     def done(f) -> None:
         interrupt.notify()
-        if on_done is not None and _succeeded(f):
+        if on_done is not None and succeeded(f):
             on_done()
     fut.add_done_callback(done)
     interrupt.wait_until(fut.done, timeout_s, what)
@@ -99,31 +100,6 @@ def wait_work(work, interrupt: Interrupt, timeout_s: float, what: str = "collect
         work.wait()
     except Exception as exc:  # gloo: "Connection closed by peer", "Read error", timeouts
         raise CommFailure(f"{what} failed: {exc}") from exc
-
-
-def watch_work(work, on_done: Callable[[], None]) -> None:
-    """Call `on_done` once `work` has succeeded, without waiting for it here (a work its
-    waiter no longer waits for: the generation was left)."""
-    try:
-        fut = work.get_future()
-    except RuntimeError:
-        def waited() -> None:
-            try:
-                work.wait()
-            except Exception:
-                return
-            on_done()
-        threading.Thread(target=waited, name="phoenixft-watch-work", daemon=True).start()
-        return
-    fut.add_done_callback(lambda f: on_done() if _succeeded(f) else None)
-
-
-def _succeeded(fut) -> bool:
-    try:
-        fut.value()
-        return True
-    except Exception:
-        return False
 
 
 class Pending:
@@ -180,98 +156,6 @@ def call_with_deadline(fn: Callable[[], T], interrupt: Interrupt, timeout_s: flo
     return Pending(fn, interrupt, what).result(timeout_s)
 
 
-class Ledger:
-    """What one process group has carried over its whole life, so that a later generation
-    can tell whether the group may be kept as it is (`train/kept_groups.py`): gloo and
-    NCCL match operations by their order on the group, so a group is only reusable when
-    every member issued the same collectives, every send met its receive, and nothing is
-    still in flight or failed. Counts are cumulative (the backend's sequence is)."""
-
-    def __init__(self) -> None:
-        self.collectives = 0
-        self.sent: dict[int, int] = {}  # group rank of the peer -> sends issued to it
-        self.received: dict[int, int] = {}
-        self.spoiled: str | None = None  # why the group can no longer be trusted
-        self._open: dict[int, object] = {}  # the works not known to have succeeded, by id
-        self.last_error = ""  # the last failed wait's error (why a work stays open)
-        self._cond = threading.Condition()
-
-    def issued(self, work, method: str = "collective", peer: int | None = None) -> None:
-        with self._cond:
-            if method == "send":
-                self.sent[peer] = self.sent.get(peer, 0) + 1
-            elif method == "recv":
-                self.received[peer] = self.received.get(peer, 0) + 1
-            else:
-                self.collectives += 1
-            self._open[id(work)] = work
-
-    def completed(self, work) -> Callable[[], None]:
-        """The callback that marks `work` succeeded (`wait_work`'s `on_done`: the only
-        proof; gloo's reduce-scatter never reports `is_completed`, a failed work does)."""
-        key = id(work)
-
-        def done() -> None:
-            with self._cond:
-                self._open.pop(key, None)
-                self._cond.notify_all()
-        return done
-
-    def failed(self, why: str) -> None:
-        """A wait gave up (the work stays open unless it succeeds later)."""
-        self.last_error = why[:200]
-
-    def spoil(self, why: str) -> None:
-        """An operation failed as it was issued: the group cannot be trusted again."""
-        if self.spoiled is None:
-            self.spoiled = why[:200]
-
-    def settle(self, interrupt: Interrupt, timeout_s: float, what: str) -> None:
-        """Wait for the works still open to finish (a collective every member issued
-        finishes on its own, even when its waiters gave up on it); raises as a wait
-        does (`Interrupt.wait_until`)."""
-        def done(_=None) -> None:
-            interrupt.notify()
-        with self._cond:
-            pending = list(self._open.values())
-        for w in pending:  # (wake the interrupt's waiter as each finishes)
-            watch_work(w, done)
-        interrupt.wait_until(lambda: not self._open, timeout_s, what)
-
-    def summary(self) -> dict:
-        """This member's account: `clean` when nothing failed and nothing is in flight."""
-        with self._cond:
-            clean = self.spoiled is None and not self._open
-            return {"clean": clean, "spoiled": self.spoiled is not None,
-                    "open": len(self._open), "collectives": self.collectives,
-                    "sent": {str(k): v for k, v in self.sent.items()},
-                    "received": {str(k): v for k, v in self.received.items()}}
-
-    def why_not(self) -> str:
-        """Why the group is not clean ("" when it is)."""
-        s = self.summary()
-        if s["clean"]:
-            return ""
-        return self.spoiled or (f"{len(self._open)} operation(s) never completed"
-                                + (f" ({self.last_error})" if self.last_error else ""))
-
-
-def consistent(summaries: list[dict]) -> bool:
-    """Whether the members' ledgers (`Ledger.summary`, in group-rank order) agree: none
-    spoiled, the same number of collectives, every member's sends to a peer received by
-    it. Then every operation still open was issued by every member it needs, so it
-    finishes (`Ledger.settle`)."""
-    if not summaries or any(s["spoiled"] for s in summaries):
-        return False
-    if len({s["collectives"] for s in summaries}) > 1:
-        return False
-    for a, s in enumerate(summaries):
-        for b in range(len(summaries)):
-            if s["sent"].get(str(b), 0) != summaries[b]["received"].get(str(a), 0):
-                return False
-    return True
-
-
 class GroupOps:
     """A generation's process group whose every operation has a deadline and gives up
     when a newer generation is announced (raising `CommFailure` / `GenerationChanged`).
@@ -305,7 +189,9 @@ class GroupOps:
 
     def allreduce_start(self, t, what: str, op=None) -> Callable[[], None]:
         """`allreduce`, issued now; returns the wait (which raises as it would)."""
-        work = self._issued(self.pg.allreduce([t], op=op or dist.ReduceOp.SUM))
+        op = op or dist.ReduceOp.SUM
+        work = self.pg.allreduce([t], op=op)
+        self.ledger.issued(work, shape=allreduce_shape(t, op))
         return lambda: self.wait(work, what)
 
     def all_gather_into(self, out, t, what: str):

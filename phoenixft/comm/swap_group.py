@@ -31,7 +31,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from phoenixft.comm.collectives import CommFailure, GroupOps, wait_work, watch_work
+from phoenixft.comm.collectives import CommFailure, GroupOps, wait_work
+from phoenixft.comm.ledger import watch_work
 from phoenixft.torch_internals import (
     PROCESS_GROUP_COLLECTIVES,
     backend_registered,

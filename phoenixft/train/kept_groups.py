@@ -17,10 +17,11 @@ Agreement. Each member decides alone what it could keep, but a group is kept onl
 all its members keep it: at the join of generation g every member writes one vote per
 mesh group of g (`Keys.keep_vote`): its ledger of the group it holds, or "build" (it
 holds none, or its build already started). A member that holds a candidate waits for
-every vote of that group and keeps it iff all are ledgers and they agree
-(`collectives.consistent`); otherwise it builds the group late, under the generation's
-prefix, where the members that voted "build" already started it. Everyone reads the same
-votes, so everyone decides the same.
+every vote of that group and keeps it iff all are ledgers and they can agree
+(`ledger.agreement`: a member that left before issuing the last collectives its peers
+issued issues them now, `ledger.drain`, when they were all-reduces); otherwise it builds
+the group late, under the generation's prefix, where the members that voted "build"
+already started it. Everyone reads the same votes, so everyone decides the same.
 
 Parking. A worker leaving a generation (a failure, a new plan) does not destroy its mesh
 groups: a group an operation failed in as it was issued is buried at once
@@ -32,11 +33,12 @@ before.
 
 Which collectives a kept group's members issued is what decides, so a group without the
 dead rank is rebuilt too when one of its members left without issuing a collective the
-others issued: in an FSDP2 job whose ranks are one failure unit, a rank that waited on
-the dead one mid-step while its row waited on it; HSDP's cross-group dp_replicate group
-whose member in the dead rank's replica group never reached the step's reduction.
-HSDP's untouched replica groups are never interrupted (`WorkSplit.in_unit`) and always
-keep theirs.
+others issued and that cannot be issued again (FSDP2's own collectives inside the
+user's passes: in an FSDP2 job whose ranks are one failure unit, a rank that waited on
+the dead one mid-step while its row waited on it). HSDP's cross-group dp_replicate group
+whose member in the dead rank's replica group never reached the step's reduction is
+drained and kept. HSDP's untouched replica groups are never interrupted
+(`WorkSplit.in_unit`) and always keep theirs.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ import torch.distributed as dist
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
-from phoenixft.comm.collectives import GroupOps, Interrupt, call_with_deadline, consistent
+from phoenixft.comm.collectives import GroupOps, Interrupt, call_with_deadline
+from phoenixft.comm.ledger import agreement, drain
 
 GroupKey = tuple[str, tuple[str, ...]]  # (mesh dimension, member worker ids by group rank)
 BUILD = "build"
@@ -148,8 +151,10 @@ class KeptGroups:
                 f"generation {g}'s votes on the groups it may keep")))
             for n, ks in keys.items():
                 got = [votes[k] for k in ks]
-                if BUILD not in got and consistent([json.loads(v) for v in got]):
+                agreed = None if BUILD in got else agreement([json.loads(v) for v in got])
+                if agreed is not None:
                     kept[n] = offer[n]
+                    drain(offer[n].pg, offer[n].ledger, agreed.get(mine[n][0], []))
         for n, ops in kept.items():  # every member issued its open works: they finish
             ops.ledger.settle(interrupt, timeout_s, f"generation {g} keeping {n}: its "
                                                     "last collectives finishing")

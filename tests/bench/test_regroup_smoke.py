@@ -24,7 +24,8 @@ def test_regroup_bench_smoke(tmp_path):
     assert r["dead_rank"] == 5 and r["same_digest"]
     assert len(rows["rebuild"]["rebuilt"]) == rows["rebuild"]["communicators"] == 7
     kept = set(rows["rebuild"]["rebuilt"]) - set(rows["keep"]["rebuilt"])
-    assert kept == {"dp_shard.0.0", "dp_shard.1.0", "dp_shard.3.0"}
+    assert kept == {"dp_shard.0.0", "dp_shard.1.0", "dp_shard.3.0", "dp_replicate.0"}
     assert rows["keep"]["build_s_by_size"] and rows["keep"]["recover_s"] > 0
     assert len(regroup.goals(r)) == 2 and regroup.headline(r)
-    assert "| whole groups kept | 4 of 7 |" in "\n".join(regroup.markdown(r))
+    assert "| whole groups kept | 3 of 7 | none |" in "\n".join(regroup.markdown(r))
+    assert all(g.met for g in regroup.goals(r))

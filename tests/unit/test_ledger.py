@@ -1,9 +1,9 @@
 """A process group's `Ledger`: what decides whether a later generation may keep the group
 (`train/kept_groups.py`). Real gloo groups of two ranks, one per thread of this process,
 over loopback: the counts of both members agree after matched operations, a collective
-whose wait was given up leaves its group unclean until it really finishes (then the
-ledger learns it), and gloo's reduce-scatter, which never reports `is_completed`, is
-counted finished once waited for."""
+whose wait was given up leaves its group unclean until the member behind issues it too
+(`drain`; then the ledger learns it finished), and gloo's reduce-scatter, which never
+reports `is_completed`, is counted finished once waited for but cannot be drained."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phoenixft.comm.collectives import GenerationChanged, GroupOps, Interrupt, consistent
+from phoenixft.comm.collectives import GenerationChanged, GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
+from phoenixft.comm.ledger import agreement, drain
 from phoenixft.comm.swap_group import SwapGroup
 
 
@@ -58,27 +59,31 @@ def test_matched_collectives_and_sends_leave_both_ledgers_clean_and_agreeing():
     sa, sb = a.ledger.summary(), b.ledger.summary()
     assert sa["clean"] and sb["clean"]
     assert (sa["collectives"], sa["sent"], sb["received"]) == (1, {"1": 1}, {"0": 1})
-    assert consistent([sa, sb])
+    assert agreement([sa, sb]) == {}
     # a send its receiver never posted: both clean, the counts tell
-    assert not consistent([{**sa, "sent": {"1": 2}}, sb])
-    assert not consistent([sa, {**sb, "collectives": 2}])
+    assert agreement([{**sa, "sent": {"1": 2}}, sb]) is None
+    assert agreement([{**sa, "spoiled": True}, sb]) is None
 
 
-def test_a_collective_given_up_on_stays_open_until_it_really_finishes():
+def test_a_collective_given_up_on_stays_open_until_the_member_behind_drains_it():
+    """a's all-reduce was abandoned (a new plan) before b issued it: b is one behind; it
+    issues the same all-reduce of zeros (`drain`), a's finishes, and the group agrees."""
     a, b = _pair("abandoned/")
-    x, y = torch.ones(2), torch.ones(2)
+    x = torch.ones(2)
     threading.Timer(0.1, a.interrupt.announce, args=(1,)).start()
     with pytest.raises(GenerationChanged):
-        a.allreduce(x, "a lone all-reduce")  # its peer has not issued it (yet)
+        a.allreduce(x, "a lone all-reduce")  # its peer has not issued it
     assert not a.ledger.summary()["clean"]
     assert "never completed" in a.ledger.why_not()
-    assert not consistent([a.ledger.summary(), b.ledger.summary()])  # 1 against 0
-    b.allreduce(y, "the peer's")  # the abandoned all-reduce meets it and finishes
-    assert consistent([a.ledger.summary(), b.ledger.summary()])  # so a group keeps it...
-    a.interrupt.enter(1)
-    a.ledger.settle(a.interrupt, 10, "the abandoned all-reduce")  # ...once it finished
-    assert a.ledger.summary()["clean"] and consistent([a.ledger.summary(), b.ledger.summary()])
-    assert x.tolist() == [2.0, 2.0]
+    plan = agreement([a.ledger.summary(), b.ledger.summary()])
+    assert plan == {1: [["allreduce", 2, "float32", "cpu", "RedOpType.SUM"]]}
+    drain(b.pg, b.ledger, plan[1])
+    for ops in (a, b):
+        ops.interrupt.enter(1)
+        ops.ledger.settle(ops.interrupt, 10, "the drained all-reduce")
+    assert a.ledger.summary()["clean"] and b.ledger.summary()["clean"]
+    assert agreement([a.ledger.summary(), b.ledger.summary()]) == {}
+    assert x.tolist() == [1.0, 1.0]  # (a's abandoned buffer: its values are never read)
 
 
 def test_a_reduce_scatter_through_a_swap_group_is_counted_finished_once_waited():
@@ -94,4 +99,8 @@ def test_a_reduce_scatter_through_a_swap_group_is_counted_finished_once_waited()
         return lambda: groups[r]._reduce_scatter_base(outs[r], torch.arange(4.0)).wait()
     _both(scatter(0), scatter(1))
     assert outs[0].tolist() == [0.0, 2.0] and outs[1].tolist() == [4.0, 6.0]
-    assert consistent([a.ledger.summary(), b.ledger.summary()])
+    assert agreement([a.ledger.summary(), b.ledger.summary()]) == {}
+    # one member behind on a reduce-scatter (FSDP2's, inside the user's passes): it
+    # cannot be issued again, so the group cannot agree (it is rebuilt)
+    groups[0]._reduce_scatter_base(torch.zeros(2), torch.arange(4.0))
+    assert agreement([a.ledger.summary(), b.ledger.summary()]) is None
