@@ -16,7 +16,7 @@ from phoenixft.simulate.plot import plot
 from phoenixft.simulate.published import validate_published
 from phoenixft.simulate.rates import MIX, RATES, parse_rates
 from phoenixft.simulate.scale import ScaleInputs
-from phoenixft.simulate.sensitivity import recovery_budget, sensitivity
+from phoenixft.simulate.sensitivity import recovery_budget, sensitivity, what_if_world_off_path
 from phoenixft.simulate.validate import validate
 
 
@@ -118,7 +118,10 @@ def _sensitivity(costs: Costs, s: ScaleInputs, rates: dict, args: argparse.Names
             out.append({"rate_name": name, **sensitivity(
                 "tiers", gpus, rates[name], costs, s, args.sensitivity_runs, args.horizon_h),
                 "budget": recovery_budget("tiers", gpus, rates[name], costs, s, 0.9,
-                                          args.sensitivity_runs, args.horizon_h)})
+                                          args.sensitivity_runs, args.horizon_h),
+                "world_off_path": what_if_world_off_path(
+                    "tiers", gpus, rates[name], costs, s, args.sensitivity_runs,
+                    args.horizon_h)})
     return out
 
 

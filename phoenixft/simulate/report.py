@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from phoenixft.observe.goals import Goal
 from phoenixft.simulate.model import STRATEGIES
+from phoenixft.simulate.published import FT_HSDP_EFFECTIVE
 
 
 def goals(result: dict) -> list[Goal]:
@@ -26,6 +27,10 @@ def goals(result: dict) -> list[Goal]:
     for p in result.get("published", []):
         out.append(Goal(f"simulator, from its inputs: {p['point']}", p["published"],
                         f"{p['predicted']} {p['unit']}", p["within"]))
+        if "ours" in p:
+            out.append(Goal("phoenixft + tiers from FT-HSDP's inputs (its failure rate, "
+                            "our costs at 100k GPUs)", f">= FT-HSDP's {FT_HSDP_EFFECTIVE}",
+                            p["ours"], p["ours"] >= FT_HSDP_EFFECTIVE))
     return out
 
 
@@ -94,6 +99,12 @@ def scale_markdown(result: dict) -> list[str]:
                     "more than a free recovery: even at 0 s it reaches "
                     f"{b['free_recovery_effective']:.3f}")
             rows += ["", f"To reach {b['target']} there, spares + tiers need {need}."]
+        w = sens.get("world_off_path")
+        if w:
+            rows += ["", f"What if a recovery rebuilt only the groups that held the failed "
+                     f"rank (the world group off its path, which the code does not do yet; "
+                     f"the largest rebuilt {w['rebuilt_ranks']:,} ranks): spares + tiers "
+                     f"{w['effective']:.3f}, a spare's recovery {w['recover_s']} s."]
     return rows
 
 

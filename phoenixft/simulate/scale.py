@@ -1,17 +1,18 @@
 """What a failure costs as the job grows: the simulator's size-dependent inputs, each a
 named parameter with its source (docs/scale.md explains the model in a page).
 
-    recovery(G)  = detect + control plane(G) + communicator rebuild(G) + state transfer
+    recovery(G)  = detect + control plane(G) + communicator rebuild(R) + state transfer
                    (a GPU's shard / link bandwidth) [+ lost steps x step, in the simulator]
     restart(G)   = relaunch + communicator rebuild(G) + checkpoint load (bytes / storage)
     checkpoint   = the job's bytes / storage bandwidth (the stall per checkpoint)
     snapshot     = our measured per-step overhead + what the device-to-host copy of a
                    GPU's shard does not hide under the step
 
-G is the number of GPUs, one worker each. The control plane term is fitted from `phoenixft
-bench control-plane` (a N^b, this machine's CPU); the GPU figures (links, copies,
-communicator set-up) are taken from publications until `scripts/gpu-check` measures them
-(`SOURCES` says which is which).
+G is the number of GPUs, one worker each; R the ranks of the largest communicator a
+recovery rebuilds (G while the world group is rebuilt: `world_group_rebuilt`). The
+control plane term is fitted from `phoenixft bench control-plane` (a N^b, this machine's
+CPU); the GPU figures (links, copies, communicator set-up) are taken from publications
+until `scripts/gpu-check` measures them (`SOURCES` says which is which).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ SOURCES = {
     "overlap": "assumed: share of a step the snapshot copy can hide under (forward and "
                "backward)",
     "group_gpus": "HSDP: GPUs in a replica group (4 nodes of 8)",
+    "world_group_rebuilt": "the code today: every recovery rebuilds the job's world group "
+                           "(it carries the step's audit all-reduce and the join's "
+                           "agreement; train/kept_groups.py keeps only the mesh groups the "
+                           "failure left whole), so the rebuild is of G ranks; false: only "
+                           "the groups that held the failed rank, the largest of them the "
+                           "cross-replica group of G / group_gpus ranks (a what-if: not "
+                           "built)",
 }
 
 
@@ -84,6 +92,7 @@ class ScaleInputs:
     snapshot_floor: float = 0.01
     overlap: float = 0.9
     group_gpus: int = 32
+    world_group_rebuilt: bool = True
 
     def with_measured(self, control_plane_json: str | None) -> ScaleInputs:
         """The control plane's fit from a `bench control-plane` result, where given."""
@@ -118,17 +127,28 @@ def terms(s: ScaleInputs, gpus: int) -> dict[str, float]:
     """A spare's recovery at `gpus` GPUs, term by term (seconds), and what restart and
     checkpoints cost there."""
     link = s.link_gbps / 8 * 1e9 * s.link_efficiency
-    comm = s.comm_base_s + s.comm_per_krank_s * gpus / 1000
     job_bytes = s.params * s.bytes_per_param
     return {
         "detect": (1 - s.hang_share) * s.detect_exit_s + s.hang_share * s.heartbeat_timeout_s,
         "control": s.control_a * gpus ** s.control_b,
-        "comm": comm,
+        "comm": comm_s(s, rebuilt_ranks(s, gpus)),
         "transfer": shard_bytes(s, gpus) / link,
-        "restart": s.relaunch_s + comm + job_bytes / (s.storage_tbs * 1e12),
+        "restart": s.relaunch_s + comm_s(s, gpus) + job_bytes / (s.storage_tbs * 1e12),
         "checkpoint": job_bytes / (s.storage_tbs * 1e12),
         "snapshot_copy": shard_bytes(s, gpus) / (s.d2h_gbs * 1e9),
     }
+
+
+def comm_s(s: ScaleInputs, ranks: int) -> float:
+    """Building communicators whose largest has `ranks` ranks (they are built at once)."""
+    return s.comm_base_s + s.comm_per_krank_s * ranks / 1000
+
+
+def rebuilt_ranks(s: ScaleInputs, gpus: int) -> int:
+    """The largest communicator a recovery rebuilds (`world_group_rebuilt`'s source)."""
+    if s.world_group_rebuilt:
+        return gpus
+    return max(min(s.group_gpus, gpus), gpus // max(1, s.group_gpus))
 
 
 def recovery_s(s: ScaleInputs, gpus: int) -> float:
@@ -146,10 +166,10 @@ def snapshot_overhead(s: ScaleInputs, gpus: int, step_s: float) -> float:
 
 def group_loss_s(s: ScaleInputs, gpus: int) -> float:
     """HSDP: a replica group leaving or coming back: detect, the control plane over the
-    job, and the cross-group communicators rebuilt (one rank per group in each)."""
+    job, and the communicators rebuilt (the world group while the code rebuilds it,
+    else the cross-group ones: one rank per group in each)."""
     t = terms(s, gpus)
-    groups = max(1, gpus // s.group_gpus)
-    return t["detect"] + t["control"] + s.comm_base_s + s.comm_per_krank_s * groups / 1000
+    return t["detect"] + t["control"] + t["comm"]
 
 
 def inputs_dict(s: ScaleInputs) -> dict:

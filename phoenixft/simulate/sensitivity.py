@@ -12,7 +12,8 @@ from phoenixft.simulate.model import Costs, mean_effective, sized
 # inputs of `Costs` that stay constants across sizes (the others come from `scale.py`)
 COST_INPUTS = ("step_s", "lost_steps", "repair_h", "spare_frac", "outage_per_day",
                "persist_every_s")
-SKIP = {"store_barrier_s_16k", "group_gpus"}  # reported, or not used by this strategy
+# reported, not used by this strategy, or a switch (`what_if_world_off_path`)
+SKIP = {"store_barrier_s_16k", "group_gpus", "world_group_rebuilt"}
 
 
 def sensitivity(strategy: str, gpus: int, rate: float, base: Costs, s: scale.ScaleInputs,
@@ -76,3 +77,15 @@ def recovery_budget(strategy: str, gpus: int, rate: float, base: Costs, s: scale
     return {"strategy": strategy, "gpus": gpus, "target": target, "model_recover_s":
             round(c.recover_s, 2), "budget_s": budget,
             "free_recovery_effective": round(eff(0.0), 4)}
+
+
+def what_if_world_off_path(strategy: str, gpus: int, rate: float, base: Costs,
+                           s: scale.ScaleInputs, runs: int, horizon_h: float) -> dict:
+    """`strategy` at `gpus` if a recovery rebuilt only the groups that held the failed
+    rank (the world group off its path: not built yet), beside the model as it is."""
+    off = replace(s, world_group_rebuilt=False)
+    c = sized(base, off, gpus)
+    return {"effective": round(mean_effective(strategy, gpus, rate, c, runs,
+                                              horizon_h).effective, 4),
+            "recover_s": round(c.detect_s + c.recover_s, 2),
+            "rebuilt_ranks": scale.rebuilt_ranks(off, gpus)}

@@ -10,7 +10,7 @@ import pytest
 
 from phoenixft.simulate import scale
 from phoenixft.simulate.model import Costs, projection, sized
-from phoenixft.simulate.published import deadpool, step_s
+from phoenixft.simulate.published import deadpool, ft_hsdp, step_s
 from phoenixft.simulate.rates import RATES
 from phoenixft.simulate.sensitivity import recovery_budget, sensitivity
 
@@ -73,3 +73,26 @@ def test_deadpool_point_from_its_inputs():
     assert p["terms"]["step_redone"] == pytest.approx(step_s(65e9, 4e6, 512, 312, 0.5), rel=1e-2)
     assert p["predicted"] == pytest.approx(sum(p["terms"].values()), rel=1e-2)
     assert p["within"] == (p["predicted"] <= 40.0)
+
+
+def test_a_recovery_is_charged_the_communicators_it_rebuilds():
+    """While the code rebuilds the world group every generation, a recovery (and an HSDP
+    group leaving) is charged the rebuild of G ranks; with it off the path (a what-if)
+    only the largest group that held the failed rank: G / group_gpus ranks at 100k."""
+    off = replace(S, world_group_rebuilt=False)
+    assert scale.rebuilt_ranks(S, 100000) == 100000
+    assert scale.rebuilt_ranks(off, 100000) == 100000 // S.group_gpus
+    assert scale.rebuilt_ranks(off, 1024) == S.group_gpus  # the in-group mesh is larger
+    assert scale.terms(S, 100000)["comm"] == pytest.approx(S.comm_base_s + 150.0)
+    assert scale.terms(off, 100000)["comm"] < 10
+    assert scale.group_loss_s(S, 100000) > scale.group_loss_s(off, 100000) + 140
+    assert scale.terms(off, 100000)["restart"] == scale.terms(S, 100000)["restart"]
+
+
+def test_ft_hsdp_point_from_its_own_inputs():
+    """The failure rate FT-HSDP's synchronous figures imply (10-minute stalls, 44%), then
+    its 3-minute stall at that rate: the simulator's effective time beside its 80%."""
+    p = ft_hsdp(S, Costs(), runs=4, horizon_h=168.0)
+    assert 15 < p["terms"]["implied_job_mtbf_min"] < 20  # 600 s / (1 - 0.44) = 17.9 min
+    assert p["within"] == (abs(p["predicted"] - 0.80) <= 0.05)
+    assert 0.75 < p["predicted"] < 0.90 and 0 < p["ours"] <= 1
