@@ -11,6 +11,8 @@
    page-locked shared memory).
 4. the serving engine on CUDA against transformers on the same random Llama: logits of
    every generated token within tolerance, greedy tokens equal.
+5. shrink: whether the GPU's NCCL backend shrinks a communicator in place (reported only:
+   a shrink needs two ranks, and NCCL takes one rank per GPU).
 
 No pipeline case: a pipeline's stages are at least two ranks of one communicator, which
 NCCL refuses on one GPU (the FSDP2 case above runs its mesh on one rank for the same
@@ -162,13 +164,34 @@ def engine(args, out: Path) -> dict:
     return r
 
 
+def shrink(args, out: Path) -> dict:
+    """Whether the GPU's NCCL backend shrinks a communicator in place (ncclCommShrink,
+    NCCL >= 2.27), which a recovery uses when ranks leave without a replacement
+    (train/kept_groups.py). One GPU cannot show a shrink itself: NCCL refuses two ranks
+    of one communicator on one device. On the CPU: gloo, which never shrinks."""
+    import torch
+    import torch.distributed as dist
+
+    from phoenixft.train.kept_groups import can_shrink
+    if args.device == "cuda":
+        pg = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1)
+        version = ".".join(map(str, torch.cuda.nccl.version()))
+    else:
+        pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+        version = None
+    supported = can_shrink(pg)
+    return {"ok": True, "backend": pg.name(), "nccl_version": version,
+            "supports_shrinking": supported,
+            "note": "reported, not exercised: a shrink needs 2 ranks, NCCL 1 per GPU"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", action="append",
-                    choices=["hotswap", "fsdp", "overhead", "engine"])
+                    choices=["hotswap", "fsdp", "overhead", "engine", "shrink"])
     args = ap.parse_args()
     if args.device == "cuda":
         import torch
@@ -182,7 +205,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report, t0 = {"device": args.device}, time.time()
     for name, check in (("hotswap", hotswap), ("fsdp", fsdp), ("overhead", overhead),
-                        ("engine", engine)):
+                        ("engine", engine), ("shrink", shrink)):
         if args.only and name not in args.only:
             continue
         (out / name).mkdir(exist_ok=True)

@@ -23,6 +23,16 @@ issued issues them now, `ledger.drain`, when they were all-reduces); otherwise i
 the group late, under the generation's prefix, where the members that voted "build"
 already started it. Everyone reads the same votes, so everyone decides the same.
 
+Shrinking. Where the new group is the old one less members that left the job (no one
+added, the rest in order: HSDP's cross-group groups when a replica group leaves without
+a spare), a backend that shrinks a communicator in place (NCCL >= 2.27,
+`ncclCommShrink`, through the backend's `shrink`) shrinks it instead of building anew,
+when every member votes "shrink"; gloo cannot, and builds. The shrink aborts the
+parent's operations in flight (the departed members'), so the ledgers are not asked.
+This path needs NCCL: CI (gloo) never takes it, and one GPU cannot show it (NCCL refuses
+two ranks of a communicator on one device): `scripts/gpu-check` reports whether the
+GPU's NCCL backend supports shrinking, no more.
+
 Parking. A worker leaving a generation (a failure, a new plan) does not destroy its mesh
 groups: a group an operation failed in as it was issued is buried at once
 (`GroupBuilds.bury`), the others are parked under their key until the next join decides;
@@ -57,6 +67,29 @@ from phoenixft.comm.ledger import agreement, drain
 
 GroupKey = tuple[str, tuple[str, ...]]  # (mesh dimension, member worker ids by group rank)
 BUILD = "build"
+SHRINK = "shrink"  # the vote of a member that can shrink the group it holds to this one
+# ncclCommShrink's flag that aborts the parent's operations in flight (the dead peer's)
+SHRINK_ABORT = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
+
+
+def shrink_of(old: tuple[str, ...], new: tuple[str, ...], departed: Callable[[str], bool]
+              ) -> list[int] | None:
+    """The ranks of a group of members `old` to exclude so that it becomes `new` (fewer
+    members, the rest in the same order, every one left out `departed` from the job), or
+    None when `new` is not such a shrink of `old`."""
+    if len(new) >= len(old) or [w for w in old if w in set(new)] != list(new):
+        return None
+    out = [i for i, w in enumerate(old) if w not in set(new)]
+    return out if all(departed(old[i]) for i in out) else None
+
+
+def can_shrink(pg: dist.ProcessGroup) -> bool:
+    """Whether the backend shrinks a communicator in place (NCCL >= 2.27's
+    ncclCommShrink; gloo says no)."""
+    try:
+        return bool(pg.supports_shrinking)
+    except Exception:
+        return False
 
 
 def dimension(name: str) -> str:
@@ -94,10 +127,23 @@ class KeptGroups:
 
     def candidates(self, plan: Plan, names) -> set[str]:
         """The names among `names` (plan's mesh groups of this worker) that a group this
-        worker holds, live or parked, may stand for."""
+        worker holds, live or parked, may stand for (as it is, or shrunk)."""
         with self._lock:
-            held = self._parked.keys() | self._live.keys()
-        return {n for n in names if self.key(plan, n) in held}
+            held = {**self._live, **self._parked}
+        return {n for n in names if self.key(plan, n) in held
+                or self._shrinkable(plan, n, held) is not None}
+
+    def _shrinkable(self, plan: Plan, name: str, held: dict[GroupKey, GroupOps]
+                    ) -> tuple[GroupKey, list[int]] | None:
+        """A held group that group `name` of `plan` is a shrink of, on a backend that
+        shrinks: its key and the ranks to exclude."""
+        dim, new = self.key(plan, name)
+        for (d, old), ops in held.items():
+            if d == dim and can_shrink(ops.pg):
+                out = shrink_of(old, new, lambda w: plan.rank_of(w) is None)
+                if out is not None:
+                    return (d, old), out
+        return None
 
     # -- leaving a generation ------------------------------------------------------------
     def park(self, mesh_ops: dict[str, GroupOps], plan: Plan | None
@@ -129,41 +175,60 @@ class KeptGroups:
     # -- joining one -------------------------------------------------------------------
     def decide(self, plan: Plan, rank: int, started: set[str], store: dist.Store,
                connect: Callable[[], dist.Store], interrupt: Interrupt, timeout_s: float
-               ) -> tuple[dict[str, GroupOps], list[dist.ProcessGroup]]:
+               ) -> tuple[dict[str, GroupOps], list[dist.ProcessGroup], set[str]]:
         """Plan `plan`'s join: vote for each of this rank's mesh groups, and wait for the
         votes of those it could keep (`started`: names whose build began; they are not
-        kept). Returns the groups kept (name -> the parked ops) and the parked groups to
-        bury (the rest)."""
+        kept). Returns the groups kept (name -> the parked ops, or the shrunk group's),
+        the parked groups to bury (the rest), and the names of those shrunk."""
         g, mine = plan.generation, self.mesh_groups(rank, plan.world_size)
         with self._lock:
             offer = {n: self._parked.get(self.key(plan, n)) for n in mine if n not in started}
+            parked = dict(self._parked)
         offer = {n: ops for n, ops in offer.items() if ops is not None}
+        shrinks = {n: self._shrinkable(plan, n, parked) for n in mine
+                   if n not in started and n not in offer}
+        shrinks = {n: x for n, x in shrinks.items() if x is not None}
         summaries = {n: ops.ledger.summary() for n, ops in offer.items()}
         names = list(mine)
         store.multi_set([Keys.keep_vote(g, n, mine[n][0]) for n in names],
-                        [json.dumps(summaries[n]) if n in summaries else BUILD for n in names])
+                        [json.dumps(summaries[n]) if n in summaries else
+                         SHRINK if n in shrinks else BUILD for n in names])
         kept: dict[str, GroupOps] = {}
-        if offer:
-            keys = {n: [Keys.keep_vote(g, n, p) for p in range(mine[n][1])] for n in offer}
+        shrunk: dict[str, GroupKey] = {}
+        if offer or shrinks:
+            keys = {n: [Keys.keep_vote(g, n, p) for p in range(mine[n][1])]
+                    for n in (*offer, *shrinks)}
             flat = [k for ks in keys.values() for k in ks]
             votes = dict(zip(flat, call_with_deadline(
                 lambda: _read_votes(connect, flat, timeout_s), interrupt, timeout_s,
                 f"generation {g}'s votes on the groups it may keep")))
             for n, ks in keys.items():
                 got = [votes[k] for k in ks]
-                agreed = None if BUILD in got else agreement([json.loads(v) for v in got])
+                if n in shrinks:
+                    if all(v == SHRINK for v in got):  # every member can: all shrink
+                        old_key, out = shrinks[n]
+                        old = parked[old_key]
+                        kept[n] = GroupOps(call_with_deadline(
+                            lambda old=old, out=out: old.pg.shrink(out, SHRINK_ABORT, None),
+                            interrupt, timeout_s, f"generation {g} shrinking {n}"),
+                            interrupt, timeout_s)
+                        shrunk[n] = old_key
+                    continue
+                agreed = None if BUILD in got or SHRINK in got else \
+                    agreement([json.loads(v) for v in got])
                 if agreed is not None:
                     kept[n] = offer[n]
                     drain(offer[n].pg, offer[n].ledger, agreed.get(mine[n][0], []))
         for n, ops in kept.items():  # every member issued its open works: they finish
-            ops.ledger.settle(interrupt, timeout_s, f"generation {g} keeping {n}: its "
-                                                    "last collectives finishing")
-        with self._lock:
-            taken = {self.key(plan, n) for n in kept}
+            if n not in shrunk:
+                ops.ledger.settle(interrupt, timeout_s, f"generation {g} keeping {n}: its "
+                                                        "last collectives finishing")
+        with self._lock:  # (a shrunk group's parent is buried: the new one is its own)
+            taken = {self.key(plan, n) for n in kept if n not in shrunk}
             dead = [ops.pg for k, ops in self._parked.items() if k not in taken]
             self._parked = {}
             self._live = {self.key(plan, n): ops for n, ops in kept.items()}
-        return kept, dead
+        return kept, dead, set(shrunk)
 
     def joined(self, plan: Plan, mesh_ops: dict[str, GroupOps]) -> None:
         """The join took `mesh_ops` (kept and built): they are the live groups."""

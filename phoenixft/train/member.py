@@ -363,7 +363,7 @@ class Member:
         g, wait_s = plan.generation, self.cfg.timeouts.join_timeout_s
         timeout_s = self.cfg.timeouts.collective_timeout_s
         mesh = self._layout.members.mesh_groups(self.rank, self.world_size)
-        kept, dead = ({}, []) if not self.cfg.groups.keep else self.kept.decide(
+        kept, dead, shrunk = ({}, [], set()) if not self.cfg.groups.keep else self.kept.decide(
             plan, self.rank, self.builds.names(g), self.store, self.connect, self.interrupt,
             wait_s)
         drop(dead)
@@ -386,8 +386,9 @@ class Member:
         self._groups = {"train": {"size": self.world_size, "kept": False,
                                   "build_s": round(took["train"], 4)}}
         for name, (_, n) in mesh.items():
-            self._groups[name] = {"size": n, "kept": name in kept,
+            self._groups[name] = {"size": n, "kept": name in kept and name not in shrunk,
                                   "pg": f"{id(self._mesh_ops[name].pg):x}",
+                                  **({"shrunk": True} if name in shrunk else {}),
                                   **({} if name in kept else {"build_s": round(took[name], 4)})}
         return phases
 
