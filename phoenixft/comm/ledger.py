@@ -17,15 +17,23 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from phoenixft.comm.collectives import Interrupt
+
+class Waiter(Protocol):
+    """What `Ledger.settle` waits with (`collectives.Interrupt`, which imports this module)."""
+
+    def notify(self) -> None: ...
+
+    def wait_until(self, done: Callable[[], bool], timeout_s: float, what: str) -> None: ...
 
 TAIL = 4  # the last collectives whose shapes a ledger keeps (how far a member may lag)
+# works a ledger holds, at most, while their waits have not said they succeeded: past it
+# the oldest are let go (their tensors with them) and the group can no longer be kept
+MAX_OPEN = 4096
 
 
 def succeeded(fut) -> bool:
@@ -86,6 +94,9 @@ class Ledger:
                 self.collectives += 1
                 self._tail.append((self.collectives, shape))
             self._open[id(work)] = work
+            if len(self._open) > MAX_OPEN:  # works issued and never waited for
+                self._open.pop(next(iter(self._open)))
+                self.spoil(f"more than {MAX_OPEN} operations never waited for")
 
     def completed(self, work) -> Callable[[], None]:
         """The callback that marks `work` succeeded (`wait_work`'s `on_done`: the only
@@ -107,7 +118,7 @@ class Ledger:
         if self.spoiled is None:
             self.spoiled = why[:200]
 
-    def settle(self, interrupt: Interrupt, timeout_s: float, what: str) -> None:
+    def settle(self, interrupt: Waiter, timeout_s: float, what: str) -> None:
         """Wait for the works still open to finish; raises as a wait does
         (`Interrupt.wait_until`)."""
         with self._cond:

@@ -367,6 +367,13 @@ class Member:
             plan, self.rank, self.builds.names(g), self.store, self.connect, self.interrupt,
             wait_s)
         drop(dead)
+
+        def interrupt_of(name: str) -> Interrupt:
+            return self.unit_interrupt if self._layout.work.in_unit(name) else self.interrupt
+        # the kept ones are this generation's from here on: a failure before the join
+        # ends parks them again (`_leave_groups`), as it does the ones built below
+        self._mesh_ops = {name: GroupOps(old.pg, interrupt_of(name), timeout_s, ledger=old.ledger)
+                          for name, old in kept.items()}
         for name, (place, n) in mesh.items():
             if name not in kept:
                 self.builds.late(g, name, place, n, self._device)
@@ -374,13 +381,11 @@ class Member:
         phases = {"group": time.time() - t0}
         self._rep_pg = (self.builds.take(g, "replicate", wait_s)
                         if "replicate" in self.builds.names(g) else None)
-        self._mesh_ops = {}
         for name in mesh:
-            interrupt = self.unit_interrupt if self._layout.work.in_unit(name) else self.interrupt
-            old = kept.get(name)
-            self._mesh_ops[name] = (
-                GroupOps(old.pg, interrupt, timeout_s, ledger=old.ledger) if old is not None
-                else GroupOps(self.builds.take(g, name, wait_s), interrupt, timeout_s))
+            if name not in kept:
+                self._mesh_ops[name] = GroupOps(self.builds.take(g, name, wait_s),
+                                                interrupt_of(name), timeout_s)
+        self._mesh_ops = {name: self._mesh_ops[name] for name in mesh}  # (in mesh order)
         self.kept.joined(plan, self._mesh_ops)
         took = self.builds.took_s
         self._groups = {"train": {"size": self.world_size, "kept": False,
@@ -498,9 +503,10 @@ class Member:
                           state, in_flight)
 
     def _leave_groups(self) -> dict[str, str]:
-        """Leave the generation's groups: the mesh groups whose ledgers are clean are
-        parked for the next join to keep (`kept_groups.py`); the rest are aborted, then
-        dropped (`GroupBuilds.bury`). Returns each mesh group's state ("clean" or why not)."""
+        """Leave the generation's groups: the mesh groups are parked for the next join
+        to keep if it can (`kept_groups.py`), unless an operation failed in one as it was
+        issued; the rest are aborted, then dropped (`GroupBuilds.bury`). Returns each
+        mesh group's state ("clean", or what it left unfinished)."""
         dead = [pg for pg in (self.ops.pg if self.ops is not None else None, self._rep_pg)
                 if pg is not None]
         if self._mesh_ops and self.cfg.groups.keep:
