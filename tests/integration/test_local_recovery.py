@@ -95,3 +95,27 @@ def test_a_2d_mesh_rebuilds_only_the_dead_ranks_row_and_column(tmp_path):
             assert after[wid][name]["pg"] == before[wid][name]["pg"], (rank, name)
     sizes = {n: g["size"] for gs in after.values() for n, g in gs.items()}
     assert {n for n in _rebuilt(job, 1) if sizes[n] > 1} == {"tp.0.1", "dp_shard.0.1"}
+
+
+@pytest.mark.timeout(420)
+def test_a_second_death_inside_the_recovery_keeps_what_is_still_whole(tmp_path):
+    """4 replica groups x 2 + 2 spares: rank 5 (group 2) SIGKILLed in backward, then rank
+    2 (group 1) SIGKILLed inside the recovery, once generation 1's groups formed. The
+    join of generation 1 is abandoned with its kept groups parked again; generation 2
+    still keeps groups 0's and 3's dp_shard communicators, the objects of generation 0,
+    and the job ends on the failure-free digest."""
+    ref = run_script(tmp_path / "ref", HSDP, "--nproc", "8", timeout=240,
+                     script_args=("--steps", str(STEPS)))
+    job = run_script(tmp_path / "job", HSDP, "--nproc", "8", "--spares", "2",
+                     "--inject", "kill:rank=5:step=3:phase=backward",
+                     "--inject", "kill:rank=2:gen=1", timeout=300,
+                     script_args=("--steps", str(STEPS)))
+    _same_digest(job, ref)
+    last = max(e["gen"] for e in job.of("joined"))
+    assert last >= 2 and len(job.summary["failures"]) == 2
+    before, after, ranks = _groups(job, 0), _groups(job, last), by_rank(job)
+    for rank in (0, 1, 6, 7):  # groups 0 and 3
+        wid = ranks[rank]
+        [name] = [n for n in before[wid] if n.startswith("dp_shard.")]
+        assert after[wid][name]["kept"], (rank, after[wid])
+        assert after[wid][name]["pg"] == before[wid][name]["pg"], rank
