@@ -30,6 +30,7 @@ class Waiter(Protocol):
 
     def wait_until(self, done: Callable[[], bool], timeout_s: float, what: str) -> None: ...
 
+
 TAIL = 4  # the last collectives whose shapes a ledger keeps (how far a member may lag)
 # works a ledger holds, at most, while their waits have not said they succeeded: past it
 # the oldest are let go (their tensors with them) and the group can no longer be kept
