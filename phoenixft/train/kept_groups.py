@@ -190,9 +190,10 @@ class KeptGroups:
         shrinks = {n: x for n, x in shrinks.items() if x is not None}
         summaries = {n: ops.ledger.summary() for n, ops in offer.items()}
         names = list(mine)
-        store.multi_set([Keys.keep_vote(g, n, mine[n][0]) for n in names],
-                        [json.dumps(summaries[n]) if n in summaries else
-                         SHRINK if n in shrinks else BUILD for n in names])
+        if names:  # (a layout without mesh groups costs the store nothing here)
+            store.multi_set([Keys.keep_vote(g, n, mine[n][0]) for n in names],
+                            [json.dumps(summaries[n]) if n in summaries else
+                             SHRINK if n in shrinks else BUILD for n in names])
         kept: dict[str, GroupOps] = {}
         shrunk: dict[str, GroupKey] = {}
         if offer or shrinks:
