@@ -3,22 +3,24 @@ members (many to a process) that run the control plane's code without any traini
 
 A hollow member does, through the same functions, what a training member does with the
 store: it registers (`protocol.register_worker`), beats (`HeartbeatSender`, in its node's
-shared memory), reads each plan that names it (`protocol.newest_plan`: the plan's change
-when it holds the one before), records where it restored from (`protocol.joined`; rank
-0 also its recovery record and progress) and acknowledges its first snapshot, the last
-acknowledgement committing it (`snapshot.acknowledge`). A hollow agent per simulated
-node does its agent's per-tick work (`NodeLiveness`: its node's beat in the store, its
-members' hangs reported; `protocol.fenced`, `protocol.latest_plan`) and files exit
-reports (`protocol.file_report`).
+shared memory), finds each plan in its node's shared memory, records where it restored
+from in its node's tally (`protocol.joined`: the node's last member writes the node's
+record; rank 0 also its recovery record and progress) and acknowledges its first
+snapshot through the node's tally (`snapshot.acknowledge`: the node's last member adds
+the node's count, the last of those commits). A hollow agent per simulated node relays
+each plan into its node's shared memory (`node_plans.relay_one`: the plan's change, one
+get), does its agent's per-tick work (`NodeLiveness`: its node's beat in the store, its
+members' hangs reported; `protocol.fenced`) and files exit reports
+(`protocol.file_report`).
 
 What a hollow member skips: process groups and their rendezvous, tensors (restore,
 snapshot copies, replicas), the generation barrier, the training thread's waits on
-commits. One plan watcher per process stands for every member's (each member still
-reads the plan itself): a training member's watcher also waits on the store in
-`WATCH_SLICE_S` slices, a request and its cancellation each, which the steady-state
-figures leave out (0.5 requests a second a member at 2 s slices). All of a process's
-members share one connection for their requests, so theirs run one after another, where
-a job's members send them at once.
+commits, and parsing the plan's file itself (a node's members share one parse here; a
+worker parses its node's file once a generation). One store wait per process stands for
+every node relay's: a relay waits on the store in `RELAY_SLICE_S` slices, a request and
+its cancellation each, which the figures leave out (one a node per generation and 0.5
+a second a node at 2 s slices). All of a process's nodes share one connection for their
+requests, so theirs run one after another, where a job's agents send them at once.
 
 Every process counts its store requests and payload bytes (`CountingStore`) and its CPU
 time, and answers the benchmark's questions over a pipe (JSON).
@@ -43,9 +45,10 @@ from phoenixft.cluster.heartbeat import HeartbeatSender, NodeLiveness, beats_dir
 from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.membership import PlanKind
+from phoenixft.cluster.node_plans import RELAY_SLICE_S, NodePlans, relay_one
+from phoenixft.cluster.node_tally import NodeShare, NodeTally
 from phoenixft.config import Timeouts
 from phoenixft.observe.events import EventLog
-from phoenixft.train.member import WATCH_SLICE_S
 
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where the members beat
 STEPS_PER_GENERATION = 10  # the step a generation's first snapshot is numbered from
@@ -132,7 +135,7 @@ class HollowSpec:
     tick_s: float
     heartbeat_s: float
     heartbeat_timeout_s: float
-    watch_slice_s: float = WATCH_SLICE_S  # what a training member's watcher waits at a time
+    watch_slice_s: float = RELAY_SLICE_S  # what a node's plan relay waits at a time
 
 
 def _answer(conn, handle) -> None:
@@ -205,8 +208,8 @@ class HollowProcess:
         self.stores: list[CountingStore] = []
         self.stop = threading.Event()
         self.agent_ticks = 0
-        self.known = None  # the plan the members here read last (each read its change)
-        self.memo: dict = {}  # plans built from changes, shared by the members here
+        self.known = None  # the plan the nodes here relayed last (each read its change)
+        self.memo: dict = {}  # plans built from changes, shared by the nodes here
         self.joined_generations = 0
 
     def _shm(self, k: int) -> Path:
@@ -228,15 +231,18 @@ class HollowProcess:
         for k, ws in self.node_wids.items():
             for w in ws:
                 protocol.register_worker(store, w, k, os.getpid())
-        self.watcher = self.connect()  # the plan watcher's
+        self.watcher = self.connect()  # the plan relays' (one wait for them all)
+        self.plans = {k: NodePlans(self._shm(k) / "plans") for k in self.node_wids}
+        self.tallies = {k: NodeTally(self._shm(k) / "tally") for k in self.node_wids}
         for hb in self.hb.values():
             hb.start()
         for target in (self._watch, self._agents):
             threading.Thread(target=target, daemon=True).start()
 
     def _watch(self) -> None:
-        """Plan watcher for every member here: on each plan, each member reads it and
-        joins (`_join`)."""
+        """Every node's plan relay, then every member's join: on each plan, each node's
+        agent reads it (its change) into the node's shared memory; each member of the
+        plan finds it there and joins (`_join`)."""
         store = self.watcher
         g = 0
         while not self.stop.is_set():
@@ -246,48 +252,49 @@ class HollowProcess:
             except kv.StoreGone:
                 return
             plan = None
-            for w in self.wids:
-                if w not in self.dead:  # each member reads the plan (its change) itself
-                    plan = protocol.newest_plan(self.main, g, self.known, self.memo)
-                    if plan.kind is not PlanKind.RUN:
-                        return
-                    r = plan.rank_of(w)
-                    if r is not None:
-                        self._join(plan, r)
+            for k in self.node_wids:  # each node's relay reads the plan (its change)
+                plan = relay_one(self.main, self.plans[k], g, self.known, self.memo)
             self.known = plan
+            if plan.kind is not PlanKind.RUN:
+                return
+            on_node = Counter(plan.nodes.values())
+            for k, ws in self.node_wids.items():
+                for w in ws:
+                    if w in self.dead:
+                        continue
+                    r = plan.rank_of(w)
+                    if r is not None and self.plans[k].has(g):
+                        self._join(plan, r, NodeShare(self.tallies[k], k, on_node[k]))
             self.joined_generations += 1
-            g = plan.generation + 1 if plan is not None else g + 1
+            g += 1
 
-    def _join(self, plan, rank: int) -> None:
+    def _join(self, plan, rank: int, node: NodeShare) -> None:
         store, g = self.main, plan.generation
         step = STEPS_PER_GENERATION * (g + 1)
         if g > 0:
-            protocol.joined(store, g, rank, "peer" if rank in plan.replaced else "local")
+            protocol.joined(store, g, rank, "peer" if rank in plan.replaced else "local", node)
             if rank == 0:
                 kv.set_json(store, Keys.recovered(g), {"gen": g, "recover_s": 0.0,
                                                        "lost_steps": 0, "restore_step": step})
         if rank == 0:
             store.set(Keys.PROGRESS, str(step))
-        # its first snapshot: its own copy and one replica, acknowledged in one add
-        acknowledge(store, g, step, 2, 2 * plan.world_size, plan.world_size)
+        # its first snapshot: its own copy and one replica, acknowledged with its node's
+        acknowledge(store, g, step, 2, 2 * plan.world_size, plan.world_size, node)
 
     def _agents(self) -> None:
-        """Each simulated node's agent, every tick: its fence checks and, not leading, the
-        job's last plan."""
+        """Each simulated node's agent, every tick: its liveness and, once a heartbeat
+        period, its fence checks (the job's last plan is its relay's)."""
         store = self.connect()
         timeouts = Timeouts(heartbeat_interval_s=self.spec.heartbeat_s,
                             heartbeat_timeout_s=self.spec.heartbeat_timeout_s)
         hearts = {k: NodeLiveness(k, self._shm(k), timeouts) for k in self.node_wids}
         seen = dict.fromkeys(self.node_wids, 0)
-        known = dict.fromkeys(self.node_wids)
-        memo: dict = {}
         while not self.stop.is_set():
             for k, ws in self.node_wids.items():
                 hearts[k].tick(store, [w for w in ws if w not in self.exited])
                 if hearts[k].due:  # (as `Agent._liveness`)
                     _, seen[k] = protocol.fenced(store, k, [w for w in ws if w not in self.dead],
                                                  seen[k])
-                    known[k] = protocol.latest_plan(store, known[k], memo)
             self.agent_ticks += 1
             self.stop.wait(self.spec.tick_s)
 

@@ -53,6 +53,7 @@ from phoenixft.checkpoint.record import Snapshot
 from phoenixft.checkpoint.replicate import exchange_slots
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, SlotKind, slot_path
 from phoenixft.cluster.keys import Keys
+from phoenixft.cluster.node_tally import NodeShare
 from phoenixft.cluster.store import StoreGone, wait_for
 from phoenixft.comm.collectives import CommFailure, Interrupt
 
@@ -74,10 +75,16 @@ def mark_committed(store: dist.Store, step: int, info: dict) -> None:
 
 
 def acknowledge(store: dist.Store, generation: int, step: int, count: int, target: int,
-                world_size: int) -> bool:
+                world_size: int, node: NodeShare | None = None) -> bool:
     """Acknowledge `count` copies of snapshot `step` of `generation`; the acknowledgement
     that brings the step's count to `target` (every copy of every rank) commits it. True
-    when this one did."""
+    when this one did. With `node`, the node's members' counts are gathered on the node
+    first and the last of them acknowledges them all (one store request a node)."""
+    if node is not None:
+        lines = node.offer(f"ack-{generation}-{step}", str(count))
+        if lines is None:
+            return False
+        count = sum(int(x) for x in lines)
     if store.add(Keys.ack(generation, step), count) != target:
         return False
     mark_committed(store, step, {"t": time.time(), "generation": generation,
@@ -121,6 +128,8 @@ class Snapshotter:
         self._announce = any(nodes.get(h) == me for h in holders)
         self._target = world_size * (1 + len(holders))
         self._world_size = world_size
+        # this node's members acknowledge together (`cluster/node_tally.py`)
+        self._node = NodeShare.of(shm_dir, nodes, rank)
         self._interrupt = interrupt
         self._timeout = timeout_s
         self._on_commit = on_commit
@@ -456,7 +465,8 @@ class Snapshotter:
 
     def _ack(self, store: dist.Store, step: int, count: int) -> bool:
         """Acknowledge `count` copies of `step`; True when these completed its commit."""
-        if acknowledge(store, self.generation, step, count, self._target, self._world_size):
+        if acknowledge(store, self.generation, step, count, self._target, self._world_size,
+                       self._node):
             if self._on_commit is not None:
                 self._on_commit(step, time.time())
             return True

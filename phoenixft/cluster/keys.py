@@ -15,7 +15,7 @@ Writers, by role:
 - snapshot thread (in each worker): copy marks, acks, commits;
 - rank 0 (the worker holding rank 0 of a generation): progress, losses, audits,
   results, recovery records;
-- each member: its restore source after a recovery.
+- the last member of a node to join a generation: its node's restore sources.
 
 Add-counters (`store.add`) may have many writers: that is what they are for.
 """
@@ -153,8 +153,9 @@ class Keys:
         return f"recovered/{g}"
 
     @staticmethod
-    def source(g: int, rank: int) -> str:  # each member of g: where its state came from
-        return f"source/{g}/{rank}"
+    def sources(g: int, node: int) -> str:  # the last member of g on `node` to join: where
+        # each of the node's members took its state from, {rank: source} (JSON)
+        return f"sources/{g}/{node}"
 
     # -- snapshots ---------------------------------------------------------------------
     COMMITTED = "committed"  # snapshot threads, rank 0 on adoption: newest committed step

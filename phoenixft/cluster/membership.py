@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import asdict, dataclass, field
+
+_WID = re.compile(r"n(\d+)w(\d+)")
 
 
 class PlanKind(str, enum.Enum):
@@ -56,7 +59,12 @@ class Plan:
         return idx[1].get(wid)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """The plan, its membership as runs (`member_runs`): a job whose nodes start alike
+        is a few bytes however many ranks it has, so reading the first plan once a node
+        costs the store O(nodes) bytes in all, not O(N) a member."""
+        d = asdict(self)
+        runs, other = member_runs(d.pop("members"), d.pop("nodes"))
+        return json.dumps({**d, "runs": runs, "other": other})
 
     def change_from(self, prev: Plan) -> str:
         """This plan as a change to `prev` (the plan before it): what a member that holds
@@ -87,11 +95,60 @@ class Plan:
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:
         d = json.loads(text)
-        d["members"] = {int(k): v for k, v in d["members"].items()}
-        d["nodes"] = {int(k): v for k, v in d["nodes"].items()}
+        if "runs" in d:
+            d["members"], d["nodes"] = expand_runs(d.pop("runs"), d.pop("other"))
+        else:  # (a plan written whole, rank by rank)
+            d["members"] = {int(k): v for k, v in d["members"].items()}
+            d["nodes"] = {int(k): v for k, v in d["nodes"].items()}
         d["replaced"] = {int(k): v for k, v in d["replaced"].items()}
         d["kind"] = PlanKind(d["kind"])
         return cls(**d)
+
+
+def member_runs(members: dict[int, str], nodes: dict[int, int]
+                ) -> tuple[list[list[int]], dict[int, list]]:
+    """A membership (rank -> worker id, rank -> node) as runs `[first rank, nodes, per
+    node, first node, first index]`: ranks `first + a * per + j` are worker
+    `n{first node + a}w{first index + j}` on node `first node + a`, for a < nodes, j < per.
+    Worker ids of another form, or on another node than their name says, are listed
+    apart (`other`: rank -> [worker id, node]). Generation 0 of nodes that start alike is
+    one run; each replacement adds a few."""
+    single: list[list[int]] = []  # [first rank, count, node, first index]
+    other: dict[int, list] = {}
+    for r in sorted(members):
+        m = _WID.fullmatch(members[r])
+        if m is None or int(m[1]) != nodes[r]:
+            other[r] = [members[r], nodes[r]]
+            continue
+        k, i = int(m[1]), int(m[2])
+        last = single[-1] if single else None
+        if last and last[0] + last[1] == r and last[2] == k and last[3] + last[1] == i:
+            last[1] += 1
+        else:
+            single.append([r, 1, k, i])
+    runs: list[list[int]] = []
+    for r, count, k, i in single:
+        last = runs[-1] if runs else None
+        if (last and last[2] == count and last[4] == i and last[3] + last[1] == k
+                and last[0] + last[1] * last[2] == r):
+            last[1] += 1
+        else:
+            runs.append([r, 1, count, k, i])
+    return runs, other
+
+
+def expand_runs(runs: list[list[int]], other: dict) -> tuple[dict[int, str], dict[int, int]]:
+    """The membership that `member_runs` wrote: (rank -> worker id, rank -> node)."""
+    members: dict[int, str] = {}
+    nodes: dict[int, int] = {}
+    for first, n_nodes, per, node0, idx0 in runs:
+        for a in range(n_nodes):
+            for j in range(per):
+                r = first + a * per + j
+                members[r], nodes[r] = f"n{node0 + a}w{idx0 + j}", node0 + a
+    for r, (w, k) in other.items():
+        members[int(r)], nodes[int(r)] = w, k
+    return dict(sorted(members.items())), dict(sorted(nodes.items()))
 
 
 def crossing_replicas(nodes: dict[int, int],

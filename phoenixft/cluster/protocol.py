@@ -14,6 +14,7 @@ import torch.distributed as dist
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
+from phoenixft.cluster.node_tally import NodeShare
 
 
 def register_worker(store: dist.Store, wid: str, node: int, pid: int) -> None:
@@ -71,9 +72,24 @@ def read_plan(store: dist.Store, g: int, known: Plan | None = None,
     return plan
 
 
-def joined(store: dist.Store, generation: int, rank: int, source: str) -> None:
-    """A member of `generation` (> 0) restored its state: where from (`Keys.source`)."""
-    store.set(Keys.source(generation, rank), source)
+def joined(store: dist.Store, generation: int, rank: int, source: str,
+           node: NodeShare) -> None:
+    """A member of `generation` (> 0) restored its state: where from. The node's members
+    tell it together: the last of them to join writes the node's record (`Keys.sources`),
+    one request a node."""
+    lines = node.offer(f"src-{generation}", f"{rank} {source}")
+    if lines is not None:
+        kv.set_json(store, Keys.sources(generation, node.node),
+                    dict(line.split(" ", 1) for line in lines))
+
+
+def restore_sources(store: dist.Store, generation: int, node: int) -> dict[int, str] | None:
+    """Where each member of `generation` on `node` restored from (None until the node's
+    last member joined)."""
+    key = Keys.sources(generation, node)
+    if not store.check([key]):
+        return None
+    return {int(r): s for r, s in kv.get_json(store, key).items()}
 
 
 def fenced(store: dist.Store, node: int, wids: list[str], seen: int) -> tuple[list[str], int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from phoenixft.cluster import protocol
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan, PlanKind
@@ -60,10 +61,12 @@ def recoveries(store: dist.Store, last_generation: int, failures: list) -> list[
 
 
 def restore_source(store: dist.Store, plan: Plan, rank: int) -> str | None:
-    """Where replaced `rank` of generation `plan` took its state from (`Keys.source`); a
-    rank a shrink removed is told by rank 0's source."""
-    key = Keys.source(plan.generation, rank if rank < plan.world_size else 0)
-    return store.get(key).decode() if store.check([key]) else None
+    """Where replaced `rank` of generation `plan` took its state from (its node's
+    `Keys.sources`); a rank a shrink removed is told by rank 0's source."""
+    rank = rank if rank < plan.world_size else 0
+    node = plan.nodes.get(rank)
+    got = None if node is None else protocol.restore_sources(store, plan.generation, node)
+    return None if got is None else got.get(rank)
 
 
 def summary(store: dist.Store, run_dir: Path, last_generation: int, failures: list,

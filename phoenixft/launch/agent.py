@@ -34,6 +34,7 @@ from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan, PlanKind
+from phoenixft.cluster.node_plans import NodePlans, PlanRelay
 from phoenixft.cluster.protocol import fenced, file_report, latest_plan, register_node
 from phoenixft.config import StragglerAction
 from phoenixft.faults.inject import format_env
@@ -95,6 +96,7 @@ class Agent:
         self._fences_seen = 0  # the node's fence count last read (`protocol.fenced`)
         self.hearts: NodeLiveness | None = None  # its workers' heartbeats (`_liveness`)
         self._plan_seen: Plan | None = None  # the newest plan read (`protocol.latest_plan`)
+        self.relay: PlanRelay | None = None  # hands each plan to this node's workers
         self._stalled_s = 0.0  # the longest this agent stood still (SIGSTOP, a frozen host)
         self._tick_t: float | None = None  # when its loop last ticked
         self._fenced = 0  # its workers the leader fenced
@@ -147,7 +149,7 @@ class Agent:
             PHOENIXFT_STORE=self.access.worker_addr, PHOENIXFT_WORKER_ID=wid,
             PHOENIXFT_NODE=str(cfg.node_rank), PHOENIXFT_RUN_DIR=str(self.run_dir.resolve()),
             PHOENIXFT_SHM_DIR=str(self.shm_dir), PHOENIXFT_INJECT=format_env(cfg.inject),
-            PHOENIXFT_AGENT_PID=str(os.getpid()),
+            PHOENIXFT_AGENT_PID=str(os.getpid()), PHOENIXFT_NODE_PLANS=str(self.relay.plans.dir),
             PHOENIXFT_CONFIG=json.dumps({"local_addr": self.access.local_addr,
                                          **cfg.worker_settings()}),
             # torchrun's names; RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ... are set (again)
@@ -242,6 +244,8 @@ class Agent:
                 signal.signal(s, h)
             if self._metrics is not None:
                 self._metrics.shutdown()
+        if self.relay is not None:
+            self.relay.stop(timeout_s=0.5)
         rc = self._finish(store, final, time.time() - t_start)
         if self.access is not None:
             self.access.close()
@@ -272,6 +276,8 @@ class Agent:
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         self.hearts = NodeLiveness(cfg.node_rank, self.shm_dir, cfg.timeouts)
         self._start_janitor()
+        # the node's workers read each plan here, not from the store (one read a node)
+        self.relay = PlanRelay(self.access.connect, NodePlans(self.shm_dir / "plans")).start()
         self.events.emit("agent_start", job=job, shm_dir=str(self.shm_dir), pid=os.getpid(),
                          store=str(self.access.public), local_addr=self.access.local_addr)
         register_node(store, cfg.node_rank, cfg.nproc, cfg.spares, os.getpid())
@@ -388,7 +394,9 @@ class Agent:
         if self.leader is not None:
             plan = self.leader.plan
             return plan if plan is not None and plan.kind is not PlanKind.RUN else None
-        if read or self._plan_seen is None:
+        if self.relay is not None and self.relay.error is None:
+            self._plan_seen = self.relay.latest  # (the relay reads every plan anyway)
+        elif read or self._plan_seen is None:
             self._plan_seen = latest_plan(store, self._plan_seen)
         plan = self._plan_seen
         return plan if plan is not None and plan.kind is not PlanKind.RUN else None

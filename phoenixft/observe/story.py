@@ -25,7 +25,7 @@ _IRREGULAR = {"failure": "failures", "recovery": "recoveries", "spare": "spares"
 
 
 def source_words(name: str | None) -> str:
-    """A restore source's name (`Keys.source`) in words."""
+    """A restore source's name (`Keys.sources`) in words."""
     if name and name.startswith("resharded_"):
         old, _, new = name.removeprefix("resharded_").partition("_to_")
         if "x" in old:  # a sharded model's mesh shapes (dp_shard x tp)

@@ -34,6 +34,7 @@ class SessionConfig:
     shm_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="phoenixft-shm-"))
     inject: str = ""
     agent_pid: int | None = None  # the node's agent (for `node:` fault injection)
+    node_plans: str | None = None  # where its agent hands the node the plans (else: the store)
     timeouts: Timeouts = field(default_factory=Timeouts)
     snapshots: Snapshots = field(default_factory=Snapshots)
     persistence: Persistence = field(default_factory=Persistence)
@@ -55,4 +56,5 @@ class SessionConfig:
             "node": int(env.get("PHOENIXFT_NODE", "0")), "run_dir": env.get("PHOENIXFT_RUN_DIR"),
             "shm_dir": env["PHOENIXFT_SHM_DIR"], "inject": env.get("PHOENIXFT_INJECT", ""),
             "agent_pid": int(env["PHOENIXFT_AGENT_PID"]) if "PHOENIXFT_AGENT_PID" in env else None,
+            "node_plans": env.get("PHOENIXFT_NODE_PLANS"),
             **json.loads(env.get("PHOENIXFT_CONFIG", "{}"))})

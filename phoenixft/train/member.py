@@ -41,6 +41,8 @@ from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.membership import Plan, PlanKind, crossing_replicas
+from phoenixft.cluster.node_plans import NodePlans
+from phoenixft.cluster.node_tally import NodeShare
 from phoenixft.cluster.protocol import file_report, joined, newest_plan, read_plan
 from phoenixft.comm.collectives import (
     CommFailure,
@@ -102,6 +104,8 @@ class Member:
         self.persister: Persister | None = None
         self.plan: Plan | None = None
         self._read: Plan | None = None  # the newest plan read (`_remember`)
+        # plans handed over by the node's agent (`cluster/node_plans.py`), else the store's
+        self.node_plans = NodePlans(cfg.node_plans) if cfg.node_plans else None
         self.generation = -1
         self.rank = -1
         self.world_size = 0
@@ -134,14 +138,40 @@ class Member:
         """The newest plan at generation >= g, waiting up to timeout_s for the first."""
         deadline = time.monotonic() + timeout_s
         try:
-            while not kv.wait_for(self.store, [Keys.plan(g)], min(60.0, deadline - time.monotonic())):
+            while not self._wait_plan(self.store, g, min(60.0, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
                     raise JobAborted(f"phoenixft: no generation {g} plan within {timeout_s:.0f}s; "
                                      "is the agent alive?")
         except kv.StoreGone as exc:
             raise JobAborted(f"phoenixft: worker {self.wid} stops: {exc}; its agent or the store's "
                              "host is gone") from None
+        if self.node_plans is not None:
+            return self._remember(self.node_plans.newest(g, known=self._read))
         return self._remember(newest_plan(self.store, g, known=self._read))
+
+    def _wait_plan(self, store: dist.Store, g: int, timeout_s: float) -> bool:
+        """Until plan g is out (True) or `timeout_s` passed: its file on this node when
+        the agent hands plans over, else the store key."""
+        if self.node_plans is not None:
+            return self.node_plans.wait(g, timeout_s)
+        return kv.wait_for(store, [Keys.plan(g)], timeout_s)
+
+    def _read_plan(self, store: dist.Store, g: int) -> Plan:
+        """Plan g, which is out (as a change to the one read last, from the store)."""
+        if self.node_plans is not None:
+            return self.node_plans.read(g, self._read)
+        return read_plan(store, g, self._read)
+
+    def _has_plan(self, g: int) -> bool:
+        if self.node_plans is not None:
+            return self.node_plans.has(g)
+        return self.store.check([Keys.plan(g)])
+
+    def _whole_plan(self, g: int) -> Plan:
+        """Plan g (it is out), whole."""
+        if self.node_plans is not None:
+            return self.node_plans.read(g)
+        return Plan.from_json(self.store.get(Keys.plan(g)))
 
     def _remember(self, plan: Plan) -> Plan:
         """The newest plan this worker has read (the watcher or `await_plan`): the next
@@ -156,7 +186,7 @@ class Member:
         self._layout = state.layout
         self.kept = KeptGroups(state.layout.members.mesh_groups)
         plan = self.await_plan(0, self.cfg.timeouts.spare_wait_s)
-        first = Plan.from_json(self.store.get(Keys.plan(0)))
+        first = self._whole_plan(0)
         state.initial_world = first.world_size or 1
         state.m = state.m or state.layout.work.default_m(state.initial_world)
         return self.enter(plan, state)
@@ -217,11 +247,11 @@ class Member:
         4,096 members every 0.25 s was 33k requests a second on the store), so the thread
         ends with its generation or the process; a plan ends the wait at once."""
         try:
-            store = self.connect()
+            store = self.connect() if self.node_plans is None else None
             g = g_next
             while self.generation < g_next and not self._stopped:
-                if kv.wait_for(store, [Keys.plan(g)], WATCH_SLICE_S):
-                    plan = self._remember(read_plan(store, g, self._read))
+                if self._wait_plan(store, g, WATCH_SLICE_S):
+                    plan = self._remember(self._read_plan(store, g))
                     self.interrupt.announce(g)
                     unit_kept = self._unit_same(self.plan, plan)
                     if not unit_kept:
@@ -282,7 +312,8 @@ class Member:
         self._start_snapshots(plan, state, fresh=point.step < 0)
         if self.generation > 0:  # before the barrier: rank 0's record, which the console
             # tells with the replaced rank's source, is written after it
-            joined(self.store, self.generation, self.rank, source)
+            joined(self.store, self.generation, self.rank, source,
+                   NodeShare.of(self.cfg.shm_dir, plan.nodes, self.rank))
         self.ops.barrier("generation barrier")
         self._ran_plan = plan
         self._record(plan, state, point, source, pending, t0)
@@ -307,9 +338,9 @@ class Member:
         if (not self.cfg.snapshots.enabled or not state.layout.math.local_gradients
                 or g == 0 or plan.kind is not PlanKind.RUN
                 or r not in plan.replaced
-                or not self.store.check([Keys.plan(g - 1)])):
+                or not self._has_plan(g - 1)):
             return None
-        if Plan.from_json(self.store.get(Keys.plan(g - 1))).world_size != plan.world_size:
+        if self._whole_plan(g - 1).world_size != plan.world_size:
             return None
         world = plan.world_size
         got = local_step_of_every_rank(self.planner, self.cfg.shm_dir, r, world,

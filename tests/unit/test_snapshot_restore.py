@@ -13,10 +13,11 @@ from phoenixft.checkpoint.integrity import IntegrityError
 from phoenixft.checkpoint.record import Snapshot, SnapshotHeader
 from phoenixft.checkpoint.restore import RestorePlanner
 from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, slot_path
-from phoenixft.checkpoint.snapshot import Snapshotter, mark_committed
+from phoenixft.checkpoint.snapshot import Snapshotter, acknowledge
 from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import replica_holders
+from phoenixft.cluster.node_tally import NodeShare
 from phoenixft.comm.collectives import CommFailure, GroupOps, Interrupt
 from phoenixft.comm.groups import new_group
 from tests.support.threads import ranks
@@ -287,8 +288,8 @@ def test_a_begun_snapshot_is_kept_in_host_memory_when_the_generation_changes(tmp
         for step in (0, 1):
             snap.begin(step, Snapshot(hdr, state(0, step)))
             snap.wait_copied()
-            if store.add(Keys.ack(0, step), 1) == 2:  # the other rank's copy, acked last
-                mark_committed(store, step, {"generation": 0, "world_size": 2})
+            # the other rank of the node acknowledges its copy (through the node's tally)
+            acknowledge(store, 0, step, 1, 2, 2, NodeShare.of(tmp_path, {0: 0, 1: 0}, 1))
             snap.wait_copied(committed=True)
         it.announce(1)  # a failure: generation 1 is published
         snap.begin(2, Snapshot(hdr, state(0, 2)))
@@ -300,5 +301,6 @@ def test_a_begun_snapshot_is_kept_in_host_memory_when_the_generation_changes(tmp
     assert found is not None and torch.equal(found[0].tensors(found[0].verify(2))["param_shard"],
                                              state(0, 2)["param_shard"])
     assert int(store.add(Keys.ack(0, 2), 0)) == 0  # nothing acknowledged for it
+    assert not list((tmp_path / "tally").glob("ack-0-2-*"))  # nor offered on the node
     assert planner.local_copy(0, 1) is not None  # 3 was not written over it
     assert planner.local_copy(0, 3) is None
