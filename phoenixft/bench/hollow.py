@@ -19,8 +19,10 @@ commits, and parsing the plan's file itself (a node's members share one parse he
 worker parses its node's file once a generation). One store wait per process stands for
 every node relay's: a relay waits on the store in `RELAY_SLICE_S` slices, a request and
 its cancellation each, which the figures leave out (one a node per generation and 0.5
-a second a node at 2 s slices). All of a process's nodes share one connection for their
-requests, so theirs run one after another, where a job's agents send them at once.
+a second a node at 2 s slices). A process's nodes share `node_threads` connections (4),
+so theirs run 4 at a time, where a job's agents send them all at once; and every node's
+agent and every member's heartbeat run on the same 2 cores, where a job's run on their
+own nodes.
 
 Every process counts its store requests and payload bytes (`CountingStore`) and its CPU
 time, and answers the benchmark's questions over a pipe (JSON).
@@ -35,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +139,7 @@ class HollowSpec:
     heartbeat_s: float
     heartbeat_timeout_s: float
     watch_slice_s: float = RELAY_SLICE_S  # what a node's plan relay waits at a time
+    node_threads: int = 4  # threads (a store connection each) running the nodes' relays
 
 
 def _answer(conn, handle) -> None:
@@ -232,18 +236,30 @@ class HollowProcess:
             for w in ws:
                 protocol.register_worker(store, w, k, os.getpid())
         self.watcher = self.connect()  # the plan relays' (one wait for them all)
+        self.node_stores = [self.connect() for _ in range(self.spec.node_threads)]
         self.plans = {k: NodePlans(self._shm(k) / "plans") for k in self.node_wids}
         self.tallies = {k: NodeTally(self._shm(k) / "tally") for k in self.node_wids}
-        for hb in self.hb.values():
-            hb.start()
-        for target in (self._watch, self._agents):
+        # one thread beats for every node here (a thread a node: 1,024 threads a process
+        # at 16,384 members, switching more than they beat)
+        for target in (self._beat, self._watch, self._agents):
             threading.Thread(target=target, daemon=True).start()
 
+    def _beat(self) -> None:
+        while not self.stop.is_set():
+            if not all([hb.beat_once() for hb in self.hb.values()]):
+                return
+            self.stop.wait(self.spec.heartbeat_s)
+
     def _watch(self) -> None:
-        """Every node's plan relay, then every member's join: on each plan, each node's
-        agent reads it (its change) into the node's shared memory; each member of the
-        plan finds it there and joins (`_join`)."""
+        """Every node's plan relay, then its members' joins: on each plan, each node's
+        agent reads it (its change) into the node's shared memory, and each member of the
+        plan there finds it and joins (`_node`). The nodes are spread over
+        `node_threads` threads, a store connection each, so their requests overlap as a
+        job's nodes' do."""
         store = self.watcher
+        pool = ThreadPoolExecutor(self.spec.node_threads)
+        chunks = [list(self.node_wids)[i::self.spec.node_threads]
+                  for i in range(self.spec.node_threads)]
         g = 0
         while not self.stop.is_set():
             try:
@@ -251,28 +267,46 @@ class HollowProcess:
                     continue
             except kv.StoreGone:
                 return
-            plan = None
-            for k in self.node_wids:  # each node's relay reads the plan (its change)
-                plan = relay_one(self.main, self.plans[k], g, self.known, self.memo)
+            n = len(chunks)
+            plans = list(pool.map(self._nodes, range(n), chunks, [g] * n, [self.known] * n))
+            plan = next(p for p in plans if p is not None)
             self.known = plan
             if plan.kind is not PlanKind.RUN:
                 return
-            on_node = Counter(plan.nodes.values())
-            for k, ws in self.node_wids.items():
-                for w in ws:
-                    if w in self.dead:
-                        continue
-                    r = plan.rank_of(w)
-                    if r is not None and self.plans[k].has(g):
-                        self._join(plan, r, NodeShare(self.tallies[k], k, on_node[k]))
             self.joined_generations += 1
             g += 1
 
-    def _join(self, plan, rank: int, node: NodeShare) -> None:
-        store, g = self.main, plan.generation
+    def _nodes(self, i: int, nodes: list[int], g: int, known):
+        """Thread i: its nodes' relays and joins for plan g. Returns the plan."""
+        store = self.node_stores[i]
+        plan = None
+        for k in nodes:  # the node's relay reads the plan (its change)
+            plan = relay_one(store, self.plans[k], g, known, self.memo)
+            if plan.kind is not PlanKind.RUN:
+                continue
+            on_node = sum(1 for r in self._ranks_on(plan, k))
+            for w in self.node_wids[k]:
+                r = plan.rank_of(w)
+                if w not in self.dead and r is not None and self.plans[k].has(g):
+                    self._join(store, plan, r, NodeShare(self.tallies[k], k, on_node))
+        return plan
+
+    def _ranks_on(self, plan, k: int) -> list[int]:
+        """The ranks of `plan` on node k (the plan's index, built once a plan)."""
+        idx = self.memo.get(("nodes", plan.generation))
+        if idx is None:
+            idx = {}
+            for r, n in plan.nodes.items():
+                idx.setdefault(n, []).append(r)
+            self.memo[("nodes", plan.generation)] = idx
+        return idx.get(k, [])
+
+    def _join(self, store, plan, rank: int, node: NodeShare) -> None:
+        g = plan.generation
         step = STEPS_PER_GENERATION * (g + 1)
         if g > 0:
-            protocol.joined(store, g, rank, "peer" if rank in plan.replaced else "local", node)
+            protocol.joined(store, plan, rank, "peer" if rank in plan.replaced else "local",
+                            node)
             if rank == 0:
                 kv.set_json(store, Keys.recovered(g), {"gen": g, "recover_s": 0.0,
                                                        "lost_steps": 0, "restore_step": step})
@@ -316,8 +350,9 @@ class HollowProcess:
             for hb in self.hb.values():
                 hb.stop()
             shutil.rmtree(self.shm, ignore_errors=True)
-        return {**total(self.stores), "protocol": total([self.main, self.watcher]),
-                "member_ops": dict(self.main.ops),
+        protocol_stores = [self.main, self.watcher, *self.node_stores]
+        return {**total(self.stores), "protocol": total(protocol_stores),
+                "member_ops": total([self.main, *self.node_stores])["ops"],
                 "generation": self.known.generation if self.known is not None else -1,
                 "cpu_s": time.process_time(), "beats": sum(hb.beats for hb in self.hb.values()),
                 "agent_ticks": self.agent_ticks, "members": len(self.wids)}

@@ -71,14 +71,20 @@ class HeartbeatSender:
         self._counters.pop(wid, None)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                for c in list(self._counters.values()):
-                    c.bump()
-                    self.beats += 1
-            except OSError:  # the node's shared memory is gone: the job is over
-                return
+        while not self._stop.is_set() and self.beat_once():
             self._stop.wait(self._interval)
+
+    def beat_once(self) -> bool:
+        """Bump every worker's counter once (what the thread does each interval; the
+        benchmark's hollow processes call it for all their nodes from one thread). False
+        once the node's shared memory is gone (the job is over)."""
+        try:
+            for c in list(self._counters.values()):
+                c.bump()
+                self.beats += 1
+        except OSError:
+            return False
+        return True
 
     def stop(self, join_timeout_s: float = 0.0) -> None:
         self._stop.set()

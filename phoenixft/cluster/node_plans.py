@@ -41,11 +41,12 @@ class NodePlans:
     def path(self, g: int) -> Path:
         return self.dir / f"{g}.json"
 
-    def publish(self, plan: Plan) -> None:
-        """Agent: plan g's file, whole (the node's workers parse it locally)."""
+    def publish(self, plan: Plan, text: str | None = None) -> None:
+        """Agent: plan g's file, whole (the node's workers parse it locally); `text`: the
+        plan's JSON when the caller has it already."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f".{plan.generation}.{os.getpid()}.tmp"
-        tmp.write_text(plan.to_json())
+        tmp.write_text(plan.to_json() if text is None else text)
         os.replace(tmp, self.path(plan.generation))
 
     def has(self, g: int) -> bool:
@@ -117,5 +118,9 @@ def relay_one(store: dist.Store, plans: NodePlans, g: int, known: Plan | None,
     """Read plan g (its change, when `known` is plan g - 1) and hand it to the node: one
     request. `memo`: plans already built, shared by the benchmark's simulated nodes."""
     plan = protocol.read_plan(store, g, known, memo)
-    plans.publish(plan)
+    if memo is None:
+        plans.publish(plan)
+    else:  # (the plan's JSON once for all the nodes sharing the memo)
+        text = memo.get(("json", g)) or memo.setdefault(("json", g), plan.to_json())
+        plans.publish(plan, text)
     return plan

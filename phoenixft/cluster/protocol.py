@@ -72,11 +72,20 @@ def read_plan(store: dist.Store, g: int, known: Plan | None = None,
     return plan
 
 
-def joined(store: dist.Store, generation: int, rank: int, source: str,
-           node: NodeShare) -> None:
-    """A member of `generation` (> 0) restored its state: where from. The node's members
-    tell it together: the last of them to join writes the node's record (`Keys.sources`),
-    one request a node."""
+def sources_read(plan: Plan, node: int) -> bool:
+    """Whether the members of `plan` on `node` record their restore sources: only a node
+    holding a replaced rank, or rank 0 (a shrink or a grow is told by rank 0's source), is
+    ever read (the summary, the console); the others skip the request."""
+    return any(plan.nodes.get(r) == node for r in (*plan.replaced, 0))
+
+
+def joined(store: dist.Store, plan: Plan, rank: int, source: str, node: NodeShare) -> None:
+    """A member of generation `plan` (> 0) restored its state: where from. The node's
+    members tell it together: the last of them to join writes the node's record
+    (`Keys.sources`), one request a node, and only where it is read (`sources_read`)."""
+    if not sources_read(plan, node.node):
+        return
+    generation = plan.generation
     lines = node.offer(f"src-{generation}", f"{rank} {source}")
     if lines is not None:
         kv.set_json(store, Keys.sources(generation, node.node),

@@ -312,7 +312,7 @@ class Member:
         self._start_snapshots(plan, state, fresh=point.step < 0)
         if self.generation > 0:  # before the barrier: rank 0's record, which the console
             # tells with the replaced rank's source, is written after it
-            joined(self.store, self.generation, self.rank, source,
+            joined(self.store, plan, self.rank, source,
                    NodeShare.of(self.cfg.shm_dir, plan.nodes, self.rank))
         self.ops.barrier("generation barrier")
         self._ran_plan = plan

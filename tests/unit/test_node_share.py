@@ -98,18 +98,21 @@ def test_the_relay_hands_every_plan_over_in_order_reading_one_change_each(store,
 
 
 def test_a_nodes_members_acknowledge_and_record_sources_in_one_request(store, tmp_path):
-    """Two nodes of two ranks: each step's four copies reach the store in two adds, and
-    the step commits; each node's sources are one key."""
-    nodes = {0: 0, 1: 0, 2: 1, 3: 1}
+    """Three nodes of two ranks: each step's six copies reach the store in three adds,
+    and the step commits; the sources of the node holding the replaced rank and of rank
+    0's node are one key each; the third node records none (nobody reads it)."""
+    nodes = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    plan = Plan(generation=1, members={r: f"n{k}w{r % 2}" for r, k in nodes.items()},
+                nodes=nodes, replaced={2: "n1w9"})
+    share = {r: NodeShare.of(tmp_path / f"n{nodes[r]}", nodes, r) for r in nodes}
     s = CountingStore(kv.connect(store))
-    done = [acknowledge(s, 1, 7, 1, 4, 4, NodeShare.of(tmp_path / f"n{nodes[r]}", nodes, r))
-            for r in range(4)]
-    assert done == [False, False, False, True] and s.ops["add"] == 2
+    done = [acknowledge(s, 1, 7, 1, 6, 6, share[r]) for r in range(6)]
+    assert done == [False] * 5 + [True] and s.ops["add"] == 3
     assert s.check([Keys.commit(7)])
-    for r in range(4):
-        protocol.joined(s, 1, r, "peer" if r == 2 else "local",
-                        NodeShare.of(tmp_path / f"n{nodes[r]}", nodes, r))
-    assert s.ops["set"] == 2  # one a node
+    for r in range(6):
+        protocol.joined(s, plan, r, "peer" if r == 2 else "local", share[r])
+    assert s.ops["set"] == 2  # one a node read
     assert protocol.restore_sources(s, 1, 1) == {2: "peer", 3: "local"}
     assert protocol.restore_sources(s, 1, 0) == {0: "local", 1: "local"}
-    assert protocol.restore_sources(s, 2, 0) is None
+    assert protocol.restore_sources(s, 1, 2) is None
+    assert not list((tmp_path / "n2" / "tally").glob("src-*"))  # nor offered there
