@@ -82,7 +82,7 @@ class ScaleInputs:
     comm_base_s: float = 2.0
     comm_per_krank_s: float = 1.5
     store_barrier_s_16k: float = 0.5
-    control_a: float = 2.0e-4
+    control_a: float = 6.3e-5
     control_b: float = 1.0
     detect_exit_s: float = 0.05
     hang_share: float = 0.1
