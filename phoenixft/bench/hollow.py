@@ -241,8 +241,10 @@ class HollowProcess:
         self.tallies = {k: NodeTally(self._shm(k) / "tally") for k in self.node_wids}
         # one thread beats for every node here (a thread a node: 1,024 threads a process
         # at 16,384 members, switching more than they beat)
-        for target in (self._beat, self._watch, self._agents):
-            threading.Thread(target=target, daemon=True).start()
+        self.threads = [threading.Thread(target=t, daemon=True)
+                        for t in (self._beat, self._watch, self._agents)]
+        for t in self.threads:
+            t.start()
 
     def _beat(self) -> None:
         while not self.stop.is_set():
@@ -288,7 +290,9 @@ class HollowProcess:
             for w in self.node_wids[k]:
                 r = plan.rank_of(w)
                 if w not in self.dead and r is not None and self.plans[k].has(g):
-                    self._join(store, plan, r, NodeShare(self.tallies[k], k, on_node))
+                    share = NodeShare(self.tallies[k], k, on_node)
+                    self._join(store, plan, r, share)
+                    share.close()
         return plan
 
     def _ranks_on(self, plan, k: int) -> list[int]:
@@ -347,6 +351,8 @@ class HollowProcess:
             self.kill(msg["wid"], msg["how"])
         if msg["cmd"] == "stop":
             self.stop.set()
+            for t in self.threads:  # (exiting under a thread inside a store wait aborts)
+                t.join(self.spec.watch_slice_s + 1)
             for hb in self.hb.values():
                 hb.stop()
             shutil.rmtree(self.shm, ignore_errors=True)

@@ -81,15 +81,19 @@ def acknowledge(store: dist.Store, generation: int, step: int, count: int, targe
     when this one did. With `node`, the node's members' counts are gathered on the node
     first and the last of them acknowledges them all (one store request a node)."""
     if node is not None:
-        lines = node.offer(f"ack-{generation}-{step}", str(count))
-        if lines is None:
+        counts = node.offer_ack(generation, step, count)
+        if counts is None:
             return False
-        count = sum(int(x) for x in lines)
+        count = sum(counts)
     if store.add(Keys.ack(generation, step), count) != target:
         return False
     mark_committed(store, step, {"t": time.time(), "generation": generation,
                                  "world_size": world_size})
     return True
+
+
+NODE_POLL_S = 0.002  # a member waiting for its node's commit mark looks this often
+NODE_STORE_LOOK_S = 0.5  # ... and at the store itself this often
 
 
 class Snapshotter:
@@ -130,6 +134,7 @@ class Snapshotter:
         self._world_size = world_size
         # this node's members acknowledge together (`cluster/node_tally.py`)
         self._node = NodeShare.of(shm_dir, nodes, rank)
+        self._node.open_acks(generation)
         self._interrupt = interrupt
         self._timeout = timeout_s
         self._on_commit = on_commit
@@ -209,6 +214,8 @@ class Snapshotter:
         self._tasks.put(None)
         self._interrupt.notify()
         self._thread.join(join_timeout_s)
+        if not self._thread.is_alive():  # (else it may still offer to the node's tally)
+            self._node.close()
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -355,11 +362,40 @@ class Snapshotter:
         self._fault(step, "commit")
         self.stats["copy_s"] += t1 - t0
         self.stats["replicate_s"] += time.perf_counter() - t1
-        if not committed_it:
+        if self._node.members > 1:
+            self._node_committed(store, step, committed_it)
+        elif not committed_it:
             self._wait_committed(store, step)
         with self._cond:
             self._committed_step = step
             self._cond.notify_all()
+
+    def _node_committed(self, store: dist.Store, step: int, committed_it: bool) -> None:
+        """A node of several members waits for a step's commit on the store once: the
+        member whose offer completed the node's acknowledgement (it sent the node's add)
+        waits there, unless its add committed the step, and marks the commit in the
+        node's shared memory; the others wait for that mark."""
+        name = f"commit-{self.generation}"
+        if self._node.completed == f"ack-{self.generation}-{step}":
+            if not committed_it:
+                self._wait_committed(store, step)
+            self._node.mark(name, step)
+            return
+        deadline = time.monotonic() + self._timeout
+        look = time.monotonic() + NODE_STORE_LOOK_S
+        while not self._node.marked(name, step):
+            if self._stopped:
+                raise CommFailure("stopped")
+            if self._interrupt.is_set():
+                raise CommFailure("generation changed")
+            now = time.monotonic()
+            if now > look:  # (a commit rank 0 adopted, or a marker that died: the store)
+                look = now + NODE_STORE_LOOK_S
+                if store.check([Keys.commit(step)]):
+                    return
+            if now > deadline:
+                raise CommFailure(f"{Keys.commit(step)} not set within {self._timeout}s")
+            time.sleep(NODE_POLL_S)
 
     def _copy(self, slot: SlotFile, layout: Layout, tensors: dict,
               ready: torch.cuda.Event | None, halfway: Callable[[], None]) -> str | None:

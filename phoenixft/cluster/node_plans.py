@@ -53,13 +53,29 @@ class NodePlans:
         return self.path(g).exists()
 
     def wait(self, g: int, timeout_s: float, stop: threading.Event | None = None) -> bool:
-        """Until plan g is here (True) or `timeout_s` passed / `stop` was set (False)."""
+        """Until a plan at generation >= g is here (True) or `timeout_s` passed / `stop`
+        was set (False). Plan g's own file is looked for every `POLL_S`; a later one's
+        every 0.5 s (plan g's may be gone: the node's shared memory deleted under it)."""
         deadline = time.monotonic() + timeout_s
+        scan = time.monotonic() + 0.5
         while not self.has(g):
-            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+            now = time.monotonic()
+            if now >= deadline or (stop is not None and stop.is_set()):
                 return False
+            if now >= scan:
+                scan = now + 0.5
+                if self._any_from(g):
+                    return True
             time.sleep(POLL_S)
         return True
+
+    def _any_from(self, g: int) -> bool:
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return False
+        return any(n.endswith(".json") and n[:-5].isdigit() and int(n[:-5]) >= g
+                   for n in names)
 
     def read(self, g: int, known: Plan | None = None) -> Plan:
         """Plan g (its file is here); `known` if it is that plan already."""

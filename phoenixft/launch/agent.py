@@ -34,7 +34,7 @@ from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.cluster.leader import Leader, LeaderConfig
 from phoenixft.cluster.lease import LeaderLease
 from phoenixft.cluster.membership import Plan, PlanKind
-from phoenixft.cluster.node_plans import NodePlans, PlanRelay
+from phoenixft.cluster.node_plans import RELAY_SLICE_S, NodePlans, PlanRelay
 from phoenixft.cluster.protocol import fenced, file_report, latest_plan, register_node
 from phoenixft.config import StragglerAction
 from phoenixft.faults.inject import format_env
@@ -245,7 +245,9 @@ class Agent:
             if self._metrics is not None:
                 self._metrics.shutdown()
         if self.relay is not None:
-            self.relay.stop(timeout_s=0.5)
+            # (its thread may be inside a store wait: exiting under it aborts the process
+            # with "terminate called without an active exception")
+            self.relay.stop(timeout_s=RELAY_SLICE_S + 1)
         rc = self._finish(store, final, time.time() - t_start)
         if self.access is not None:
             self.access.close()

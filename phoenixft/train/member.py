@@ -146,31 +146,43 @@ class Member:
             raise JobAborted(f"phoenixft: worker {self.wid} stops: {exc}; its agent or the store's "
                              "host is gone") from None
         if self.node_plans is not None:
-            return self._remember(self.node_plans.newest(g, known=self._read))
+            try:
+                return self._remember(self.node_plans.newest(g, known=self._read))
+            except FileNotFoundError:  # the node's shared memory was deleted under it
+                pass
         return self._remember(newest_plan(self.store, g, known=self._read))
 
     def _wait_plan(self, store: dist.Store, g: int, timeout_s: float) -> bool:
         """Until plan g is out (True) or `timeout_s` passed: its file on this node when
         the agent hands plans over, else the store key."""
         if self.node_plans is not None:
-            return self.node_plans.wait(g, timeout_s)
+            if self.node_plans.wait(g, timeout_s):
+                return True
+            # nothing on the node: if its shared memory was deleted, the plans with it
+            return not self.node_plans.dir.exists() and kv.wait_for(store, [Keys.plan(g)], 0.001)
         return kv.wait_for(store, [Keys.plan(g)], timeout_s)
 
     def _read_plan(self, store: dist.Store, g: int) -> Plan:
         """Plan g, which is out (as a change to the one read last, from the store)."""
         if self.node_plans is not None:
-            return self.node_plans.read(g, self._read)
+            try:
+                return self.node_plans.read(g, self._read)
+            except FileNotFoundError:  # the node's shared memory was deleted under it
+                return Plan.from_json(store.get(Keys.plan(g)))
         return read_plan(store, g, self._read)
 
     def _has_plan(self, g: int) -> bool:
-        if self.node_plans is not None:
-            return self.node_plans.has(g)
+        if self.node_plans is not None and self.node_plans.has(g):
+            return True
         return self.store.check([Keys.plan(g)])
 
     def _whole_plan(self, g: int) -> Plan:
         """Plan g (it is out), whole."""
         if self.node_plans is not None:
-            return self.node_plans.read(g)
+            try:
+                return self.node_plans.read(g)
+            except FileNotFoundError:  # the node's shared memory was deleted under it
+                pass
         return Plan.from_json(self.store.get(Keys.plan(g)))
 
     def _remember(self, plan: Plan) -> Plan:
@@ -247,7 +259,7 @@ class Member:
         4,096 members every 0.25 s was 33k requests a second on the store), so the thread
         ends with its generation or the process; a plan ends the wait at once."""
         try:
-            store = self.connect() if self.node_plans is None else None
+            store = self.connect()
             g = g_next
             while self.generation < g_next and not self._stopped:
                 if self._wait_plan(store, g, WATCH_SLICE_S):

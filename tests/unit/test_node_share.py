@@ -5,6 +5,7 @@ told the store once a node (`cluster/node_tally.py`). Real processes, a real TCP
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 
 import pytest
 
@@ -116,3 +117,27 @@ def test_a_nodes_members_acknowledge_and_record_sources_in_one_request(store, tm
     assert protocol.restore_sources(s, 1, 0) == {0: "local", 1: "local"}
     assert protocol.restore_sources(s, 1, 2) is None
     assert not list((tmp_path / "n2" / "tally").glob("src-*"))  # nor offered there
+    for sh in share.values():
+        sh.close()
+
+
+def test_acknowledgements_survive_their_directory_being_deleted(tmp_path):
+    """Two members of a node opened generation 3's tally; the node's shared memory is
+    deleted between their offers of a step (a clean-up gone wrong): the second offer
+    still completes the step, and the next step's round starts empty."""
+    nodes = {0: 0, 1: 0}
+    a, b = (NodeShare.of(tmp_path / "shm", nodes, r) for r in (0, 1))
+    for sh in (a, b):
+        sh.open_acks(3)
+    assert a.offer_ack(3, 10, 2) is None
+    shutil.rmtree(tmp_path / "shm")
+    assert sorted(b.offer_ack(3, 10, 1)) == [1, 2] and b.completed == "ack-3-10"
+    assert a.offer_ack(3, 11, 2) is None and a.completed is None
+    assert sorted(b.offer_ack(3, 11, 2)) == [2, 2]
+    with pytest.raises(RuntimeError, match="another step"):
+        a.offer_ack(3, 12, 1)
+        b.offer_ack(3, 13, 1)
+    b.mark("commit-3", 11)  # (recreates the directory) a mark: best effort
+    assert a.marked("commit-3", 11) and not a.marked("commit-3", 13)
+    a.close()
+    b.close()

@@ -304,3 +304,47 @@ def test_a_begun_snapshot_is_kept_in_host_memory_when_the_generation_changes(tmp
     assert not list((tmp_path / "tally").glob("ack-0-2-*"))  # nor offered on the node
     assert planner.local_copy(0, 1) is not None  # 3 was not written over it
     assert planner.local_copy(0, 3) is None
+
+
+class _Waits:
+    """A store connection that notes which commit keys it waited for (and for whom)."""
+
+    def __init__(self, inner, rank: int, seen: list) -> None:
+        self._s, self._rank, self._seen = inner, rank, seen
+
+    def wait(self, keys, *timeout):
+        self._seen.extend((self._rank, k) for k in keys if k.startswith("commit/"))
+        return self._s.wait(keys, *timeout)
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+
+def test_a_node_waits_for_each_commit_on_the_store_once(tmp_path, store_addr):
+    """Ranks 0, 1 and 2 on node 0, rank 3 on node 1, four steps: every step commits, and
+    of node 0's three ranks at most one waits on the store for a step's commit (the one
+    whose offer completed the node's acknowledgement); the others take the node's mark.
+    (Each waiting for itself, at least two of them would: only one add commits.)"""
+    nodes = {0: 0, 1: 0, 2: 0, 3: 1}
+    seen: list[tuple[int, str]] = []
+
+    def rank(r):
+        it = Interrupt()
+        it.enter(0)
+        snap = Snapshotter(shm_dir=tmp_path / f"node{nodes[r]}", rank=r, generation=0,
+                           connect=lambda: _Waits(kv.connect(store_addr), r, seen), rep_pg=None,
+                           holders=[], sources=[], world_size=4, nodes=nodes, interrupt=it,
+                           timeout_s=30)
+        try:
+            for s in range(4):
+                snap.begin(s, Snapshot(SnapshotHeader(rank=r, world_size=4), state(r, s)))
+                snap.wait_copied(committed=True)
+        finally:
+            snap.stop()
+
+    ranks(rank, 4)
+    store = kv.connect(store_addr)
+    assert int(store.get(Keys.COMMITTED)) == 3
+    for s in range(4):
+        waiters = {r for r, k in seen if k == Keys.commit(s)}
+        assert len(waiters & {0, 1, 2}) <= 1, (s, waiters)

@@ -11,6 +11,7 @@ imported here.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -57,6 +58,11 @@ def main() -> None:
     assert "phoenixft" not in sys.modules
     dist.barrier()
     dist.destroy_process_group()
+    # no teardown of torch's C++ state at interpreter exit: a rank doing so under plain
+    # torchrun was seen to abort ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

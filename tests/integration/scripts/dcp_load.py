@@ -8,6 +8,7 @@ a safetensors file. Nothing of phoenixft is imported here.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -50,6 +51,11 @@ def main() -> None:
     # was seen to abort in the torn-down rank ("terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
+    # and neither tears torch's C++ state down at interpreter exit: a rank doing so was
+    # still seen to abort the same way (SIGABRT, CI run of 2026-12-07)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
