@@ -154,8 +154,8 @@ class StragglerAction(str, enum.Enum):
 class Stragglers:
     """Finding a rank that computes persistently slower than the others
     (train/straggler.py): each rank's compute per step (step start to ready to reduce)
-    over the median of the other ranks', its median over the last `window` steps, flagged
-    at `ratio` or more."""
+    over the median of the other ranks', its lower quartile over the last `window` steps
+    (slower on three steps in four), flagged at `ratio` or more."""
 
     action: StragglerAction = StragglerAction.REPORT  # (its value is taken too)
     window: int = 20

@@ -95,9 +95,9 @@ OPTIONS = (
               "parallel only) or off"),
     _opt("--straggler-ratio", path="stragglers.ratio", type=float, metavar="R",
          help="a rank is slow when its compute per step is R times the other ranks' median "
-              "or more (default 2), as the median over --straggler-window steps"),
+              "or more (default 2) on three in four of its last --straggler-window steps"),
     _opt("--straggler-window", path="stragglers.window", type=int, metavar="N",
-         help="steps a straggler's median is taken over (default 20)"),
+         help="steps a straggler's ratio is watched over (default 20)"),
     _opt("--fingerprint-every", path="fingerprints.every", type=int, metavar="K",
          help="every K steps the ranks vote on digests of the step's reduced gradients "
               "and their parameters (data parallel; no strict majority: the step's "
