@@ -10,14 +10,15 @@ more. A slow rank is slow on every step; a rank the machine slowed (a page fault
 neighbour's burst, the scheduler taking its core for a few steps) is not. The median,
 used before, named a rank slowed on half its window or more: twice in CI, on a 2-core machine
 running the test suite beside it (ratios 2.018 and 2.036 at window 6, nobody slowed).
-A flagged rank is reported once; it is reported again only after it has been back below
-the ratio. One watch lives as long as a
+A flagged rank is reported once; it is reported again only after its median has been back
+below the ratio (slower on fewer than half its steps). One watch lives as long as a
 generation: a new membership renumbers the ranks.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -76,7 +77,9 @@ class StragglerWatch:
             if m >= self.ratio and r not in self.flagged:
                 self.flagged.add(r)
                 found.append((r, m))
-            elif m < self.ratio:
+            elif r in self.flagged and statistics.median(hist) < self.ratio:
+                # back below on half its steps: the quartile alone would let a straggler
+                # whose every fourth step the machine evened out be named again and again
                 self.flagged.discard(r)
         return found
 
