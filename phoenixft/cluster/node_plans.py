@@ -52,15 +52,15 @@ class NodePlans:
     def has(self, g: int) -> bool:
         return self.path(g).exists()
 
-    def wait(self, g: int, timeout_s: float, stop: threading.Event | None = None) -> bool:
-        """Until a plan at generation >= g is here (True) or `timeout_s` passed / `stop`
-        was set (False). Plan g's own file is looked for every `POLL_S`; a later one's
-        every 0.5 s (plan g's may be gone: the node's shared memory deleted under it)."""
+    def wait(self, g: int, timeout_s: float) -> bool:
+        """Until a plan at generation >= g is here (True) or `timeout_s` passed (False).
+        Plan g's own file is looked for every `POLL_S`; a later one's every 0.5 s (plan
+        g's may be gone: the node's shared memory deleted under it)."""
         deadline = time.monotonic() + timeout_s
         scan = time.monotonic() + 0.5
         while not self.has(g):
             now = time.monotonic()
-            if now >= deadline or (stop is not None and stop.is_set()):
+            if now >= deadline:
                 return False
             if now >= scan:
                 scan = now + 0.5
@@ -94,12 +94,11 @@ class PlanRelay:
     """The agent's thread that relays every plan of the job into its node's `NodePlans`,
     in order, and keeps the newest (`latest`) for the agent itself."""
 
-    def __init__(self, connect, plans: NodePlans, on_error=None) -> None:
+    def __init__(self, connect, plans: NodePlans) -> None:
         self._connect = connect  # () -> a store connection of the relay's own
         self.plans = plans
         self.latest: Plan | None = None
         self.error: BaseException | None = None  # why it stopped early (the store is gone)
-        self._on_error = on_error or (lambda exc: None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phoenixft-plan-relay",
                                         daemon=True)
@@ -126,7 +125,6 @@ class PlanRelay:
                 g += 1
         except Exception as exc:  # noqa: BLE001 - the store is gone (the agent sees it too)
             self.error = exc
-            self._on_error(exc)
 
 
 def relay_one(store: dist.Store, plans: NodePlans, g: int, known: Plan | None,

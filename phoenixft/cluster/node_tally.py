@@ -42,9 +42,8 @@ class NodeTally:
         _check(line, expected)
         if expected == 1:
             return [line]
-        self.dir.mkdir(parents=True, exist_ok=True)  # (its shared memory may be deleted)
         path = self.dir / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = self.open(name)  # (it recreates the directory: shared memory may be deleted)
         try:
             lines = _append(fd, line, expected, path)
             if lines is not None:
