@@ -152,10 +152,11 @@ class StragglerAction(str, enum.Enum):
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Stragglers:
-    """Finding a rank that computes persistently slower than the others
-    (train/straggler.py): each rank's compute per step (step start to ready to reduce)
-    over the median of the other ranks', its lower quartile over the last `window` steps
-    (slower on three steps in four), flagged at `ratio` or more."""
+    """Finding a rank that makes the others wait (train/straggler.py): each rank's time
+    per step (step start to ready to reduce) over the median of the other ranks', its
+    lower quartile over the last `window` steps (slower on three steps in four), flagged
+    at `ratio` or more; or its process's stalls (stopped, frozen) adding up, on two steps
+    or more, to `ratio - 1` times the others' time over the window."""
 
     action: StragglerAction = StragglerAction.REPORT  # (its value is taken too)
     window: int = 20

@@ -88,14 +88,16 @@ OPTIONS = (
          help="microbatches per step after a shrink: constant (same gradients as a "
               "failure-free run) or shrink-batch (fewer: the batch shrinks)"),
     _opt("--straggler", path="stragglers.action", choices=["off", "report", "swap", "rebalance"],
-         help="a rank that computes persistently slower than the others: report (an event "
+         help="a rank that makes the others wait, step after step: report (an event "
               "and a console line; the default), swap (also hand its rank to a spare at the "
               "next committed step; nothing is rolled back), rebalance (give it fewer of each "
               "step's microbatches, in proportion to its speed: same M, same gradients; data "
               "parallel only) or off"),
     _opt("--straggler-ratio", path="stragglers.ratio", type=float, metavar="R",
          help="a rank is slow when its compute per step is R times the other ranks' median "
-              "or more (default 2) on three in four of its last --straggler-window steps"),
+              "or more (default 2) on three in four of its last --straggler-window steps, "
+              "or when its process stood still (stopped, frozen) long enough, on two steps "
+              "or more, for those steps to take R times as long"),
     _opt("--straggler-window", path="stragglers.window", type=int, metavar="N",
          help="steps a straggler's ratio is watched over (default 20)"),
     _opt("--fingerprint-every", path="fingerprints.every", type=int, metavar="K",

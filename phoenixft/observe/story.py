@@ -107,10 +107,13 @@ class Story:
                                  "proportion to its speed"}.get(e.get("action"), "reported only")
             place = f", {e['where']}" if e.get("where") else ""
             others = "the same stage's ranks'" if e.get("where") else "the other ranks'"
+            what = (f"its process stood still (stopped or frozen) long enough for the steps "
+                    f"to take {e.get('ratio')}x {others} time" if e.get("why") == "stalled" else
+                    f"its compute per step is {e.get('ratio')}x {others} median")
             return [Line(f"phoenixft: rank {e.get('rank')} ({e.get('wid')}{place}) is a "
-                         f"straggler: its compute per step is {e.get('ratio')}x {others} median over "
-                         f"the last {e.get('window')} steps (step {e.get('step')}; --straggler "
-                         f"{e.get('action')}: {then})", failure=True)]
+                         f"straggler: {what} over the last {e.get('window')} steps (step "
+                         f"{e.get('step')}; --straggler {e.get('action')}: {then})",
+                         failure=True)]
         if ev == "straggler_swapped":
             return [Line(f"phoenixft: straggler {e.get('wid')} (rank {e.get('rank')}, "
                          f"{e.get('ratio')}x) swapped for spare {e.get('spare')} at the next "

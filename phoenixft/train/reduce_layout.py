@@ -7,8 +7,9 @@ One all-reduce carries everything a step must agree on, so a step costs one coll
     [grow]               rank 0 sets 1.0 when the leader asked to admit new members
     [loss]               sum of this rank's microbatch losses
     [count]              how many microbatches this rank contributed
-    [times: world)       each rank's compute seconds of the step, in its own slot (the
-                         straggler watch, train/straggler.py)
+    [times: world)       each rank's seconds of the step, in its own slot (the straggler
+                         watch, train/straggler.py)
+    [stalls: world)      each rank's seconds its process stood still in the step
 
 After the sum, every id must appear exactly once and the counts must add up to m.
 """
@@ -24,20 +25,25 @@ _TAIL = 3  # grow, loss, count
 class ReduceLayout:
     size: int  # the flat parameter buffer's length (padded to the world size)
     m: int  # microbatches in the step
-    world: int = 0  # ranks, one compute-time slot each
+    world: int = 0  # ranks, one time slot and one stall slot each
 
     @staticmethod
     def capacity(size: int, max_m: int, world: int = 0) -> int:
         """Buffer length that fits any step of up to `max_m` microbatches."""
-        return size + max_m + _TAIL + world
+        return size + max_m + _TAIL + 2 * world
 
     @property
     def total(self) -> int:
-        return self.size + self.m + _TAIL + self.world
+        return self.size + self.m + _TAIL + 2 * self.world
 
     @property
     def times(self) -> slice:
         start = self.size + self.m + _TAIL
+        return slice(start, start + self.world)
+
+    @property
+    def stalls(self) -> slice:
+        start = self.times.stop
         return slice(start, start + self.world)
 
     @property

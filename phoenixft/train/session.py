@@ -310,6 +310,7 @@ class Session:
         (also done at process exit): nothing of it runs while the interpreter tears down."""
         if self._heartbeat is not None:
             self._heartbeat.stop(join_timeout_s=2.0)
+        self._stragglers.stop()
         self.member.shutdown(join_timeout_s=2.0)
         self._own_store = None
 
@@ -392,7 +393,11 @@ class Session:
             # a pipeline replica's share may differ from another's (an uneven plan): its
             # stages are compared per microbatch
             t /= len(st.done)
+        stall = self._stragglers.stall_s
+        if not state.layout.executor.user_loop and st.done:
+            stall /= len(st.done)  # (in the unit of its time)
         g[lay.times.start + self.rank] = t
+        g[lay.stalls.start + self.rank] = stall
         if state.layout.work.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
@@ -416,6 +421,7 @@ class Session:
         swap = self._stragglers.observe(rank=self.rank, generation=self.generation,
                                         members=self.member.plan.members, step=st.index,
                                         times=g[lay.times].tolist(),
+                                        stalls=g[lay.stalls].tolist(),
                                         classes=work.peer_classes(world),
                                         where=lambda r: work.where(r, world))
         if swap is not None:  # the leader holds the job at a committed step and swaps it
@@ -473,6 +479,8 @@ class Session:
             self.events.emit("step", step=state.step, loss=st.loss, gen=self.generation,
                              world_size=self.world_size,
                              compute_s=[round(t, 4) for t in self._stragglers.last_times],
+                             **({"stall_s": [round(t, 4) for t in self._stragglers.last_stalls]}
+                                if any(self._stragglers.last_stalls) else {}),
                              **self._fingerprints.costs())
         self.member.snapshot(state)
         self._flip(st, "optim")

@@ -13,7 +13,7 @@ def test_fields_are_disjoint_and_fill_the_buffer():
     assert ReduceLayout.capacity(10, 6) >= ReduceLayout(10, 6).total > lay.total
 
 
-def test_the_compute_times_take_one_slot_per_rank_after_the_tail():
+def test_the_times_and_the_stalls_take_one_slot_per_rank_after_the_tail():
     lay = ReduceLayout(size=10, m=4, world=3)
-    assert lay.times == slice(17, 20) and lay.total == 20
+    assert lay.times == slice(17, 20) and lay.stalls == slice(20, 23) and lay.total == 23
     assert ReduceLayout.capacity(10, 4, 3) == lay.total

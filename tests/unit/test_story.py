@@ -110,3 +110,7 @@ def test_a_straggler_is_told_with_what_its_action_does():
     assert told["report"].startswith("phoenixft: rank 1 (n0w1) is a straggler: its compute "
                                      "per step is 2.3x the other ranks' median over the last "
                                      "20 steps")
+    stalled = Story().tell({**e, "action": "report", "why": "stalled"})[0].text
+    assert stalled.startswith("phoenixft: rank 1 (n0w1) is a straggler: its process stood "
+                              "still (stopped or frozen) long enough for the steps to take "
+                              "2.3x the other ranks' time over the last 20 steps"), stalled

@@ -89,3 +89,34 @@ def test_a_straggler_the_machine_evens_out_now_and_then_is_named_once():
         t = 1.0 if step % 5 == 0 else 4.0  # slow on 4 steps in 5
         found += w.observe([1.0, t, 1.0])
     assert [r for r, _ in found] == [1]
+
+
+def test_a_rank_frozen_while_the_others_wait_is_named_by_its_stalls():
+    """What hostile testing found: a rank stopped for 150 ms of every 250 ms, mostly
+    while the others waited in the all-reduce (its compute time normal), was never named.
+    Its stalls on one step in three (150 ms against 28 ms steps) are named, as stalled."""
+    w = StragglerWatch(3, window=10, ratio=2.0)
+    found = []
+    for step in range(40):
+        frozen = 0.15 if step % 3 == 0 else 0.0
+        found += [(step, r) for r, _ in w.observe([0.028, 0.029, 0.027], [0.0, frozen, 0.0])]
+    assert [r for _, r in found] == [1] and w.why[1] == "stalled"
+    assert found[0][0] == 9  # as soon as its window is full
+
+
+def test_one_freeze_or_a_pause_of_every_rank_is_not_a_straggler():
+    w = StragglerWatch(3, window=6, ratio=2.0)
+    for step in range(60):
+        # a 0.5 s page-in on rank 2 once; a pause of the whole machine on every rank
+        # every other step
+        alone = [0.0, 0.0, 0.5 if step == 20 else 0.0]
+        every = [0.2 if step % 2 else 0.0] * 3
+        assert w.observe([0.03, 0.03, 0.03], [a + b for a, b in zip(alone, every)]) == []
+
+
+def test_small_freezes_below_the_bar_are_not_a_straggler():
+    """Freezes on every step that add up to less than ratio - 1 of the others' time."""
+    w = StragglerWatch(3, window=10, ratio=2.0)
+    for _ in range(100):
+        assert w.observe([0.1, 0.1, 0.1], [0.0, 0.09, 0.0]) == []
+    assert w.observe([0.1, 0.1, 0.1], [0.0, 0.09, 0.0]) == []
