@@ -36,6 +36,10 @@ KIND, what the worker holding rank R does when WHEN comes:
               (factor - 1) x the time they took; it needs step=T:factor=F (F > 1), and
               only this worker is slow (a spare taking its rank is not); with :every=P
               it is slow on one step in P only (steps T, T+P, ...: an intermittent one)
+    freeze    from step T on, stopped (SIGSTOP, by a helper process it starts) for M ms of
+              every P ms, until it exits (a host that keeps pausing: a throttled
+              container, a VM losing its core); it needs step=T:ms=M:period=P (0 < M < P),
+              and its stops fall in any part of the step, the all-reduce included
 
 WHEN:
     step=T                  as it starts step T
@@ -73,6 +77,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from phoenixft.faults import freezer
+
 
 class FaultKind(str, enum.Enum):
     """What a spec does (the grammar above)."""
@@ -87,6 +93,7 @@ class FaultKind(str, enum.Enum):
     ROT = "rot"
     SLOW = "slow"
     FLIP = "flip"
+    FREEZE = "freeze"
 
     __format__ = str.__format__  # f"{kind}" is the value on every Python
 
@@ -100,7 +107,7 @@ KINDS = tuple(k.value for k in FaultKind)
 LANDS_AT = {FaultKind.GARBLE: "received", FaultKind.ROT: "written", FaultKind.FLIP: "reduced"}
 LAYOUT_PHASES = ("forward", "backward")  # reached only by some layouts (Membership.fault_phases)
 PHASES = ("start", "forward", "backward", "reduce", "clip", "update", "snapshot", "replicate", "commit")
-_INT_KEYS = ("rank", "step", "gen", "microbatch", "every")
+_INT_KEYS = ("rank", "step", "gen", "microbatch", "every", "ms", "period")
 FLIP_WHERE = ("grad", "param", "optim")
 
 
@@ -123,13 +130,16 @@ class InjectSpec:
     factor: float | None = None  # slow: how many times slower its compute becomes
     every: int | None = None  # slow: on one step in `every` only (None: every step)
     where: str | None = None  # flip: which state (FLIP_WHERE)
+    ms: int | None = None  # freeze: each stop's milliseconds
+    period: int | None = None  # freeze: milliseconds from one stop's start to the next's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", FaultKind(self.kind))  # (a kind's value is taken)
 
     def __str__(self) -> str:
         parts = [self.kind, f"rank={self.rank}"]
-        for k in ("step", "gen", "microbatch", "phase", "factor", "every", "where"):
+        for k in ("step", "gen", "microbatch", "phase", "factor", "every", "where", "ms",
+                  "period"):
             v = getattr(self, k)
             if v is not None:
                 parts.append(f"{k}={v}")
@@ -175,7 +185,7 @@ def parse_spec(text: str) -> InjectSpec:
         except ValueError:
             raise InjectSpecError(f"{key} must be an integer in --inject, got {val!r}") from None
         # steps count from 1; gen 0 has no recovery; every=1 would be plain slow
-        lowest = {"step": 1, "gen": 1, "every": 2}.get(key, 0)
+        lowest = {"step": 1, "gen": 1, "every": 2, "ms": 1, "period": 2}.get(key, 0)
         if values[key] < lowest:
             raise InjectSpecError(f"{key} must be >= {lowest} in --inject, got {val!r}")
     if "rank" not in values:
@@ -197,6 +207,13 @@ def parse_spec(text: str) -> InjectSpec:
     if kind is FaultKind.SLOW and ("step" not in values or "microbatch" in values or "phase" in values):
         raise InjectSpecError(f"slow takes step=T:factor=F only (slower from step T on), "
                               f"got {text!r}")
+    if ("ms" in values or "period" in values or kind is FaultKind.FREEZE) and not (
+            kind is FaultKind.FREEZE and "ms" in values and "period" in values
+            and "step" in values and "microbatch" not in values and "phase" not in values
+            and values["ms"] < values["period"]):
+        raise InjectSpecError(f"freeze takes step=T:ms=M:period=P with M < P (stopped M ms "
+                              f"of every P from step T on), and ms=, period= go with freeze "
+                              f"only, in --inject, got {text!r}")
     if values.get("phase") == "start":
         del values["phase"]
     if kind is FaultKind.FLIP:
@@ -305,6 +322,9 @@ class Injector:
             return
         if s.kind is FaultKind.STOP:
             os.kill(me, signal.SIGSTOP)
+            return
+        if s.kind is FaultKind.FREEZE:
+            freezer.start(me, s.ms, s.period)
             return
         if s.kind in (FaultKind.CORRUPT, FaultKind.SHM) and self.hooks.damage is not None:
             self.hooks.damage(s.kind)

@@ -31,7 +31,8 @@ def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: Ev
 
     def on_fire(spec, t: float, point: dict) -> None:
         before_fault()
-        if spec.kind not in (FaultKind.SLOW, FaultKind.FLIP):  # (these carry on: not failing)
+        if spec.kind not in (FaultKind.SLOW, FaultKind.FLIP, FaultKind.FREEZE):  # (these
+            # carry on: not failing)
             store.set(Keys.failing(wid), repr(t))
         # point may name the gen itself
         events.emit("inject", spec=str(spec), **{**where(), "pid": os.getpid(), **point})

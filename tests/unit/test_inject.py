@@ -38,7 +38,13 @@ def test_inject_specs():
                      ("slow:rank=0:step=2:factor=x", "factor must be a number"),
                      ("kill:rank=0:step=2:factor=3", "factor=F goes with slow"),
                      ("slow:rank=0:step=2:factor=3:every=1", "every must be >= 2"),
-                     ("kill:rank=0:step=2:every=3", "every=P goes with slow only")]:
+                     ("kill:rank=0:step=2:every=3", "every=P goes with slow only"),
+                     ("freeze:rank=0:step=2:ms=150", "freeze takes step=T:ms=M:period=P"),
+                     ("freeze:rank=0:step=2:ms=250:period=250", "with M < P"),
+                     ("freeze:rank=0:gen=2:ms=150:period=250", "freeze takes step=T"),
+                     ("freeze:rank=0:step=2:phase=reduce:ms=1:period=2", "freeze takes step=T"),
+                     ("kill:rank=0:step=2:ms=150:period=250", "go with freeze only"),
+                     ("freeze:rank=0:step=2:ms=0:period=250", "ms must be >= 1")]:
         with pytest.raises(InjectSpecError, match=msg):
             parse_spec(bad)
 
@@ -123,6 +129,12 @@ def test_a_slow_fault_slows_its_worker_and_it_carries_on():
     inj.at_step(1, 4)  # no signal: the process goes on, slower
     assert slowed == [s]
     assert parse_spec("slow:rank=0:step=2:factor=4:every=3").every == 3
+
+
+def test_a_freeze_spec_reads_back_as_written():
+    s = parse_spec("freeze:rank=1:step=5:ms=150:period=250")
+    assert (s.kind, s.step, s.ms, s.period) == ("freeze", 5, 150, 250)
+    assert str(s) == "freeze:rank=1:step=5:ms=150:period=250" and parse_spec(str(s)) == s
 
 
 
