@@ -23,10 +23,11 @@ def test_consensus_smoke(tmp_path):
     r = json.loads(out.read_text())
     rows = r["rows"]
     assert list(rows) == ["clean", "nofp", "k8", "slow", "swap", "rebalance", "noisy",
-                          "flip_grad", "flip_param", "flip_optim"]
-    for mode in ("slow", "swap", "rebalance"):
+                          "noisy2", "freeze", "flip_grad", "flip_param", "flip_optim"]
+    for mode in ("slow", "swap", "rebalance", "freeze"):
         assert rows[mode]["detected_after_steps"] is not None, mode
         assert rows[mode]["steps"] == 30 and rows[mode]["failures"] == 0
+    assert [x["why"] for x in rows["freeze"]["stragglers"]] == ["stalled"]
     assert rows["swap"]["swapped"] == ["n0w1"] and rows["slow"]["swapped"] == []
     assert rows["clean"]["vs_clean"] == 1.0
     for mode, after in (("flip_grad", 0), ("flip_param", 1), ("flip_optim", 1)):
@@ -37,4 +38,4 @@ def test_consensus_smoke(tmp_path):
     assert 0 < r["digest_share_of_step"] < 1 and 0 < r["vote_wait_share_of_step"] < 1
     assert -1 < r["fingerprint_cost"] < 1 and -1 < r["fingerprint_cost_k8"] < 1
     assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprints'", "straggler", "false",
-                                                          "a"]
+                                                          "a", "a"]
