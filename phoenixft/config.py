@@ -184,13 +184,20 @@ class Fingerprints:
     steps each rank digests the step's reduced gradients and its parameters, which every
     data-parallel rank must hold bit for bit, and a strict majority (or a replay of the
     step's collectives) names the rank that differs; every step each rank checks its own
-    unique state against its last snapshot's seal. 0: off."""
+    unique state against its last snapshot's seal. 0: off. Every `recompute_every` steps
+    each rank also recomputes two peers' first microbatches, so faults in the arithmetic
+    that every rank would sum alike are found (train/recompute.py); 0: off (the default:
+    it needs each microbatch's data drawn from its id)."""
 
     every: int = 1
+    recompute_every: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
             raise ConfigError(f"{{every}} must be an integer >= 0 (0: off), got {self.every}")
+        k = self.recompute_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(f"{{recompute_every}} must be an integer >= 0 (0: off), got {k}")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -15,6 +15,11 @@ torch thread, each mode its own process tree, one after another in one invocatio
 - freeze:     rank 1 stopped (SIGSTOP) for 150 ms of every 250 ms from step S on
               (`freeze:` fault), the straggler only reported: how soon it is named;
 - k8:         failure-free with --fingerprint-every 8 (the vote's cost when it samples);
+- recompute:  failure-free with --recompute-every K (sampled recomputation): its cost,
+              the checks' own time by rank 0's clock (the recomputed passes, the digests,
+              the exchange) over the run's wall time, inside the one run;
+- wrong:      rank 1 computes wrong gradients from step S on (`wrong:` fault) with
+              --recompute-every K: steps until it is found (the next check step);
 - flip_grad, flip_param, flip_optim: 1 warm spare, one bit of rank 1's reduced
               gradients / parameters / optimizer state flipped at step S (`flip:` fault):
               steps until it is found, and whether the run still ends on `clean`'s digest.
@@ -46,11 +51,12 @@ from phoenixft.bench.runner import command
 from phoenixft.observe.goals import Goal, as_dicts, print_goals
 
 MODES = ("clean", "nofp", "k8", "slow", "swap", "rebalance", "noisy", "noisy2", "freeze",
-         "flip_grad", "flip_param", "flip_optim")
+         "recompute", "wrong", "flip_grad", "flip_param", "flip_optim")
 NOISY = {"noisy": 1, "noisy2": 2}  # mode -> busy processes beside it
 FREEZE = "ms=150:period=250"
 GOAL_SWAP = 0.9
 GOAL_VOTE = 0.005
+GOAL_RECOMPUTE = 0.01
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -65,6 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slow-step", type=int, default=10, help="S: rank 1 is slow from here on")
     p.add_argument("--factor", type=float, default=4.0, help="F: how many times slower")
     p.add_argument("--window", type=int, default=10, help="--straggler-window of the jobs")
+    p.add_argument("--recompute-every", type=int, default=50,
+                   help="K of the recompute and wrong modes")
     p.add_argument("--noisy-steps", type=int, default=300,
                    help="steps of the failure-free runs beside busy processes")
     p.add_argument("--out", default="runs/bench/consensus.json")
@@ -78,6 +86,11 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
         cfg["fingerprints"] = {"every": 0 if mode == "nofp" else 8}
     if mode.startswith("flip_"):
         cfg.update(spares=1, inject=[f"flip:rank=1:step={args.slow_step}:where={mode[5:]}"])
+    if mode in ("recompute", "wrong"):
+        cfg["fingerprints"] = {"recompute_every": args.recompute_every}
+        cfg.update(spares=1)
+    if mode == "wrong":
+        cfg["inject"] = [f"wrong:rank=1:step={args.slow_step}"]
     if mode == "freeze":
         cfg["inject"] = [f"freeze:rank=1:step={args.slow_step}:{FREEZE}"]
     if mode in ("slow", "swap", "rebalance"):
@@ -103,7 +116,8 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
     votes = [e.get("vote_s", 0.0) + e.get("seal_s", 0.0) for e in steps_ev[1:]]
     digests = [e.get("digest_s", 0.0) + e.get("seal_s", 0.0) for e in steps_ev[1:]]
     found = [e for e in s["events"] if e["event"] == "straggler"]
-    sdc = [e["step"] for e in s["events"] if e["event"] == "fingerprint_mismatch"]
+    sdc = [e["step"] for e in s["events"]
+           if e["event"] in ("fingerprint_mismatch", "recompute_mismatch")]
     return {"mode": mode, "steps": last["step"], "wall_s": round(last["t"] - first["t"], 3),
             "steps_s": (last["step"] - first["step"]) / (last["t"] - first["t"]),
             "stragglers": [{"rank": e["rank"], "step": e["step"], "ratio": e["ratio"],
@@ -111,6 +125,7 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
             "swapped": [e["wid"] for e in s["events"] if e["event"] == "straggler_swapped"],
             "sdc_found_at": sdc, "quarantined": s.get("quarantined", []),
             "failures": len(s["failures"]), "digest": s["final_state_digest"],
+            "check_share": sum(e.get("check_s", 0.0) for e in steps_ev[1:]) / (last["t"] - first["t"]),
             "median_step_s": statistics.median(gaps), "mean_check_s": statistics.fmean(votes),
             "mean_digest_s": statistics.fmean(digests)}
 
@@ -151,6 +166,8 @@ def summarize(rows: dict, args: argparse.Namespace) -> dict:
               # little); and the seal's and digests' own compute, timed inside the step
               "fingerprint_cost": 1 - rows["clean"]["steps_s"] / rows["nofp"]["steps_s"],
               "fingerprint_cost_k8": 1 - rows["k8"]["steps_s"] / rows["nofp"]["steps_s"],
+              "recompute_every": args.recompute_every,
+              "recompute_cost": rows["recompute"]["check_share"],
               "vote_wait_share_of_step": (rows["clean"]["mean_check_s"]
                                           / rows["clean"]["median_step_s"]),
               "digest_share_of_step": (rows["clean"]["mean_digest_s"]
@@ -171,6 +188,13 @@ def goals(result: dict) -> list[Goal]:
             Goal("false alarms per 1,000 failure-free steps beside one and two busy "
                  "processes", "0", result["false_alarms_per_1000_steps"],
                  result["false_alarms_per_1000_steps"] == 0),
+            Goal(f"recomputation's cost at K={result['recompute_every']} (its checks' time "
+                 "over the run's, rank 0's clock)", f"<= {GOAL_RECOMPUTE:.0%}",
+                 f"{result['recompute_cost']:.2%}", result["recompute_cost"] <= GOAL_RECOMPUTE),
+            Goal("wrong gradients found by the recomputation (steps after the fault)",
+                 f"<= {result['recompute_every']}", _after(r["wrong"]),
+                 r["wrong"]["detected_after_steps"] is not None
+                 and r["wrong"]["detected_after_steps"] <= result["recompute_every"]),
             Goal("a rank stopped 150 ms of every 250 ms named (steps after the first stop)",
                  f"<= {result['window']}", _after(r["freeze"]),
                  r["freeze"]["detected_after_steps"] is not None
@@ -228,7 +252,9 @@ def show(result: dict, opts: BenchOptions) -> None:
                   f"without, one run each); by rank 0's clock the seal and digests take "
                   f"{result['digest_share_of_step']:.3%} of a {r0['median_step_s'] * 1e3:.1f} ms "
                   f"step, and waiting for the vote {result['vote_wait_share_of_step']:.2%} "
-                  f"(in place of part of the all-gather's wait)")
+                  f"(in place of part of the all-gather's wait); recomputation every "
+                  f"{result['recompute_every']} steps: {result['recompute_cost']:.2%} of the "
+                  f"run's time by rank 0's clock")
     print_goals(console, goals(result))
 
 
@@ -246,4 +272,6 @@ def markdown(result: dict) -> list[str]:
                        f"{result['fingerprint_cost']:.2%} of throughput at K=1 and "
                        f"{result['fingerprint_cost_k8']:.2%} at K=8 against the run without; "
                        f"the seal and digests' own compute is {result['digest_share_of_step']:.3%}"
-                       " of a step."]
+                       f" of a step. Recomputation every {result['recompute_every']} steps: "
+                       f"{result['recompute_cost']:.2%} of the run's time (its checks by rank "
+                       "0's clock)."]

@@ -36,6 +36,9 @@ KIND, what the worker holding rank R does when WHEN comes:
               (factor - 1) x the time they took; it needs step=T:factor=F (F > 1), and
               only this worker is slow (a spare taking its rank is not); with :every=P
               it is slow on one step in P only (steps T, T+P, ...: an intermittent one)
+    wrong     from step T on, its arithmetic is off: each backward pass leaves a wrong
+              gradient (a faulty core), which every rank then sums alike and no vote sees;
+              it carries on (`--recompute-every` must find it); only step=T
     freeze    from step T on, stopped (SIGSTOP, by a helper process it starts) for M ms of
               every P ms, until it exits (a host that keeps pausing: a throttled
               container, a VM losing its core); it needs step=T:ms=M:period=P (0 < M < P),
@@ -94,6 +97,7 @@ class FaultKind(str, enum.Enum):
     SLOW = "slow"
     FLIP = "flip"
     FREEZE = "freeze"
+    WRONG = "wrong"
 
     __format__ = str.__format__  # f"{kind}" is the value on every Python
 
@@ -214,6 +218,9 @@ def parse_spec(text: str) -> InjectSpec:
         raise InjectSpecError(f"freeze takes step=T:ms=M:period=P with M < P (stopped M ms "
                               f"of every P from step T on), and ms=, period= go with freeze "
                               f"only, in --inject, got {text!r}")
+    if kind is FaultKind.WRONG and ("step" not in values or "microbatch" in values
+                                    or "phase" in values):
+        raise InjectSpecError(f"wrong takes step=T only (wrong from step T on), got {text!r}")
     if values.get("phase") == "start":
         del values["phase"]
     if kind is FaultKind.FLIP:
@@ -243,6 +250,8 @@ class WorkerHooks:
     agent_pid: int | None = None
     # `slow`: compute `factor` times slower from step T, on one step in `every` (or all)
     slow: Callable[[InjectSpec], None] | None = None
+    # `wrong`: compute wrong gradients from step T on
+    wrong: Callable[[InjectSpec], None] | None = None
 
 
 class Injector:
@@ -325,6 +334,11 @@ class Injector:
             return
         if s.kind is FaultKind.FREEZE:
             freezer.start(me, s.ms, s.period)
+            return
+        if s.kind is FaultKind.WRONG:
+            if self.hooks.wrong is None:
+                raise InjectSpecError(f"--inject {s} needs a session to compute wrong")
+            self.hooks.wrong(s)
             return
         if s.kind in (FaultKind.CORRUPT, FaultKind.SHM) and self.hooks.damage is not None:
             self.hooks.damage(s.kind)

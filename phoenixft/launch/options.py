@@ -106,6 +106,12 @@ OPTIONS = (
               "collectives are replayed), and every step each rank checks its optimizer "
               "shard against its last snapshot's seal; a rank found is replaced like a dead "
               "one, before the step's update (default 1; 0: off)"),
+    _opt("--recompute-every", path="fingerprints.recompute_every", type=int, metavar="K",
+         help="every K steps each rank also recomputes the first microbatch of the two "
+              "ranks before it and the three gradients of each are compared before the "
+              "update: a rank whose arithmetic is off (which every rank would sum alike) is "
+              "named and replaced like a dead one (data parallel, 3 ranks or more, data drawn "
+              "from microbatch ids; default 0: off)"),
     _opt("--rebuild-groups", path="groups.keep", action="store_false",
          help="rebuild every process group at every recovery (default: a recovery keeps "
               "the mesh groups it finds whole, e.g. the FSDP2 groups of the replica groups "

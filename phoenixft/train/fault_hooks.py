@@ -21,7 +21,7 @@ from phoenixft.observe.events import EventLog
 def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: EventLog,
                  agent_pid: int | None, where: Callable[[], dict],
                  before_fault: Callable[[], None], settle: Callable[[], None],
-                 slow: Callable | None = None) -> WorkerHooks:
+                 slow: Callable | None = None, wrong: Callable | None = None) -> WorkerHooks:
     """The injector's hooks for one worker. `where()` names its place now (rank, gen,
     world_size); `before_fault` runs before a fault lands (whatever must reach the store
     while the worker still lives); `settle` waits until the previous step committed."""
@@ -31,8 +31,8 @@ def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: Ev
 
     def on_fire(spec, t: float, point: dict) -> None:
         before_fault()
-        if spec.kind not in (FaultKind.SLOW, FaultKind.FLIP, FaultKind.FREEZE):  # (these
-            # carry on: not failing)
+        if spec.kind not in (FaultKind.SLOW, FaultKind.FLIP, FaultKind.FREEZE,
+                             FaultKind.WRONG):  # (these carry on: not failing)
             store.set(Keys.failing(wid), repr(t))
         # point may name the gen itself
         events.emit("inject", spec=str(spec), **{**where(), "pid": os.getpid(), **point})
@@ -52,4 +52,4 @@ def member_hooks(*, store: dist.Store, wid: str, shm_dir: str | Path, events: Ev
                     f.write(bytes([b[0] ^ 0xFF]))
 
     return WorkerHooks(claim=claim, on_fire=on_fire, settle=settle, damage=damage, slow=slow,
-                       agent_pid=agent_pid)
+                       wrong=wrong, agent_pid=agent_pid)

@@ -88,12 +88,14 @@ class Member:
         # group: `WorkSplit.in_unit`) only when a new generation changes the unit
         self.unit_interrupt = Interrupt()
         self._slow = None  # an injected `slow` fault that fired on this worker (`slowdown`)
+        self.wrong = False  # an injected `wrong` fault fired on this worker (recompute.py)
         self._ran_plan: Plan | None = None  # the plan of the generation joined last
         self.injector = Injector(parse_env(cfg.inject), member_hooks(
             store=store, wid=self.wid, shm_dir=cfg.shm_dir, events=events,
             agent_pid=cfg.agent_pid, before_fault=self.tell_passes,
             settle=self._previous_step_committed,
             slow=lambda spec: setattr(self, "_slow", spec),
+            wrong=lambda spec: setattr(self, "wrong", True),
             where=lambda: {"rank": self.rank, "gen": self.generation,
                            "world_size": self.world_size}))
         self.tier = FsspecTier(cfg.persistence.url) if cfg.persistence.url else None

@@ -38,7 +38,7 @@ from phoenixft.cluster.protocol import register_worker
 from phoenixft.comm.collectives import CommFailure
 from phoenixft.config import ConfigError, StragglerAction
 from phoenixft.observe.events import EventLog
-from phoenixft.train import model_io, quota
+from phoenixft.train import model_io, quota, recompute
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
 from phoenixft.train.fingerprints import Fingerprinter
@@ -48,6 +48,7 @@ from phoenixft.train.lifecycle import JobAborted, stop_at_exit
 from phoenixft.train.member import Member
 from phoenixft.train.pipeline_schedule import Pipeline
 from phoenixft.train.rank_state import RankState
+from phoenixft.train.recompute import Recomputer
 from phoenixft.train.reduce_layout import ReduceLayout
 from phoenixft.train.step import Step, StepPhase
 from phoenixft.train.straggler import StragglerReporter
@@ -90,6 +91,8 @@ class Session:
         self._grow_requested = False
         self._stragglers = StragglerReporter(self.cfg.stragglers, self.events)
         self._fingerprints = Fingerprinter(self.cfg.fingerprints, self.member, self.events)
+        self._recompute = Recomputer(self.cfg.fingerprints.recompute_every, self.member,
+                                     self.events)
         self.final_digest: str | None = None
         if self._own_store is None:  # its agent watches it (a standalone one has nobody)
             self._heartbeat = HeartbeatSender(beats_dir(self.cfg.shm_dir), self.wid,
@@ -198,6 +201,7 @@ class Session:
                                   "least, or --straggler report|off")
             if self.rank == 0:
                 self.events.emit("stragglers_unwatched", reason=why)
+        self._check_recompute(layout)
         m = self.state.m_for(self.world_size)
         lay = self.state.layout
         # whether a vote can ever compare this rank's gradients and parameters with a copy
@@ -210,6 +214,22 @@ class Session:
             [len(ids) for ids in lay.work.plan(m, self.world_size)],
             receivers=self.member.replica_receivers() if self.generation == 0 else None,
             votes=votes, layout_phases=lay.members.fault_phases())
+
+    def _check_recompute(self, layout) -> None:
+        """`--recompute-every` where it cannot take effect is refused at set-up."""
+        if not self.cfg.fingerprints.recompute_every:
+            return
+        why = None
+        if not layout.math.local_gradients or not layout.executor.user_loop:
+            why = ("it recomputes a peer's microbatch in this rank's own loop, from "
+                   "gradients that are its own until the all-reduce: data parallelism only "
+                   "(a sharded, tensor-parallel or pipelined model reduces inside backward)")
+        elif self.world_size < 1 + recompute.CHECKERS:
+            why = (f"each checked microbatch is computed on {1 + recompute.CHECKERS} ranks, so "
+                   f"a majority names the one that differs; this job has {self.world_size}")
+        if why is not None:
+            raise ConfigError(f"--recompute-every {self.cfg.fingerprints.recompute_every}: "
+                              f"{why}; or leave it off (0)")
 
     def _check_min_world(self, layout) -> None:
         """`--min-nproc` that this layout can never shrink to is refused at set-up, not at
@@ -255,10 +275,13 @@ class Session:
             st, self._pending = self._pending, None
             if st is None:
                 m = state.m_for(self.world_size)
-                st = self._new_step(state.step + 1, self._plan(m)[self.rank], m)
+                plan = self._plan(m)
+                st = self._new_step(state.step + 1, plan[self.rank], m)
+                self._recompute.plan(st, plan, self.rank)
                 member.injector.at_step(self.rank, st.index)
             self._current = st
             self._stragglers.start()
+            self._recompute.check_s = 0.0
             state.layout.executor.blocked_s()  # (counted from the step's start)
             yield st
             self._current = None
@@ -356,7 +379,8 @@ class Session:
 
     def _new_step(self, index: int, ids: list[int], m: int) -> Step:
         return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip,
-                    executor=self.state.layout.executor if self.state is not None else None)
+                    executor=self.state.layout.executor if self.state is not None else None,
+                    on_check=lambda st: self._recompute.checked(st, self.state))
 
     def _in_backward(self) -> None:
         """A sharded model's gradient reduce-scatter is about to be issued (phase=backward
@@ -372,6 +396,7 @@ class Session:
 
     def _on_backward(self, st: Step) -> None:
         self.member.count_pass()
+        self._recompute.backward(st, self.state)
         self.member.injector.at_microbatch(self.rank, st.index, len(st.done) - 1)
 
     def _reduce(self, st: Step) -> None:
@@ -414,6 +439,7 @@ class Session:
         if int(g[lay.count]) != st.m or any(c != 1.0 for c in counts):
             raise RuntimeError(f"step {st.index}: microbatch contributions {counts} do not "
                                f"cover each of the {st.m} microbatches exactly once")
+        self._recompute.verdict(st)
         self._flip(st, "grad", g[lay.grads])
         self._fingerprints.begin(st, state, g[lay.grads], lay.total)
         self._grow_requested = bool(g[lay.grow] > 0)
@@ -481,7 +507,9 @@ class Session:
                              compute_s=[round(t, 4) for t in self._stragglers.last_times],
                              **({"stall_s": [round(t, 4) for t in self._stragglers.last_stalls]}
                                 if any(self._stragglers.last_stalls) else {}),
-                             **self._fingerprints.costs())
+                             **self._fingerprints.costs(),
+                             **({"check_s": round(self._recompute.check_s, 6)}
+                                if self._recompute.check_s else {}))
         self.member.snapshot(state)
         self._flip(st, "optim")
 

@@ -5,6 +5,7 @@ recovery)."""
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -61,6 +62,14 @@ class UserLoop(MicrobatchExecutor):
     user_loop = True
 
     def microbatches(self, step: Step) -> Iterator[int]:
+        # a check step's recomputations first, on a first attempt (`recompute.py`)
+        for i, j in enumerate([] if step.retry else step.check_ids):
+            if j is None:
+                continue  # (that peer computes no microbatch in this step)
+            step.current, step.checking, step.check_index = j, True, i
+            step.check_t0 = time.perf_counter()
+            yield j
+            step.checking = False
         for j in list(step.ids):
             if j not in step.done:
                 step.current = j
@@ -78,7 +87,8 @@ class Step:
     def __init__(self, index: int, ids: list[int], m: int,
                  on_backward: Callable[[Step], None] | None = None,
                  on_clip: Callable[[Step, float, float], torch.Tensor] | None = None,
-                 executor: MicrobatchExecutor | None = None) -> None:
+                 executor: MicrobatchExecutor | None = None,
+                 on_check: Callable[[Step], None] | None = None) -> None:
         self.index = index
         self.ids = ids
         self.m = m  # microbatches in this step, over all ranks
@@ -98,6 +108,15 @@ class Step:
         self._on_backward = on_backward
         self._on_clip = on_clip
         self.current: int | None = None  # the id the loop body computes now
+        # a check step (`recompute.py`): the peers' microbatch ids this rank recomputes
+        # first, whether it computes one now, and the gradients' digests
+        self.check_ids: list[int | None] = []
+        self.checking = False
+        self.check_t0 = 0.0  # when the check computed now was handed to the loop
+        self.check_index = 0  # its place in check_ids
+        self.check_digests: list[int] = []
+        self.own_digest = -1
+        self._on_check = on_check
         self._executor = executor or UserLoop()
 
     def microbatches(self) -> Iterator[int]:
@@ -108,6 +127,11 @@ class Step:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+        if self.checking:  # a peer's microbatch, recomputed: digested and dropped
+            self.checking = False
+            if self._on_check is not None:
+                self._on_check(self)
+            return
         # summed where the loss lives, in float64 (what float() then + did, bit for bit),
         # and read once per step by the all-reduce: float() here synced the device
         # after every microbatch

@@ -17,17 +17,23 @@ def test_consensus_smoke(tmp_path):
     parser = argparse.ArgumentParser()
     consensus.register(parser.add_subparsers())
     out = tmp_path / "consensus.json"
-    args = parser.parse_args(["consensus", "--steps", "30", "--noisy-steps", "30",
+    args = parser.parse_args(["consensus", "--steps", "20", "--noisy-steps", "20",
+                              "--microbatches", "6", "--recompute-every", "5",
                               "--slow-step", "5", "--window", "6", "--out", str(out)])
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     rows = r["rows"]
     assert list(rows) == ["clean", "nofp", "k8", "slow", "swap", "rebalance", "noisy",
-                          "noisy2", "freeze", "flip_grad", "flip_param", "flip_optim"]
+                          "noisy2", "freeze", "recompute", "wrong", "flip_grad", "flip_param",
+                          "flip_optim"]
     for mode in ("slow", "swap", "rebalance", "freeze"):
         assert rows[mode]["detected_after_steps"] is not None, mode
-        assert rows[mode]["steps"] == 30 and rows[mode]["failures"] == 0
+        assert rows[mode]["steps"] == 20 and rows[mode]["failures"] == 0
     assert [x["why"] for x in rows["freeze"]["stragglers"]] == ["stalled"]
+    # found at the first check step from the fault (step 5) on, its rank swapped
+    assert (rows["wrong"]["detected_after_steps"], rows["wrong"]["quarantined"]) == (0, ["n0w1"])
+    assert rows["recompute"]["digest_as_clean"] and rows["wrong"]["digest_as_clean"]
+    assert 0 < r["recompute_cost"] < 1
     assert rows["swap"]["swapped"] == ["n0w1"] and rows["slow"]["swapped"] == []
     assert rows["clean"]["vs_clean"] == 1.0
     for mode, after in (("flip_grad", 0), ("flip_param", 1), ("flip_optim", 1)):
@@ -38,4 +44,4 @@ def test_consensus_smoke(tmp_path):
     assert 0 < r["digest_share_of_step"] < 1 and 0 < r["vote_wait_share_of_step"] < 1
     assert -1 < r["fingerprint_cost"] < 1 and -1 < r["fingerprint_cost_k8"] < 1
     assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprints'", "straggler", "false",
-                                                          "a", "a"]
+                                                          "recomputation's", "wrong", "a", "a"]

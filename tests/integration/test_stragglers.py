@@ -1,14 +1,17 @@
 """Stragglers under `phoenixft run`: a rank made 4x slower from a step on (`slow:` fault)
 is named within its window, once (--straggler report); with --straggler swap and a spare
 it is swapped at the next committed step and fenced, nothing rolled back (final state bit
-for bit the failure-free run's); the failure-free references name nobody. (300
-failure-free steps beside a busy process are `phoenixft bench consensus`'s `noisy` mode:
-a busy process here would slow every other test the suite runs beside it.)"""
+for bit the failure-free run's); the failure-free references name nobody, one of them
+beside a busy process (300 steps of it are `phoenixft bench consensus`'s `noisy` mode); a
+rank stopped with SIGSTOP for part of every step (`freeze:` fault), mostly while the
+others wait for it in the all-reduce, is named by its stalls."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -123,3 +126,34 @@ def test_a_rank_slow_on_one_step_in_ten_is_not_named(tmp_path):
             for e in job.of("step") if e["step"] >= 5 and (e["step"] - 5) % 10 == 0]
     assert statistics.median(slow) > 2
     assert job.of("straggler") == []
+
+
+@pytest.mark.timeout(200)
+def test_the_reference_run_beside_a_busy_process_names_nobody(tmp_path):
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        job = run(tmp_path, "--nproc", "3", steps=40, script_args=("--data", "ids"))
+    finally:
+        busy.kill()
+        busy.wait()
+    assert job.rc == 0, job.out[-3000:]
+    assert job.of("straggler") == []
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_stopped_for_part_of_every_step_is_named_by_its_stalls(tmp_path):
+    """Rank 1 stopped (SIGSTOP, by the `freeze` fault's helper) for 150 ms of every
+    250 ms from step 5 on: it freezes mostly while the others wait in the all-reduce,
+    where its compute time cannot see it; its stall clock does."""
+    window = 10
+    job = run(tmp_path, "--nproc", "3", "--straggler-window", str(window),
+              "--inject", "freeze:rank=1:step=5:ms=150:period=250", steps=40,
+              script_args=("--data", "ids"))
+    assert job.rc == 0, job.out[-3000:]
+    [found] = job.of("straggler")
+    assert (found["rank"], found["wid"], found["why"]) == (1, "n0w1", "stalled"), found
+    assert 5 <= found["step"] <= 5 + window and found["ratio"] >= 2, found
+    assert "rank 1 (n0w1) is a straggler: its process stood still" in job.out
+    assert not job.summary["failures"] and job.summary["final_step"] == 40
+    stalled = [e["stall_s"][1] for e in job.of("step") if "stall_s" in e]
+    assert len(stalled) >= 2 and max(stalled) >= 0.1, stalled

@@ -44,7 +44,9 @@ def test_inject_specs():
                      ("freeze:rank=0:gen=2:ms=150:period=250", "freeze takes step=T"),
                      ("freeze:rank=0:step=2:phase=reduce:ms=1:period=2", "freeze takes step=T"),
                      ("kill:rank=0:step=2:ms=150:period=250", "go with freeze only"),
-                     ("freeze:rank=0:step=2:ms=0:period=250", "ms must be >= 1")]:
+                     ("freeze:rank=0:step=2:ms=0:period=250", "ms must be >= 1"),
+                     ("wrong:rank=0:gen=2", "wrong takes step=T only"),
+                     ("wrong:rank=0:step=2:phase=reduce", "wrong takes step=T only")]:
         with pytest.raises(InjectSpecError, match=msg):
             parse_spec(bad)
 
@@ -129,6 +131,17 @@ def test_a_slow_fault_slows_its_worker_and_it_carries_on():
     inj.at_step(1, 4)  # no signal: the process goes on, slower
     assert slowed == [s]
     assert parse_spec("slow:rank=0:step=2:factor=4:every=3").every == 3
+
+
+def test_a_wrong_fault_marks_its_worker_and_it_carries_on():
+    s = parse_spec("wrong:rank=1:step=10")
+    assert (s.kind, s.step) == ("wrong", 10) and parse_spec(str(s)) == s
+    marked = []
+    inj = Injector([s], WorkerHooks(claim=lambda key: True, wrong=marked.append))
+    inj.at_step(1, 9)
+    assert marked == []
+    inj.at_step(1, 10)  # no signal: the process goes on, computing wrong
+    assert marked == [s]
 
 
 def test_a_freeze_spec_reads_back_as_written():

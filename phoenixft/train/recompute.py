@@ -1,0 +1,171 @@
+"""Faults in the arithmetic, found by sampled recomputation (`--recompute-every K`).
+
+A fault in a rank's arithmetic (a defective core, a bad kernel on one device) makes its
+local gradient wrong; the step's all-reduce then sums the wrong contribution into every
+rank's gradient alike, so every rank agrees on the wrong result and the fingerprint vote
+(`consensus.py`) cannot see it. On every K-th step (not a retried one) each rank also
+recomputes the first microbatch of each of the two ranks before it in rank order:
+`Step.microbatches()` yields those ids first, their backward is digested and thrown away
+(the gradients are zeroed after each), and then the rank's own microbatches run, the
+first of which it digests as well. So each checked microbatch's gradient is computed three
+times, on three ranks, from the same parameters and the same data. The digests ride in
+one tiny all-reduce, before the update; for each microbatch a strict majority of the
+three names the rank that differs (`judge`), which is reported CORRUPT and replaced like a
+dead rank before the step's update, the others keeping their microbatches.
+
+What it needs: data parallelism (each rank's gradients its own until the all-reduce),
+the user's loop running the microbatches, three ranks or more, and each microbatch's
+gradient a pure function of the parameters and its data: the data drawn from (step,
+microbatch id), no unseeded randomness (dropout). What it catches: a fault that
+corrupts the checked microbatches' gradients on a check step (a persistent one, on the
+first check step after it begins: the steps before that check are not undone; a fault
+on one microbatch only, with probability 1 / (K x the rank's microbatches)). Its cost:
+two more forward and backward passes per rank every K steps, three gradient digests and
+one all-reduce of 3 integers a rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from phoenixft.cluster.keys import ReportKind
+from phoenixft.observe.events import EventLog
+from phoenixft.train import consensus
+from phoenixft.train.rank_state import RankState
+from phoenixft.train.step import Step
+
+NONE = -1  # a digest slot of a rank that computed no such microbatch (digests are >= 0)
+CHECKERS = 2  # each checked microbatch is recomputed by this many other ranks
+
+
+def checks_of(rank: int, world: int) -> list[int]:
+    """The ranks whose first microbatch `rank` recomputes: the two before it."""
+    return [(rank - k) % world for k in range(1, CHECKERS + 1)]
+
+
+def judge(tally: list[list[int]], world: int) -> tuple[dict[int, str], list[str]]:
+    """`tally`: per rank r, [its own first microbatch's digest, its digests of
+    `checks_of(r)`'s first microbatches] (NONE where there was none). For each rank a
+    whose first microbatch was computed three times (a's own and its two checkers'), the
+    ranks outside a strict majority are named, with why. Returns (named, undecided): a
+    microbatch whose three computations all differ names nobody (a fault on two of its
+    three ranks at once) and is said in `undecided`."""
+    named: dict[int, str] = {}
+    undecided: list[str] = []
+    for a in range(world):
+        votes = {a: tally[a][0]}
+        for c in range(world):
+            for i, peer in enumerate(checks_of(c, world)):
+                if peer == a and c != a:
+                    votes[c] = tally[c][1 + i]
+        if len(votes) < 1 + CHECKERS or NONE in votes.values():
+            continue  # not computed three times on this step (a retried step, two ranks)
+        value, n = Counter(votes.values()).most_common(1)[0]
+        if n == len(votes):
+            continue
+        if 2 * n <= len(votes):
+            undecided.append(f"rank {a}'s first microbatch: no strict majority among "
+                             + ", ".join(f"rank {r}: {v:#x}" for r, v in votes.items()))
+            continue
+        for r, v in votes.items():
+            if v != value:
+                whose = "its own" if r == a else f"rank {a}'s"
+                named.setdefault(r, f"rank {r}'s gradient of {whose} first microbatch "
+                                    f"({v:#x}) differs from the {n} other computations of it "
+                                    f"({value:#x})")
+    return named, undecided
+
+
+class Recomputer:
+    """The session's side: which ids a step recomputes (`plan`), the digests taken after
+    a check's backward (`checked`) and after the rank's own first one (`backward`), and
+    the verdict after the step's all-reduce (`verdict`: raises `Outvoted` when a rank is
+    named, `NoMajority` when a microbatch has none)."""
+
+    def __init__(self, every: int, member, events: EventLog) -> None:
+        self.every, self.member, self.events = every, member, events
+        # this step's checks on the critical path (0: not a check step): the recomputed
+        # passes, the digests and the exchange
+        self.check_s = 0.0
+        self._paused = -1  # the generation whose too few ranks were said
+
+    def due(self, index: int) -> bool:
+        return bool(self.every) and index % self.every == 0
+
+    def plan(self, st: Step, plan: list[list[int]], rank: int) -> None:
+        """A step's first attempt: on a check step, the first microbatch id of each rank
+        `checks_of(rank)` (None where it has none), to be computed before its own."""
+        st.check_ids, st.check_digests, st.own_digest = [], [], NONE
+        world = len(plan)
+        if not self.due(st.index) or world < 1 + CHECKERS:
+            return
+        st.check_ids = [plan[r][0] if plan[r] else None for r in checks_of(rank, world)]
+        st.check_digests = [NONE] * len(st.check_ids)
+
+    def checked(self, st: Step, state: RankState) -> None:
+        """A check's backward just ran: digest its gradient and drop it."""
+        self.perturb(state)
+        st.check_digests[st.check_index] = self._digest(state)
+        state.zero_grad()
+        # (its forward and backward in the user's loop, and the digest)
+        self.check_s += time.perf_counter() - st.check_t0
+
+    def backward(self, st: Step, state: RankState) -> None:
+        """One of the rank's own microbatches' backward just ran."""
+        self.perturb(state)
+        if st.check_ids and len(st.done) == 1:
+            t0 = time.perf_counter()
+            st.own_digest = self._digest(state)
+            self.check_s += time.perf_counter() - t0
+
+    def perturb(self, state: RankState) -> None:
+        """`wrong`: this worker's arithmetic is off: its gradient comes out wrong."""
+        if not self.member.wrong:
+            return
+        g = next((p.grad for p in state.model.parameters()
+                  if p.grad is not None and p.grad.numel()), None)
+        if g is not None:  # (a change that bf16 keeps too)
+            g.view(-1)[:1].mul_(1.25).add_(1e-3)
+
+    @staticmethod
+    def _digest(state: RankState) -> int:
+        grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+        return consensus.digest_all(grads) if grads else NONE
+
+    def verdict(self, st: Step) -> None:
+        """After the step's all-reduce, before its update, on every rank of a check step
+        (a retried one too, whose digests are NONE: the exchange is collective)."""
+        if not self.due(st.index):
+            return
+        member = self.member
+        rank, world = member.rank, member.world_size
+        if world < 1 + CHECKERS:
+            if rank == 0 and self._paused != member.generation:
+                self._paused = member.generation  # said once a generation
+                self.events.emit("recompute_paused", gen=member.generation, step=st.index,
+                                 world_size=world, reason=f"{world} ranks: a microbatch is "
+                                 f"checked on {1 + CHECKERS}")
+            return
+        t0 = time.perf_counter()
+        mine = [st.own_digest, *st.check_digests]
+        if len(mine) != 1 + CHECKERS or st.retry:
+            mine = [NONE] * (1 + CHECKERS)
+        cols = consensus.exchange(member.ops, rank, world, mine,
+                                  f"recomputation digests (step {st.index})")
+        self.check_s += time.perf_counter() - t0
+        named, undecided = judge([list(x) for x in zip(*cols)], world)
+        if named:
+            members = member.plan.members
+            if rank == min((r for r in range(world) if r not in named), default=min(named)):
+                ranks = sorted(named)
+                self.events.emit("recompute_mismatch", rank=rank, gen=member.generation,
+                                 step=st.index, named=ranks, wids=[members[r] for r in ranks],
+                                 found=[named[r] for r in ranks])
+                for r in ranks:
+                    member.report(ReportKind.CORRUPT, named[r], wid=members[r])
+            raise consensus.Outvoted(f"step {st.index}: {'; '.join(named.values())}")
+        if undecided:
+            raise consensus.NoMajority(
+                f"step {st.index}: the recomputed gradients disagree and {'; '.join(undecided)}"
+                "; the job stops before the update, its last committed step intact")
