@@ -36,7 +36,7 @@ def test_a_rank_computing_wrong_gradients_is_found_by_the_recomputation(tmp_path
     assert job.rc == 0, job.out[-3000:]
     [found] = job.of("recompute_mismatch")
     assert (found["step"], found["named"], found["wids"]) == (10, [1], ["n0w1"]), found
-    assert "rank 1's gradient of its own first microbatch" in found["found"][0]
+    assert found["found"][0].startswith("rank 1's gradient of ")
     assert 5 in [e["step"] for e in job.of("step") if "check_s" in e]  # checked, agreed
     assert job.of("fingerprint_mismatch") == []  # (the vote saw nothing: all ranks agreed)
     [f] = job.summary["failures"]

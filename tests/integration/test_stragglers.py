@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from phoenixft.train.straggler import lower_quartile
 from tests.support.jobs import run
 
 pytestmark = [pytest.mark.integration]
@@ -28,9 +29,14 @@ def test_a_rank_made_four_times_slower_is_named_within_its_window(tmp_path):
     assert job.rc == 0, job.out[-3000:]
     [found] = job.of("straggler")
     assert (found["rank"], found["wid"]) == (1, "n0w1")
-    # slow from step 5 on: its median turns once about half the window is slow steps
-    # (a slow first step, the warm-up, can count among them)
-    assert 5 <= found["step"] <= 5 + window, found
+    # named at the first step whose window (the compute times every rank saw, in the step
+    # events) had rank 1 twice the others' median on three steps in four: step 10 alone on
+    # this machine; under the suite's load the others' slowed steps can put that later
+    ratios = [e["compute_s"][1] / statistics.median([e["compute_s"][0], e["compute_s"][2]])
+              for e in job.of("step")]
+    due = next(i + 1 for i in range(window - 1, len(ratios))
+               if lower_quartile(ratios[i + 1 - window:i + 1]) >= 2)
+    assert found["step"] == due and 5 <= due <= 5 + 2 * window, (found, ratios)
     assert found["ratio"] >= 2
     assert "rank 1 (n0w1) is a straggler" in job.out
     assert not job.summary["failures"]  # reported, nothing else done
