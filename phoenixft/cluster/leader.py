@@ -69,6 +69,9 @@ class WorkerState(str, enum.Enum):
 
 ALIVE = (WorkerState.WAITING, WorkerState.RUNNING)
 GONE = (WorkerState.DEAD, WorkerState.EXITED, WorkerState.FENCED)
+# a node with this many quarantined workers is quarantined whole (`Leader._quarantine`)
+QUARANTINE_NODE_AFTER = 2
+QUARANTINED_NODE = "quarantined_node"  # the failure kind of its members, fenced with it
 
 
 @dataclass
@@ -141,6 +144,10 @@ class Leader:
         self.failures: list[Failure] = []
         # workers swapped out as stragglers or for silent data corruption: never back
         self.quarantined: list[str] = []
+        # nodes QUARANTINE_NODE_AFTER of whose workers were quarantined: their workers
+        # fenced and replaced, their spares never used (`_quarantine`)
+        self.quarantined_nodes: list[int] = []
+        self._pending: list[Failure] = []  # a quarantined node's members, fenced by a swap
         self._swaps_done: set[int] = set()  # generations whose straggler was decided
         self._held_gens: set[int] = set()  # generations asked to stop at a committed step
         self.problems: list[str] = []
@@ -218,7 +225,7 @@ class Leader:
     def tick(self) -> None:
         if self.plan_kind != "run":
             return
-        new = self._read_exits()
+        new, self._pending = self._pending + self._read_exits(), []
         if self.plan_kind != "run":  # a script error stopped the job
             return
         new += self._read_hangs()
@@ -273,7 +280,7 @@ class Leader:
                 continue
             if rep["kind"] == ReportKind.CORRUPT:  # outvoted: replaced, fenced, never back
                 new.append(self._fence(w, ReportKind.CORRUPT.value, rep["detail"], rep["t"], now))
-                self.quarantined.append(w.wid)
+                new += self._quarantine(w)
                 continue
             detail = rep["detail"] + (" before training finished" if rep.get("rc") == 0 else "")
             w.state, w.exit_detail = WorkerState.DEAD, detail
@@ -375,7 +382,35 @@ class Leader:
     def _spares(self) -> list[WorkerInfo]:
         members = set(self.plan.members.values())
         return [w for w in self.workers.values()
-                if w.wid not in members and w.state in ALIVE]
+                if w.wid not in members and w.state in ALIVE
+                and w.node not in self.quarantined_nodes]
+
+    def _quarantine(self, w: WorkerInfo) -> list[Failure]:
+        """`w` was named (silent data corruption, or a straggler swapped out): it is never
+        re-admitted. Once QUARANTINE_NODE_AFTER workers of its node were, the node is
+        suspect (its memory, its GPUs' host, its power): every other live worker of it is
+        fenced, its members returned as failures to be replaced like dead ones, and its
+        spares are never used again."""
+        self.quarantined.append(w.wid)
+        named = [x for x in self.quarantined if self.workers[x].node == w.node]
+        if len(named) < QUARANTINE_NODE_AFTER or w.node in self.quarantined_nodes:
+            return []
+        self.quarantined_nodes.append(w.node)
+        members = set(self.plan.members.values())
+        now, out, fenced = time.time(), [], []
+        why = (f"node {w.node} quarantined: {len(named)} of its workers were named "
+               f"({', '.join(named)})")
+        for x in self.workers.values():
+            if x.node != w.node or x.state not in ALIVE:
+                continue
+            fenced.append(x.wid)
+            if x.wid in members:
+                out.append(self._fence(x, QUARANTINED_NODE, why, now, now))
+            else:
+                self._stop_worker(x, why)  # a spare there: never used
+        self.events.emit("node_quarantined", node=w.node, named=named, fenced=fenced,
+                         gen=self.plan.generation)
+        return out
 
     def _replace(self, failures: list[Failure]) -> None:
         """Decide the next generation after member failures (`policy.after_failures`) and
@@ -429,7 +464,9 @@ class Leader:
         [spare] = nxt.taken
         self.workers[spare].state = WorkerState.RUNNING
         self._stop_worker(worker, f"straggler ({said.ratio}x)")
-        self.quarantined.append(wid)  # never re-admitted
+        # never re-admitted; its node's others (if it is quarantined now) are replaced at
+        # the next tick, from the plan published here
+        self._pending += self._quarantine(worker)
         self.events.emit("straggler_swapped", wid=wid, rank=r, gen=g, spare=spare,
                          ratio=said.ratio, step=said.step)
         self._publish(nxt.plan)
@@ -510,7 +547,8 @@ class Leader:
             "workers": [vars(w) for w in self.workers.values()],
             "failures": [asdict(f) for f in self.failures], "problems": self.problems,
             "reports_seen": self._reports_seen, "target_world": self.target_world,
-            "fatal": self.fatal, "quarantined": self.quarantined})
+            "fatal": self.fatal, "quarantined": self.quarantined,
+            "quarantined_nodes": self.quarantined_nodes})
 
     def resume(self) -> bool:
         """Take over from a previous leader's saved state (False: there is none, the job
@@ -524,6 +562,7 @@ class Leader:
         self.problems, self.fatal = st["problems"], st["fatal"]
         self._reports_seen, self.target_world = st["reports_seen"], st["target_world"]
         self.quarantined = st.get("quarantined", [])
+        self.quarantined_nodes = st.get("quarantined_nodes", [])
         g = 0
         while self.store.check([Keys.plan(g + 1)]):
             g += 1
@@ -563,4 +602,4 @@ class Leader:
         return {**report.summary(self.store, self.run_dir,
                                  self.plan.generation if self.plan else 0, self.failures,
                                  wall_s, self.fatal, self.problems),
-                "quarantined": self.quarantined}
+                "quarantined": self.quarantined, "quarantined_nodes": self.quarantined_nodes}

@@ -62,12 +62,15 @@ def _cause(kind: str, detail: str) -> str:
         return f"silent data corruption: {detail}"
     if kind == "damaged":
         return f"its snapshot is damaged in memory ({detail})"
+    if kind == "quarantined_node":
+        return f"fenced with its node: {detail}"
     return detail.splitlines()[0] if detail else kind
 
 
 _SEEN_BY = {"exit": "process exit", "error": "process exit", "hang": "heartbeat deadline",
             "damaged": "its replica holder's check",
-            "corrupt": "fingerprints (the ranks' vote, or its own seal)"}
+            "corrupt": "fingerprints (the ranks' vote, or its own seal)",
+            "quarantined_node": "its node's quarantine"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,12 @@ class Story:
                          f"{_SEEN_BY.get(e.get('kind'), e.get('kind', '?'))}", failure=True)]
         if ev == "generation":
             return self._generation(e)
+        if ev == "node_quarantined" and self._once(("node_quarantined", e.get("node"))):
+            return [Line(f"phoenixft: node {e.get('node')} quarantined: "
+                         f"{len(e.get('named', []))} of its workers were named "
+                         f"({', '.join(e.get('named', []))}); its workers "
+                         f"{', '.join(e.get('fenced', [])) or '(none left)'} are fenced and "
+                         "its spares never used", failure=True)]
         if ev == "straggler" and self._once(("straggler", e.get("wid"), e.get("gen"))):
             then = {"swap": "a spare takes its rank at the next committed step, if there is one",
                     "rebalance": "from the next step it gets a share of the microbatches in "

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from phoenixft.observe.train_metrics import TrainMetrics
-from tests.support.jobs import ROOT, run, run_script
+from tests.support.jobs import ROOT, run, run_script, run_two_nodes
 
 pytestmark = [pytest.mark.integration]
 STEPS = 12
@@ -225,3 +225,28 @@ def test_fsdp2_optimizer_flip_on_the_last_step_is_found_by_the_seal(tmp_path, tm
         assert (f"phoenixft: job stopped: --inject flip:rank=1:step=3:where={where} could never "
                 "be found: no other rank holds") in bad.out, bad.out[-2000:]
         assert "Traceback" not in bad.out
+
+
+@pytest.mark.timeout(300)
+def test_a_node_whose_workers_are_named_twice_is_quarantined_whole(tmp_path, reference):
+    """Two nodes of 2 ranks (node 0 with 2 spares, node 1 with 1): rank 2's bit flips at
+    step 4 and is replaced by node 1's spare (a spare on its node first); rank 3's flips at
+    step 8, the second worker of node 1 named: node 1 is quarantined, so its spare, which
+    now holds rank 2 and computed nothing wrong, is fenced with it, and node 0's spares take
+    both ranks. The job ends as the failure-free run."""
+    job, rc1 = run_two_nodes(tmp_path, ("--spares", "2"),
+                             ("--spares", "1", "--inject", "flip:rank=2:step=4",
+                              "--inject", "flip:rank=3:step=8"),
+                             "--nproc", "2", steps=STEPS, script_args=("--data", "ids"))
+    assert job.rc == 0, job.out[-3000:]
+    [q] = job.of("node_quarantined")
+    assert (q["node"], q["named"], q["fenced"]) == (1, ["n1w0", "n1w1"], ["n1w2"]), q
+    s = job.summary
+    assert s["quarantined"] == ["n1w0", "n1w1"] and s["quarantined_nodes"] == [1]
+    assert [(f["wid"], f["kind"]) for f in s["failures"]] == [
+        ("n1w0", "corrupt"), ("n1w1", "corrupt"), ("n1w2", "quarantined_node")]
+    members = [e for e in job.of("joined") if e["gen"] == max(x["gen"] for x in job.of("joined"))]
+    assert sorted(e["wid"] for e in members) == ["n0w0", "n0w1", "n0w2", "n0w3"]
+    assert s["final_state_digest"] == reference.summary["final_state_digest"]
+    assert s["losses"] == reference.summary["losses"]
+    assert "node 1 quarantined: 2 of its workers were named (n1w0, n1w1)" in job.out
