@@ -191,10 +191,15 @@ class Fingerprints:
 
     every: int = 1
     recompute_every: int = 0
+    # benchmark only: the checks on for K steps, off for K, ... (bench consensus measures
+    # their cost inside one run, as bench overhead does the snapshots')
+    blocks: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
             raise ConfigError(f"{{every}} must be an integer >= 0 (0: off), got {self.every}")
+        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 0:
+            raise ConfigError(f"{{blocks}} must be an integer >= 0 (0: always on), got {self.blocks}")
         k = self.recompute_every
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ConfigError(f"{{recompute_every}} must be an integer >= 0 (0: off), got {k}")

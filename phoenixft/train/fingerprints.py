@@ -93,6 +93,8 @@ class Fingerprinter:
         self._pending = None
         member = self.member
         rank, world = member.rank, member.world_size
+        if self.cfg.blocks and not every_step and (st.index - 1) // self.cfg.blocks % 2:
+            return  # the consensus benchmark's off blocks: no seal, no vote
         mask = self.seal_mask(state)
         lay = state.layout
         due = self.cfg.every and (every_step or not st.index % self.cfg.every)

@@ -23,7 +23,7 @@ def test_consensus_smoke(tmp_path):
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     rows = r["rows"]
-    assert list(rows) == ["clean", "nofp", "k8", "slow", "swap", "rebalance", "noisy",
+    assert list(rows) == ["clean", "nofp", "fp_blocks", "k8", "slow", "swap", "rebalance", "noisy",
                           "noisy2", "freeze", "recompute", "wrong", "flip_grad", "flip_param",
                           "flip_optim"]
     for mode in ("slow", "swap", "rebalance", "freeze"):
@@ -43,5 +43,7 @@ def test_consensus_smoke(tmp_path):
     assert rows["k8"]["digest_as_clean"] and rows["nofp"]["digest_as_clean"]
     assert 0 < r["digest_share_of_step"] < 1 and 0 < r["vote_wait_share_of_step"] < 1
     assert -1 < r["fingerprint_cost"] < 1 and -1 < r["fingerprint_cost_k8"] < 1
+    assert rows["fp_blocks"]["blocks"]["pairs"] >= 3 and rows["fp_blocks"]["digest_as_clean"]
+    assert -1 < r["fingerprint_cost_in_run"] < 1 and r["fingerprint_cost_in_run_se"] >= 0
     assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprints'", "straggler", "false",
                                                           "recomputation's", "wrong", "a", "a"]
