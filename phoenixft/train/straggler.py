@@ -22,8 +22,8 @@ pausing them all). A rank is flagged when, over the last `window` steps:
   others waited in the all-reduce, was never named by its compute time.
 
 A flagged rank is reported once; it is reported again only after both have fallen back
-(its median ratio below `ratio`: slower on fewer than half its steps; its stalls below
-the bar). One watch lives as long as a generation: a new membership renumbers the ranks.
+(its median ratio below `ratio`: slower on fewer than half its steps; its stalls under
+half the bar: steps `1 + (ratio - 1) / 2` times as long). One watch lives as long as a generation: a new membership renumbers the ranks.
 """
 
 from __future__ import annotations
@@ -102,9 +102,11 @@ class StragglerWatch:
                 self.why[r] = "slower" if slower >= self.ratio else "stalled"
                 found.append((r, slower if slower >= self.ratio else stalled))
             elif r in self.flagged and statistics.median(hist) < self.ratio \
-                    and stalled < self.ratio:
-                # back below on half its steps: the quartile alone would let a straggler
-                # whose every fourth step the machine evened out be named again and again
+                    and stalled < 1 + (self.ratio - 1) / 2:
+                # back below on half its steps, and its stalls under half the bar: the
+                # quartile alone let a straggler whose every fourth step the machine evened
+                # out be named again and again, and the bar alone a rank frozen on and off
+                # (named at steps 14 and 16 of bench consensus's freeze mode)
                 self.flagged.discard(r)
         return found
 

@@ -120,3 +120,20 @@ def test_small_freezes_below_the_bar_are_not_a_straggler():
     for _ in range(100):
         assert w.observe([0.1, 0.1, 0.1], [0.0, 0.09, 0.0]) == []
     assert w.observe([0.1, 0.1, 0.1], [0.0, 0.09, 0.0]) == []
+
+
+def test_a_rank_frozen_on_and_off_around_the_bar_is_named_once():
+    """bench consensus's freeze mode named its frozen rank at steps 14 and 16: its stalls
+    over the window went 2.04x, under 2x, 2.25x as freezes entered and left the window.
+    Named again only once its stalls fell under half the bar."""
+    w = StragglerWatch(3, window=10, ratio=2.0)
+    found = []
+    for step in range(200):
+        frozen = 0.3 if step % 3 == 0 else 0.0  # 3 or 4 freezes a window: 1.9x or 2.2x
+        found += w.observe([0.1, 0.1, 0.1], [0.0, frozen, 0.0])
+    assert [r for r, _ in found] == [1]
+    for _ in range(10):  # it recovers: no more freezes
+        w.observe([0.1, 0.1, 0.1], [0.0, 0.0, 0.0])
+    for step in range(20):
+        found += w.observe([0.1, 0.1, 0.1], [0.0, 0.25 if step % 2 else 0.0, 0.0])  # 2.25x
+    assert [r for r, _ in found] == [1, 1]
