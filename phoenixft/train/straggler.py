@@ -23,7 +23,8 @@ pausing them all). A rank is flagged when, over the last `window` steps:
 
 A flagged rank is reported once; it is reported again only after both have fallen back
 (its median ratio below `ratio`: slower on fewer than half its steps; its stalls under
-half the bar: steps `1 + (ratio - 1) / 2` times as long). One watch lives as long as a generation: a new membership renumbers the ranks.
+half the bar: steps `1 + (ratio - 1) / 2` times as long). One watch lives as long as a
+generation: a new membership renumbers the ranks.
 """
 
 from __future__ import annotations
