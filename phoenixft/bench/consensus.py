@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slow-step", type=int, default=10, help="S: rank 1 is slow from here on")
     p.add_argument("--factor", type=float, default=4.0, help="F: how many times slower")
     p.add_argument("--window", type=int, default=10, help="--straggler-window of the jobs")
-    p.add_argument("--recompute-every", type=int, default=50,
+    p.add_argument("--recompute-every", type=int, default=100,
                    help="K of the recompute and wrong modes")
     p.add_argument("--noisy-steps", type=int, default=300,
                    help="steps of the failure-free runs beside busy processes")
