@@ -142,9 +142,11 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
 
 def measure(opts: BenchOptions) -> dict:
     args = opts.own
-    if args.nproc < 2 or not 1 < args.slow_step < args.steps or not args.factor > 1:
-        raise SystemExit("phoenixft bench consensus: --nproc >= 2, 1 < --slow-step < --steps, "
-                         "--factor > 1")
+    if args.nproc < 3 or not 1 < args.slow_step < args.steps or not args.factor > 1 \
+            or not 0 < args.recompute_every <= args.steps:
+        raise SystemExit("phoenixft bench consensus: --nproc >= 3 (a recomputed microbatch "
+                         "is computed on 3 ranks), 1 < --slow-step < --steps, --factor > 1, "
+                         "0 < --recompute-every <= --steps")
     root, t0 = opts.runs_dir("consensus"), time.time()
     rows = {}
     for mode in MODES:

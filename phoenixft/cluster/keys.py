@@ -33,7 +33,7 @@ class ReportKind(str, enum.Enum):
     FATAL = "fatal"  # worker: recovery is impossible (no copy left of some state)
     HANG = "hang"  # agent: the worker's heartbeat stood still for the heartbeat timeout
     DAMAGED = "damaged"  # worker: a same-node peer's own snapshot is damaged in memory
-    CORRUPT = "corrupt"  # worker: the step's fingerprint vote outvoted this worker (SDC)
+    CORRUPT = "corrupt"  # worker: the fingerprint vote, its seal or a recomputation named it
     COLLECTIVE = "collective"  # worker: a collective failed (informational)
 
     def __str__(self) -> str:

@@ -385,6 +385,11 @@ class Leader:
                 if w.wid not in members and w.state in ALIVE
                 and w.node not in self.quarantined_nodes]
 
+    def _would_quarantine_node(self, w: WorkerInfo) -> bool:
+        """Whether naming `w` too quarantines its node (`_quarantine`)."""
+        named = sum(1 for x in self.quarantined if self.workers[x].node == w.node)
+        return named + 1 >= QUARANTINE_NODE_AFTER and w.node not in self.quarantined_nodes
+
     def _quarantine(self, w: WorkerInfo) -> list[Failure]:
         """`w` was named (silent data corruption, or a straggler swapped out): it is never
         re-admitted. Once QUARANTINE_NODE_AFTER workers of its node were, the node is
@@ -449,7 +454,10 @@ class Leader:
             return False
         wid, r = said.wid, said.rank
         worker = self.workers.get(wid)
-        nxt = policy.swap_straggler(plan, said, self._spares(),
+        spares = self._spares()
+        if worker is not None and self._would_quarantine_node(worker):
+            spares = [x for x in spares if x.node != worker.node]  # (about to be fenced)
+        nxt = policy.swap_straggler(plan, said, spares,
                                     progress=kv.get_int(self.store, Keys.PROGRESS, 0))
         if nxt is None or worker is None or worker.state is not WorkerState.RUNNING:
             self._swaps_done.add(g)
@@ -464,12 +472,13 @@ class Leader:
         [spare] = nxt.taken
         self.workers[spare].state = WorkerState.RUNNING
         self._stop_worker(worker, f"straggler ({said.ratio}x)")
-        # never re-admitted; its node's others (if it is quarantined now) are replaced at
-        # the next tick, from the plan published here
-        self._pending += self._quarantine(worker)
         self.events.emit("straggler_swapped", wid=wid, rank=r, gen=g, spare=spare,
                          ratio=said.ratio, step=said.step)
         self._publish(nxt.plan)
+        # never re-admitted; if its node is quarantined now, the node's members of the plan
+        # just published (its spare came from another node) are replaced at the next tick
+        self._pending += self._quarantine(worker)
+        self.save_state()
         return True
 
     def _grow(self) -> None:
@@ -530,7 +539,8 @@ class Leader:
         self.store.multi_set(keys, values)
         if plan.kind is PlanKind.RUN:
             for w in plan.members.values():
-                self.workers[w].state = WorkerState.RUNNING
+                if self.workers[w].state not in GONE:  # (fenced meanwhile: stays so)
+                    self.workers[w].state = WorkerState.RUNNING
         if plan.kind is not PlanKind.RUN and self.plan is not None:  # keep the last membership
             plan.members, plan.nodes = self.plan.members, self.plan.nodes
         self.plan = plan
@@ -548,7 +558,8 @@ class Leader:
             "failures": [asdict(f) for f in self.failures], "problems": self.problems,
             "reports_seen": self._reports_seen, "target_world": self.target_world,
             "fatal": self.fatal, "quarantined": self.quarantined,
-            "quarantined_nodes": self.quarantined_nodes})
+            "quarantined_nodes": self.quarantined_nodes,
+            "pending": [asdict(f) for f in self._pending]})
 
     def resume(self) -> bool:
         """Take over from a previous leader's saved state (False: there is none, the job
@@ -563,6 +574,7 @@ class Leader:
         self._reports_seen, self.target_world = st["reports_seen"], st["target_world"]
         self.quarantined = st.get("quarantined", [])
         self.quarantined_nodes = st.get("quarantined_nodes", [])
+        self._pending = [Failure(**f) for f in st.get("pending", [])]
         g = 0
         while self.store.check([Keys.plan(g + 1)]):
             g += 1
@@ -576,8 +588,8 @@ class Leader:
 
     # -- reporting ------------------------------------------------------------------
     def status(self) -> dict:
-        return report.status(self.store, self.plan, self.workers, len(self.failures),
-                             self.quarantined)
+        return {**report.status(self.store, self.plan, self.workers, len(self.failures),
+                                self.quarantined), "quarantined_nodes": self.quarantined_nodes}
 
     def final_status(self) -> dict:
         """status.json once the job has ended: every agent stops its workers at the end,

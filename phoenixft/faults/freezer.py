@@ -26,18 +26,26 @@ def start(pid: int, ms: float, period_ms: float) -> subprocess.Popen:
 
 
 def _main(pid: int, stop_s: float, period_s: float) -> None:
+    try:  # (signals through a pidfd never reach another process that reused the PID)
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+
+    def send(sig: int) -> None:
+        signal.pidfd_send_signal(fd, sig)
+
     def cont(*_) -> None:
         try:
-            os.kill(pid, signal.SIGCONT)
+            send(signal.SIGCONT)
         except ProcessLookupError:
             pass
         os._exit(0)
     signal.signal(signal.SIGTERM, cont)
     try:
         while os.getppid() == pid:
-            os.kill(pid, signal.SIGSTOP)
+            send(signal.SIGSTOP)
             time.sleep(stop_s)
-            os.kill(pid, signal.SIGCONT)
+            send(signal.SIGCONT)
             time.sleep(period_s - stop_s)
     except ProcessLookupError:
         pass

@@ -69,7 +69,7 @@ def _cause(kind: str, detail: str) -> str:
 
 _SEEN_BY = {"exit": "process exit", "error": "process exit", "hang": "heartbeat deadline",
             "damaged": "its replica holder's check",
-            "corrupt": "fingerprints (the ranks' vote, or its own seal)",
+            "corrupt": "fingerprints (the ranks' vote, or its own seal) or recomputation",
             "quarantined_node": "its node's quarantine"}
 
 

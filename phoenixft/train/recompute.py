@@ -4,7 +4,8 @@ A fault in a rank's arithmetic (a defective core, a bad kernel on one device) ma
 local gradient wrong; the step's all-reduce then sums the wrong contribution into every
 rank's gradient alike, so every rank agrees on the wrong result and the fingerprint vote
 (`consensus.py`) cannot see it. On every K-th step (not a retried one) each rank also
-recomputes the first microbatch of each of the two ranks before it in rank order:
+recomputes the first microbatch of each of the two ranks before it in `ring` order (the
+nodes interleaved, so they sit on other nodes where the job has several):
 `Step.microbatches()` yields those ids first, their backward is digested and thrown away
 (the gradients are zeroed after each), and then the rank's own microbatches run, the
 first of which it digests as well. So each checked microbatch's gradient is computed three
@@ -16,7 +17,10 @@ dead rank before the step's update, the others keeping their microbatches.
 What it needs: data parallelism (each rank's gradients its own until the all-reduce),
 the user's loop running the microbatches, three ranks or more, and each microbatch's
 gradient a pure function of the parameters and its data: the data drawn from (step,
-microbatch id), no unseeded randomness (dropout). What it catches: a fault that
+microbatch id), no unseeded randomness (dropout), and kernels that give the same bits
+for the same inputs (on CUDA: `torch.use_deterministic_algorithms(True)`; some backward
+kernels, such as scatter-add and fused attention's, do not otherwise). What it catches: a
+fault that
 corrupts the checked microbatches' gradients on a check step (a persistent one, on the
 first check step after it begins: the steps before that check are not undone; a fault
 on one microbatch only, with probability 1 / (K x the rank's microbatches)). Its cost:
@@ -39,26 +43,43 @@ NONE = -1  # a digest slot of a rank that computed no such microbatch (digests a
 CHECKERS = 2  # each checked microbatch is recomputed by this many other ranks
 
 
-def checks_of(rank: int, world: int) -> list[int]:
-    """The ranks whose first microbatch `rank` recomputes: the two before it."""
-    return [(rank - k) % world for k in range(1, CHECKERS + 1)]
+def ring(nodes: dict[int, int], world: int) -> list[int]:
+    """The ranks in the order checks follow: the nodes interleaved (each node's first rank,
+    then each node's second, ...), so the ranks a microbatch is recomputed on sit on other
+    nodes than its own wherever the job has several: a fault shared by a node (its driver,
+    its host) is not outvoted by itself, and two neighbours on one node cannot outvote a
+    healthy rank of another."""
+    seen: dict[int, int] = {}
+    place = {}
+    for r in range(world):
+        n = nodes.get(r, 0)
+        place[r] = (seen.get(n, 0), n, r)
+        seen[n] = seen.get(n, 0) + 1
+    return sorted(range(world), key=place.__getitem__)
 
 
-def judge(tally: list[list[int]], world: int) -> tuple[dict[int, str], list[str]]:
+def checks_of(rank: int, order: list[int]) -> list[int]:
+    """The ranks whose first microbatch `rank` recomputes: the two before it in `order`."""
+    i, world = order.index(rank), len(order)
+    return [order[(i - k) % world] for k in range(1, CHECKERS + 1)]
+
+
+def judge(tally: list[list[int]], order: list[int]) -> tuple[dict[int, str], list[str]]:
     """`tally`: per rank r, [its own first microbatch's digest, its digests of
-    `checks_of(r)`'s first microbatches] (NONE where there was none). For each rank a
+    `checks_of(r, order)`'s first microbatches] (NONE where there was none). For each rank a
     whose first microbatch was computed three times (a's own and its two checkers'), the
     ranks outside a strict majority are named, with why. Returns (named, undecided): a
     microbatch whose three computations all differ names nobody (a fault on two of its
     three ranks at once) and is said in `undecided`."""
     named: dict[int, str] = {}
     undecided: list[str] = []
-    for a in range(world):
+    world = len(order)
+    for i, a in enumerate(order):
         votes = {a: tally[a][0]}
-        for c in range(world):
-            for i, peer in enumerate(checks_of(c, world)):
-                if peer == a and c != a:
-                    votes[c] = tally[c][1 + i]
+        for k in range(1, CHECKERS + 1):  # (its k-th check is the rank k before it)
+            c = order[(i + k) % world]
+            if c != a:
+                votes[c] = tally[c][k]
         if len(votes) < 1 + CHECKERS or NONE in votes.values():
             continue  # not computed three times on this step (a retried step, two ranks)
         value, n = Counter(votes.values()).most_common(1)[0]
@@ -93,6 +114,10 @@ class Recomputer:
     def due(self, index: int) -> bool:
         return bool(self.every) and index % self.every == 0
 
+    def order(self) -> list[int]:
+        plan = self.member.plan
+        return ring(plan.nodes, plan.world_size)
+
     def plan(self, st: Step, plan: list[list[int]], rank: int) -> None:
         """A step's first attempt: on a check step, the first microbatch id of each rank
         `checks_of(rank)` (None where it has none), to be computed before its own."""
@@ -100,7 +125,7 @@ class Recomputer:
         world = len(plan)
         if not self.due(st.index) or world < 1 + CHECKERS:
             return
-        st.check_ids = [plan[r][0] if plan[r] else None for r in checks_of(rank, world)]
+        st.check_ids = [plan[r][0] if plan[r] else None for r in checks_of(rank, self.order())]
         st.check_digests = [NONE] * len(st.check_ids)
 
     def checked(self, st: Step, state: RankState) -> None:
@@ -131,7 +156,8 @@ class Recomputer:
     @staticmethod
     def _digest(state: RankState) -> int:
         grads = [p.grad for p in state.model.parameters() if p.grad is not None]
-        return consensus.digest_all(grads) if grads else NONE
+        # (>= 0: a device's digest, an exact integer sum, may be negative, or NONE)
+        return consensus.digest_all(grads) & (2 ** 63 - 1) if grads else NONE
 
     def verdict(self, st: Step) -> None:
         """After the step's all-reduce, before its update, on every rank of a check step
@@ -154,7 +180,7 @@ class Recomputer:
         cols = consensus.exchange(member.ops, rank, world, mine,
                                   f"recomputation digests (step {st.index})")
         self.check_s += time.perf_counter() - t0
-        named, undecided = judge([list(x) for x in zip(*cols)], world)
+        named, undecided = judge([list(x) for x in zip(*cols)], self.order())
         if named:
             members = member.plan.members
             if rank == min((r for r in range(world) if r not in named), default=min(named)):

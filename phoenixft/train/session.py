@@ -224,9 +224,12 @@ class Session:
             why = ("it recomputes a peer's microbatch in this rank's own loop, from "
                    "gradients that are its own until the all-reduce: data parallelism only "
                    "(a sharded, tensor-parallel or pipelined model reduces inside backward)")
-        elif self.world_size < 1 + recompute.CHECKERS:
+        elif self.state.initial_world < 1 + recompute.CHECKERS:
+            # (the job's first size: a spare joining after a shrink to fewer goes on, and
+            # the checks pause, said by a `recompute_paused` event)
             why = (f"each checked microbatch is computed on {1 + recompute.CHECKERS} ranks, so "
-                   f"a majority names the one that differs; this job has {self.world_size}")
+                   f"a majority names the one that differs; this job has "
+                   f"{self.state.initial_world}")
         if why is not None:
             raise ConfigError(f"--recompute-every {self.cfg.fingerprints.recompute_every}: "
                               f"{why}; or leave it off (0)")
@@ -280,7 +283,7 @@ class Session:
                 self._recompute.plan(st, plan, self.rank)
                 member.injector.at_step(self.rank, st.index)
             self._current = st
-            self._stragglers.start()
+            self._stragglers.start(self.generation)
             self._recompute.check_s = 0.0
             state.layout.executor.blocked_s()  # (counted from the step's start)
             yield st
@@ -411,7 +414,7 @@ class Session:
         lay = ReduceLayout(state.layout.math.grad_numel(), st.m, self.world_size)
         g = state.grad[:lay.total]
         state.layout.math.write_grads(g[lay.grads])
-        g[lay.grads.stop:].zero_()  # the audit mask, the tail and the times: set below
+        g[lay.grads.stop:].zero_()  # the audit mask, the tail, the times and stalls: below
         t = self._stragglers.compute_s(self.member.slowdown(st.index),
                                        state.layout.executor.blocked_s())
         if not state.layout.executor.user_loop and st.done:

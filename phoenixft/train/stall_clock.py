@@ -7,7 +7,7 @@ other rank up and its own compute time looks normal (a rank stopped for 150 ms o
 `StallClock` runs one daemon thread that wakes every `tick_s` (25 ms) and records each gap
 between two wake-ups longer than `gap_s` as a stall (its length less one tick). The
 thread cannot run while its process is stopped, so a freeze of any length above `gap_s`
-is seen whole, wherever in the step it falls. Gaps shorter than `gap_s` (75 ms: the
+is seen (less up to one tick), wherever in the step it falls. Gaps shorter than `gap_s` (75 ms: the
 scheduler giving the core to a neighbour, the GIL held a few ms) are not stalls. What every rank
 saw at once (a pause of the whole machine) is discounted by the straggler watch, which
 compares each rank's stalls with the other ranks'.

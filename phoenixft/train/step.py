@@ -122,7 +122,9 @@ class Step:
     def microbatches(self) -> Iterator[int]:
         """The microbatch ids j (0 <= j < M) this rank computes in this step; the data of
         (step.index, j) should be a pure function of them if the world may shrink (the
-        layout's `MicrobatchExecutor` decides which: the user's loop runs each)."""
+        layout's `MicrobatchExecutor` decides which: the user's loop runs each). With
+        `--recompute-every K`, every K-th step first yields up to two peers' ids to
+        recompute (`recompute.py`): call `backward` for each id before asking for the next."""
         return self._executor.microbatches(self)
 
     def backward(self, loss: torch.Tensor) -> None:

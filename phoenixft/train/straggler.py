@@ -132,6 +132,7 @@ class StragglerReporter:
         self.cfg, self.events = cfg, events
         self._t0 = time.perf_counter()
         self._ready: float | None = None  # when this rank was last ready to reduce
+        self._ready_gen = -1  # in which generation
         self._carried = 0.0  # its stalls from then to this step's start
         self.stall_s = 0.0  # its stalls from then to ready to reduce now
         # (no thread when nothing is watched)
@@ -149,8 +150,12 @@ class StragglerReporter:
         starts unweighted: its ranks are renumbered)."""
         return self.weights if generation == self._gen else None
 
-    def start(self) -> None:
+    def start(self, generation: int = 0) -> None:
+        """The loop body of a step of `generation` begins (a new generation forgets when
+        this rank was last ready: what its recovery took is not a stall of a step)."""
         self._t0 = time.perf_counter()
+        if generation != self._ready_gen:
+            self._ready, self._ready_gen = None, generation
         self._carried = (self._clock.stalled_s(self._ready, self._t0)
                          if self._clock is not None and self._ready is not None else 0.0)
 
