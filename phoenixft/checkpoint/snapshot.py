@@ -74,6 +74,16 @@ def mark_committed(store: dist.Store, step: int, info: dict) -> None:
     store.multi_set(keys, values)
 
 
+def retract_commit(store: dist.Store, step: int, to: int) -> None:
+    """Take back the commit of `step` (a vote found that its state may differ from what
+    it must be, `fingerprints.py`): `committed` goes back to `to`, whose marker stays, and
+    `step`'s marker is deleted. The caller saw `step` committed, so no acknowledgement of
+    it is still to come; the members restore `to` at the next join, and `step` commits
+    again when it is taken anew."""
+    store.multi_set([Keys.COMMITTED], [str(to)])
+    store.delete_key(Keys.commit(step))
+
+
 def acknowledge(store: dist.Store, generation: int, step: int, count: int, target: int,
                 world_size: int, node: NodeShare | None = None) -> bool:
     """Acknowledge `count` copies of snapshot `step` of `generation`; the acknowledgement

@@ -35,6 +35,7 @@ class ReportKind(str, enum.Enum):
     DAMAGED = "damaged"  # worker: a same-node peer's own snapshot is damaged in memory
     CORRUPT = "corrupt"  # worker: the fingerprint vote, its seal or a recomputation named it
     COLLECTIVE = "collective"  # worker: a collective failed (informational)
+    ROLLBACK = "rollback"  # worker: the vote found tp copies that differ: same members, back
 
     def __str__(self) -> str:
         return self.value

@@ -147,6 +147,7 @@ class Leader:
         # nodes QUARANTINE_NODE_AFTER of whose workers were quarantined: their workers
         # fenced and replaced, their spares never used (`_quarantine`)
         self.quarantined_nodes: list[int] = []
+        self.rollbacks: list[dict] = []  # generations that rolled back (`_roll_back`)
         self._pending: list[Failure] = []  # a quarantined node's members, fenced by a swap
         self._swaps_done: set[int] = set()  # generations whose straggler was decided
         self._held_gens: set[int] = set()  # generations asked to stop at a committed step
@@ -259,6 +260,9 @@ class Leader:
                     self.problems.append(f"worker {w.wid} exited after training with "
                                          f"{rep['detail'].splitlines()[-1]}")
                 continue
+            if rep["kind"] == ReportKind.ROLLBACK:
+                self._roll_back(rep)
+                continue
             if self.store.check([Keys.left(w.wid)]) and rep.get("rc") == 0:
                 w.state = WorkerState.EXITED  # its replica group left (`Member._leave_unit`)
                 self._exited_seen = True
@@ -354,7 +358,8 @@ class Leader:
             self._reports_seen += 1
             rep = kv.get_json(self.store, key)
             if rep.get("kind") in (ReportKind.EXIT, ReportKind.ERROR, ReportKind.FATAL,
-                                   ReportKind.DAMAGED, ReportKind.CORRUPT, ReportKind.HANG):
+                                   ReportKind.DAMAGED, ReportKind.CORRUPT, ReportKind.HANG,
+                                   ReportKind.ROLLBACK):
                 out.append(rep)
         return out
 
@@ -437,6 +442,21 @@ class Leader:
             if self.workers[wid].state is WorkerState.RUNNING:  # its replica group left
                 self.workers[wid].state = WorkerState.LEAVING  # (never offered as a spare)
         self._publish(nxt.plan)
+
+    def _roll_back(self, rep: dict) -> None:
+        """A member found tp copies that differ and took back the last commit
+        (`fingerprints.py`): the next generation has the same members, who restore the
+        step before it. Once a generation (a report of an older one is stale)."""
+        plan = self.plan
+        if rep.get("gen") != plan.generation:
+            return
+        self.rollbacks.append({"gen": plan.generation + 1, "detail": rep["detail"]})
+        self.events.emit("rollback", gen=plan.generation + 1, wid=rep["wid"],
+                         detail=rep["detail"])
+        self._publish(Plan(generation=plan.generation + 1, members=dict(plan.members),
+                           nodes=dict(plan.nodes),
+                           progress=kv.get_int(self.store, Keys.PROGRESS, 0),
+                           reason=f"rollback: {rep['detail']}"))
 
     def _swap_straggler(self) -> bool:
         """Rank 0 named a straggler (`--straggler swap`): hold the members at the next
@@ -558,7 +578,7 @@ class Leader:
             "failures": [asdict(f) for f in self.failures], "problems": self.problems,
             "reports_seen": self._reports_seen, "target_world": self.target_world,
             "fatal": self.fatal, "quarantined": self.quarantined,
-            "quarantined_nodes": self.quarantined_nodes,
+            "quarantined_nodes": self.quarantined_nodes, "rollbacks": self.rollbacks,
             "pending": [asdict(f) for f in self._pending]})
 
     def resume(self) -> bool:
@@ -574,6 +594,7 @@ class Leader:
         self._reports_seen, self.target_world = st["reports_seen"], st["target_world"]
         self.quarantined = st.get("quarantined", [])
         self.quarantined_nodes = st.get("quarantined_nodes", [])
+        self.rollbacks = st.get("rollbacks", [])
         self._pending = [Failure(**f) for f in st.get("pending", [])]
         g = 0
         while self.store.check([Keys.plan(g + 1)]):
@@ -614,4 +635,5 @@ class Leader:
         return {**report.summary(self.store, self.run_dir,
                                  self.plan.generation if self.plan else 0, self.failures,
                                  wall_s, self.fatal, self.problems),
-                "quarantined": self.quarantined, "quarantined_nodes": self.quarantined_nodes}
+                "quarantined": self.quarantined, "quarantined_nodes": self.quarantined_nodes,
+                "rollbacks": self.rollbacks}

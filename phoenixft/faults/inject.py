@@ -262,12 +262,14 @@ class Injector:
         self.hooks = hooks
 
     def check_plan(self, per_rank: list[int], receivers: set[int] | None = None,
-                   votes: bool = True, layout_phases: frozenset[str] | None = None) -> None:
+                   votes: frozenset[str] = frozenset({"grad", "param"}),
+                   layout_phases: frozenset[str] | None = None) -> None:
         """Refuse a spec that can never fire: rank R computes `per_rank[R]` microbatches
         per step, so its J-th (from 0) exists only when J < per_rank[R]; a garble needs
         rank R among `receivers`, the ranks that hold a replica (None: not checked). And a
-        flip of gradients or parameters where no rank holds a copy to vote with (`votes`
-        False): it would change the job's result with nothing to find it. A phase only
+        flip of gradients or parameters where no rank holds a copy to vote with (`votes`:
+        the kinds of flip the job's vote finds): it would change the job's result with
+        nothing to find it. A phase only
         some layouts reach (forward, backward) where the job's does not (`layout_phases`,
         None: not checked)."""
         for s in self.specs:
@@ -279,13 +281,16 @@ class Injector:
                        if s.phase == "forward" else "a sharded model's first gradient "
                        "reduce-scatter or a pipeline's send or recv of gradients")
                     + " and this job has neither; use microbatch=J or phase=reduce")
-            if s.kind is FaultKind.FLIP and s.where in ("grad", "param") and not votes:
+            if s.kind is FaultKind.FLIP and s.where in ("grad", "param") \
+                    and s.where not in votes:
+                tp = " (with tensor parallelism the tp copies of parameters are voted on: " \
+                    "flip where=param)" if votes else ""
                 raise InjectSpecError(
                     f"--inject {s} could never be found: no other rank holds this one's "
                     f"{'gradients' if s.where == 'grad' else 'parameters'} to vote with (a "
                     "sharded model without replica groups, one rank, or --fingerprint-every "
                     "0); give the job replicas (data parallel, or HSDP's dp_shard=), or flip "
-                    "where=optim, which the rank's own seal finds")
+                    f"where=optim, which the rank's own seal finds{tp}")
             if s.kind is FaultKind.GARBLE and receivers is not None and s.rank not in receivers:
                 raise InjectSpecError(
                     f"--inject {s} can never fire: rank {s.rank} holds no replica (replicas "

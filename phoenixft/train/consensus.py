@@ -40,6 +40,11 @@ class Outvoted(CommFailure):
     microbatches are kept by the others) and the leader replaces those ranks."""
 
 
+class RolledBack(CommFailure):
+    """The step's vote found copies that differ where nobody can be outvoted (a tp pair):
+    the job goes back to the last step a vote vouched for, with the same members."""
+
+
 class NoMajority(RuntimeError):
     """The ranks' fingerprints disagree and no strict majority says which are right."""
 

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
-from phoenixft.cluster.keys import ReportKind
+from phoenixft.checkpoint.snapshot import retract_commit
+from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.config import Fingerprints
 from phoenixft.observe.events import EventLog
 from phoenixft.train import consensus
@@ -128,18 +129,28 @@ class Fingerprinter:
         *first, masks = tally.result()
         self.vote_s += time.perf_counter() - t0  # (the digests, and waiting for the vote)
         broken = {r: m for r, m in enumerate(masks) if m}
+        rolls = state.layout.vote.rolls_back()
+        split = None  # why no strict majority decides (a layout that rolls back)
         try:
             found, how = consensus.outliers(first, classes, keys), "differ from the majority's"
         except consensus.NoMajority as exc:
-            if not state.layout.math.local_gradients:  # (nothing to replay the step from)
+            if rolls:
+                found, how, split = {}, "", str(exc)
+            elif not state.layout.math.local_gradients:  # (nothing to replay the step from)
                 raise consensus.NoMajority(
                     f"step {st.index}: the fingerprints of the ranks that must agree differ "
                     f"and {exc}; nothing can replay this layout's step to tell which are "
                     "right, so the job stops before the update, its last committed step "
                     "intact (three or more replica groups give a majority)") from None
-            found, how = None, "differed from what a replay of the step's collectives gave every rank"
-        if not broken and found == {}:
+            else:
+                found, how = None, ("differed from what a replay of the step's collectives "
+                                    "gave every rank")
+        if not broken and found == {} and split is None:
             return
+        if rolls and (found or split is not None):  # (a seal alone: its snapshot is whole)
+            self._roll_back(st, state, broken, {
+                r: f"rank {r}'s {keys[i]} (step {st.index}) {how}"
+                for i, ranks in found.items() for r in ranks}, split)
         if gathered is not None:
             gathered()
             self._undo(st, state)
@@ -148,6 +159,42 @@ class Fingerprinter:
         named = {r: f"rank {r}'s {keys[i]} (step {st.index}) {how}"
                  for i, ranks in found.items() for r in ranks}
         self._act(st, state, broken, named, voted=True)
+
+    def _roll_back(self, st: Step, state: RankState, broken: dict[int, int],
+                   named: dict[int, str], split: str | None) -> None:
+        """A layout whose vote rolls back (`VoteScope.rolls_back`: tp copies) found state
+        that differs at step `st`: what differs came from step st.index - 1 (its update, or
+        memory since), so that step's snapshot may hold it too, on any rank of a pair that
+        cannot outvote each other. The job goes back to snapshot st.index - 2, the last one
+        a vote vouched for: the reporting rank (the lowest healthy one, as `_act`'s) waits
+        for snapshot st.index - 1's commit (so no late acknowledgement commits it again),
+        takes that commit back (`retract_commit`) and reports; every rank marks its state
+        as of st.index - 2, so the next join restores that step from the snapshots every
+        rank still holds (the one after it is never begun before this step's update). A
+        rank outside a strict majority, or whose seal broke, is replaced (`_act`);
+        otherwise the leader starts the next generation with the same members
+        (`ReportKind.ROLLBACK`). Raises `consensus.Outvoted` or `consensus.RolledBack`."""
+        member = self.member
+        bad = set(broken) | set(named)
+        to = st.index - 2
+        reporter = min((r for r in range(member.world_size) if r not in bad), default=-1)
+        if to < 0 or not member.store.check([Keys.commit(to)]):
+            raise consensus.NoMajority(
+                f"step {st.index}: the tp copies differ ({split or '; '.join(named.values())}) "
+                f"and step {to} has no committed snapshot to roll back to; the job stops "
+                "before the update")
+        if member.rank == reporter:
+            member.snap.wait_copied(committed=True)
+            retract_commit(member.store, st.index - 1, to)
+        state.step = to
+        if bad:
+            self._act(st, state, broken, named, voted=True)
+        why = f"step {st.index}: {split}"
+        if member.rank == reporter:
+            self.events.emit("fingerprint_rollback", rank=member.rank, gen=member.generation,
+                             step=st.index, to_step=to, why=why)
+            member.report(ReportKind.ROLLBACK, f"roll back to step {to}: {why}")
+        raise consensus.RolledBack(f"{why}; rolled back to step {to}")
 
     def _undo(self, st: Step, state: RankState) -> None:
         """Put back this rank's unique state of step st.index - 1 from its own snapshot

@@ -39,6 +39,14 @@ cannot change its world size (survivors' shards were cut by `fully_shard` for th
 one): it needs spares (HSDP, `hsdp_layout.py`, has replica groups that can leave).
 Clipping by the global norm (`clip`) takes the norm over every shard, its all-reduces on
 the mesh's groups.
+
+The vote (`VoteScope`, `fingerprints.py`): with tp > 1 the ranks of a tp group hold the
+tp copies bit for bit, so they vote on them (their local shards and optimizer state)
+every `--fingerprint-every` steps. A tp group of two cannot outvote either member, and a
+copy changed before its snapshot was taken is in that snapshot too: so any disagreement
+rolls the job back to the step before the one whose state differs (`rolls_back`), from
+the snapshots every rank still holds of it, and a rank outside a strict majority (tp >=
+3) is replaced as well.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from phoenixft.config import ConfigError
 from phoenixft.train import quota
 from phoenixft.train.clip import clip_grad_norm_
 from phoenixft.train.digest import state_digest
-from phoenixft.train.layout import Holdings, Membership, StepMath, WorkSplit
+from phoenixft.train.layout import Holdings, Membership, StepMath, VoteScope, WorkSplit
 from phoenixft.train.zero import SchedulerFactory
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -64,9 +72,10 @@ Parallelize = Callable[[nn.Module, object], object]  # (model, DeviceMesh) -> an
 MESH_DIMS = ("dp_shard", "tp")
 
 
-class Fsdp2Layout(Membership, Holdings, StepMath):
-    """Membership, Holdings and StepMath of an FSDP2 (+ tp) model; its `WorkSplit` is
-    `TensorParallelWork`, and it has no vote (no rank holds a copy of another's shards)."""
+class Fsdp2Layout(Membership, Holdings, StepMath, VoteScope):
+    """Membership, Holdings, StepMath and VoteScope of an FSDP2 (+ tp) model; its
+    `WorkSplit` is `TensorParallelWork`. It votes on the tp copies (tp > 1), and on nothing
+    without tensor parallelism (no rank holds a copy of another's shards)."""
 
     local_gradients = False
 
@@ -433,6 +442,32 @@ class Fsdp2Layout(Membership, Holdings, StepMath):
 
     def trained_names(self) -> set[str]:
         return {name for name, p in self.model.named_parameters() if p.requires_grad}
+
+    # -- the vote (module doc) -----------------------------------------------------------
+    def fingerprinted(self, grads: torch.Tensor) -> dict[str, list[torch.Tensor]] | None:
+        """The tp copies: every rank of a tp group holds the same local shards of the
+        parameters tensor parallelism leaves whole, and the same optimizer state of them.
+        (No reduced gradients: FSDP2 reduces them inside the user's backward; a changed one
+        shows in the parameters of the next vote.) None without tp copies."""
+        if not self._replicated:
+            return None
+        params, opt = [], []
+        for name, p in self.model.named_parameters():
+            if name in self._replicated and p.requires_grad:
+                params.append(ti.local(p))
+                opt += [ti.local(v) for _, v in sorted(self.opt.state.get(p, {}).items())
+                        if torch.is_tensor(v) and v.dim()]
+        return {"reduced gradient shards": [], "tp-copied parameter shards": params,
+                "tp-copied optimizer state shards": opt}
+
+    def vote_classes(self, world_size: int) -> list[list[int]]:
+        return [list(range(d, d + self.tp)) for d in range(0, world_size, self.tp)]
+
+    def rolls_back(self) -> bool:
+        return True
+
+    def finds(self) -> frozenset[str]:
+        return frozenset({"param"}) if self._replicated else frozenset()
 
     # -- the user's optimizer ----------------------------------------------------------
     @property

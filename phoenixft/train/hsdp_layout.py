@@ -231,6 +231,12 @@ class HsdpLayout(Fsdp2Layout, VoteScope):
     def vote_classes(self, world_size: int) -> list[list[int]]:
         return [list(range(p, world_size, self.unit)) for p in range(self.unit)]
 
+    def rolls_back(self) -> bool:
+        return False  # (replica groups outvote, and the others' snapshots are whole)
+
+    def finds(self) -> frozenset[str]:
+        return frozenset({"grad", "param"})
+
     # -- snapshots, restores -----------------------------------------------------------
     def _holds_copy(self, name: str) -> bool:
         """Group 0 holds what every group holds; tp copies as Fsdp2Layout's."""

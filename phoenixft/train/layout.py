@@ -316,6 +316,10 @@ class VoteScope:
     - `can_undo()`: an optimizer step can be undone from the rank's own snapshot of the
       step before plus `Holdings.gather_params`: the vote may then be awaited after the
       update. The seal covers `Holdings.unique_tensors()`.
+    - `rolls_back()`: a disagreement rolls every rank back to the step before the one
+      whose state differs (no replay, no majority needed: a vote of two copies, where a
+      snapshot may hold the changed copy), instead of naming the ranks outvoted alone.
+    - `finds()`: the kinds of flip (`flip:...:where=W`) the vote finds.
     """
 
     def fingerprinted(self, grads: torch.Tensor) -> dict[str, list[torch.Tensor]] | None:
@@ -326,6 +330,12 @@ class VoteScope:
 
     def can_undo(self) -> bool:
         return False
+
+    def rolls_back(self) -> bool:
+        return False
+
+    def finds(self) -> frozenset[str]:
+        return frozenset({"grad", "param"})
 
 
 NoVote = VoteScope

@@ -204,10 +204,11 @@ class Session:
         self._check_recompute(layout)
         m = self.state.m_for(self.world_size)
         lay = self.state.layout
-        # whether a vote can ever compare this rank's gradients and parameters with a copy
-        votes = bool(self.cfg.fingerprints.every) \
-            and lay.vote.fingerprinted(torch.empty(0)) is not None \
-            and any(len(c) > 1 for c in lay.vote.vote_classes(self.world_size))
+        # which of this rank's gradients and parameters a vote can compare with a copy
+        votes = lay.vote.finds() if (
+            bool(self.cfg.fingerprints.every)
+            and lay.vote.fingerprinted(torch.empty(0)) is not None
+            and any(len(c) > 1 for c in lay.vote.vote_classes(self.world_size))) else frozenset()
         # (a garble is checked against the job's first placement: a spare or a respawned
         # worker sets up later, when the ranks that receive replicas may have changed)
         self.member.injector.check_plan(

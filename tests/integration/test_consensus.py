@@ -250,3 +250,39 @@ def test_a_node_whose_workers_are_named_twice_is_quarantined_whole(tmp_path, ref
     assert s["final_state_digest"] == reference.summary["final_state_digest"]
     assert s["losses"] == reference.summary["losses"]
     assert "node 1 quarantined: 2 of its workers were named (n1w0, n1w1)" in job.out
+
+
+@pytest.mark.timeout(420)
+def test_tp_copies_that_differ_roll_the_job_back(tmp_path, tmp_path_factory):
+    """FSDP2 + tensor parallelism on a (2, 2) mesh, no spare: the ranks of a tp group hold
+    the tp copies (attention, norms, embeddings) bit for bit, and vote on them. A bit
+    flipped in a copy right after step 3's update, on rank 0 (which snapshots the copies,
+    so snapshot 3 holds the flip) and later on rank 3 (which does not): two copies
+    cannot outvote each other, so each time the job takes back the last commit and
+    rolls back to the step before it with the same members, and ends on the failure-free
+    digest. A gradient flip, which that vote cannot find, is refused at set-up."""
+    args = ("--nproc", "4")
+    script_args = ("--steps", "8", "--tp", "2")
+    ref = run_script(tmp_path_factory.mktemp("tp-sdc-ref"), FSDP, *args, timeout=300,
+                     script_args=script_args)
+    assert ref.rc == 0, ref.out[-3000:]
+    assert ref.of("fingerprint_rollback") == [] and ref.summary["rollbacks"] == []
+    job = run_script(tmp_path / "flip", FSDP, *args, "--inject", "flip:rank=0:step=3:where=param",
+                     "--inject", "flip:rank=3:step=6:where=param", timeout=300,
+                     script_args=script_args)
+    assert job.rc == 0, job.out[-3000:]
+    rolled = job.of("fingerprint_rollback")
+    assert [(e["step"], e["to_step"], e["rank"]) for e in rolled] == [(4, 2, 0), (7, 5, 0)]
+    assert all("no strict majority says which tp-copied parameter shards are right"
+               in e["why"] for e in rolled), rolled
+    assert [r["gen"] for r in job.summary["rollbacks"]] == [1, 2]
+    assert job.summary["failures"] == [] and job.summary["quarantined"] == []
+    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
+    assert job.summary["losses"] == ref.summary["losses"]
+    restored = {e["gen"]: e["restore_step"] for e in job.of("recovered")}
+    assert restored == {1: 2, 2: 5}, restored
+    bad = run_script(tmp_path / "grad", FSDP, *args, "--inject", "flip:rank=1:step=3:where=grad",
+                     script_args=script_args)
+    assert bad.rc != 0 and bad.summary.get("final_state_digest") is None
+    assert ("could never be found: no other rank holds this one's gradients" in bad.out
+            and "flip where=param" in bad.out), bad.out[-2000:]
