@@ -190,6 +190,10 @@ class Fingerprints:
     it needs each microbatch's data drawn from its id)."""
 
     every: int = 1
+    # "carried": the digests ride in the step's own all-reduce (the step before's reduced
+    # gradients, the state now), a difference found rolls back to the step before it;
+    # "separate": one more tiny all-reduce after the step's, before its update
+    vote: str = "carried"
     recompute_every: int = 0
     # benchmark only: the checks on for K steps, off for K, ... (bench consensus measures
     # their cost inside one run, as bench overhead does the snapshots')
@@ -200,6 +204,8 @@ class Fingerprints:
             raise ConfigError(f"{{every}} must be an integer >= 0 (0: off), got {self.every}")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 0:
             raise ConfigError(f"{{blocks}} must be an integer >= 0 (0: always on), got {self.blocks}")
+        if self.vote not in ("carried", "separate"):
+            raise ConfigError(f"{{vote}} must be carried or separate, got {self.vote!r}")
         k = self.recompute_every
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ConfigError(f"{{recompute_every}} must be an integer >= 0 (0: off), got {k}")

@@ -10,6 +10,9 @@ torch thread, each mode its own process tree, one after another in one invocatio
               next 2, again and again: their cost inside one run, in the same processes
               under the same load, as `bench overhead` measures snapshots (paired block
               means, with a standard error; twin runs here differ by more than the effect);
+              the vote carried in the step's own all-reduce (the default);
+- fp_blocks_sep: the same with --fingerprint-vote separate (one more tiny all-reduce a
+              voted step, before its update: the scheme before the carried one);
 - slow:       rank 1 made F times slower from step S on (`slow:` fault), the straggler
               only reported (what a job without the action gets);
 - swap:       the same with 1 warm spare and `--straggler swap`;
@@ -55,14 +58,15 @@ from phoenixft.bench.overhead import paired_blocks
 from phoenixft.bench.runner import command
 from phoenixft.observe.goals import Goal, as_dicts, print_goals
 
-MODES = ("clean", "nofp", "fp_blocks", "k8", "slow", "swap", "rebalance", "noisy", "noisy2", "freeze",
-         "recompute", "wrong", "flip_grad", "flip_param", "flip_optim")
+MODES = ("clean", "nofp", "fp_blocks", "fp_blocks_sep", "k8", "slow", "swap", "rebalance", "noisy",
+         "noisy2", "freeze", "recompute", "wrong", "flip_grad", "flip_param", "flip_optim")
 NOISY = {"noisy": 1, "noisy2": 2}  # mode -> busy processes beside it
 FREEZE = "ms=150:period=250"
 GOAL_SWAP = 0.9
 GOAL_VOTE = 0.005
 GOAL_RECOMPUTE = 0.01
-FP_BLOCK = 2  # steps per on / off block of the fp_blocks mode
+FP_BLOCK = 2  # steps per on / off block of the fp_blocks modes
+BLOCKS = ("fp_blocks", "fp_blocks_sep")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -90,8 +94,9 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
     cfg: dict = {"nproc": args.nproc, "stragglers": {"window": args.window}}
     if mode in ("nofp", "k8"):
         cfg["fingerprints"] = {"every": 0 if mode == "nofp" else 8}
-    if mode == "fp_blocks":
-        cfg["fingerprints"] = {"every": 1, "blocks": FP_BLOCK}
+    if mode in BLOCKS:
+        cfg["fingerprints"] = {"every": 1, "blocks": FP_BLOCK,
+                               "vote": "separate" if mode == "fp_blocks_sep" else "carried"}
     if mode.startswith("flip_"):
         cfg.update(spares=1, inject=[f"flip:rank=1:step={args.slow_step}:where={mode[5:]}"])
     if mode in ("recompute", "wrong"):
@@ -124,7 +129,7 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
     votes = [e.get("vote_s", 0.0) + e.get("seal_s", 0.0) for e in steps_ev[1:]]
     digests = [e.get("digest_s", 0.0) + e.get("seal_s", 0.0) for e in steps_ev[1:]]
     found = [e for e in s["events"] if e["event"] == "straggler"]
-    blocks = paired_blocks(s["events"], FP_BLOCK) if mode == "fp_blocks" else None
+    blocks = paired_blocks(s["events"], FP_BLOCK) if mode in BLOCKS else None
     sdc = [e["step"] for e in s["events"]
            if e["event"] in ("fingerprint_mismatch", "recompute_mismatch")]
     return {"mode": mode, "steps": last["step"], "wall_s": round(last["t"] - first["t"], 3),
@@ -181,6 +186,8 @@ def summarize(rows: dict, args: argparse.Namespace) -> dict:
               # the same inside one run: on/off blocks (the goal's figure)
               "fingerprint_cost_in_run": rows["fp_blocks"]["blocks"]["ratio"] - 1,
               "fingerprint_cost_in_run_se": rows["fp_blocks"]["blocks"]["se"],
+              "fingerprint_cost_in_run_separate": rows["fp_blocks_sep"]["blocks"]["ratio"] - 1,
+              "fingerprint_cost_in_run_separate_se": rows["fp_blocks_sep"]["blocks"]["se"],
               "recompute_every": args.recompute_every,
               "recompute_cost": rows["recompute"]["check_share"],
               "vote_wait_share_of_step": (rows["clean"]["mean_check_s"]
@@ -265,7 +272,9 @@ def show(result: dict, opts: BenchOptions) -> None:
                   f"({result['rows']['noisy']['steps']} failure-free steps beside one busy "
                   f"process, {result['rows']['noisy2']['steps']} beside two); fingerprints: "
                   f"{result['fingerprint_cost_in_run']:.2%} +- "
-                  f"{result['fingerprint_cost_in_run_se']:.2%} of a step on/off in one run, "
+                  f"{result['fingerprint_cost_in_run_se']:.2%} of a step on/off in one run "
+                  f"(carried; separate: {result['fingerprint_cost_in_run_separate']:.2%} +- "
+                  f"{result['fingerprint_cost_in_run_separate_se']:.2%}), "
                   f"{result['fingerprint_cost']:.2%} of throughput at "
                   f"K=1, {result['fingerprint_cost_k8']:.2%} at K=8 (each against the run "
                   f"without, one run each); by rank 0's clock the seal and digests take "
@@ -289,7 +298,9 @@ def markdown(result: dict) -> list[str]:
     return rows + ["", f"False alarms: {result['false_alarms_per_1000_steps']:g} per 1,000 "
                        "failure-free steps beside one and two busy processes. Fingerprints cost "
                        f"{result['fingerprint_cost_in_run']:.2%} +- "
-                       f"{result['fingerprint_cost_in_run_se']:.2%} of a step on/off in one run, "
+                       f"{result['fingerprint_cost_in_run_se']:.2%} of a step on/off in one run "
+                  f"(carried; separate: {result['fingerprint_cost_in_run_separate']:.2%} +- "
+                  f"{result['fingerprint_cost_in_run_separate_se']:.2%}), "
                        f"{result['fingerprint_cost']:.2%} of throughput at K=1 and "
                        f"{result['fingerprint_cost_k8']:.2%} at K=8 against the run without; "
                        f"the seal and digests' own compute is {result['digest_share_of_step']:.3%}"

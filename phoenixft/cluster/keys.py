@@ -172,6 +172,12 @@ class Keys:
         return f"ack/{g}/{step}"
 
     @staticmethod
+    def rollback(step: int) -> str:
+        """add-counter, the rank that reports a fingerprint rollback to `step` with nobody
+        named: a second one stops the job (`fingerprints.py`)."""
+        return f"rollback/{step}"
+
+    @staticmethod
     def commit(step: int) -> str:
         """The snapshot thread whose ack completed `step` (or rank 0 adopting it at a
         recovery): {"generation", "world_size", ...}. Set after COMMITTED is raised."""

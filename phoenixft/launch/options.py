@@ -101,11 +101,18 @@ OPTIONS = (
     _opt("--straggler-window", path="stragglers.window", type=int, metavar="N",
          help="steps a straggler's ratio is watched over (default 20)"),
     _opt("--fingerprint-every", path="fingerprints.every", type=int, metavar="K",
-         help="every K steps the ranks vote on digests of the step's reduced gradients "
-              "and their parameters (data parallel; no strict majority: the step's "
-              "collectives are replayed), and every step each rank checks its optimizer "
-              "shard against its last snapshot's seal; a rank found is replaced like a dead "
-              "one, before the step's update (default 1; 0: off)"),
+         help="every K steps the ranks vote on digests of the reduced gradients and "
+              "their parameters (data parallel, HSDP's replica groups, tensor parallelism's "
+              "tp copies; see --fingerprint-vote), and every step each rank checks its "
+              "optimizer shard against its last snapshot's seal; a rank found is replaced "
+              "like a dead one (default 1; 0: off)"),
+    _opt("--fingerprint-vote", path="fingerprints.vote", choices=["carried", "separate"],
+         help="carried (default): each rank's digests ride in the next step's own "
+              "all-reduce, no synchronisation of their own; a difference found there rolls "
+              "the job back to the step before the one it came from (with a strict majority "
+              "the rank named is replaced as well). separate: one more tiny all-reduce after "
+              "each voted step's, before its update (with 2 ranks the step's collectives are "
+              "replayed to name the one that differs)"),
     _opt("--recompute-every", path="fingerprints.recompute_every", type=int, metavar="K",
          help="every K steps each rank also recomputes the first microbatch of the two "
               "ranks before it and the three gradients of each are compared before the "

@@ -25,6 +25,7 @@ taken before the change, is what its replacement restores.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 
@@ -101,13 +102,17 @@ def exchange(ops: GroupOps, rank: int, world_size: int, mine: list[int],
 
 
 def outliers(tally: list[list[int]], classes: list[list[int]] | None = None,
-             names: list[str] | None = None) -> dict[int, list[int]]:
+             names: list[str] | None = None, skip: int | None = None) -> dict[int, list[int]]:
     """For each digest i whose ranks disagree within a class (`classes`: the sets of ranks
     that must agree; None: all of them), the ranks outside their class's strict majority,
-    or NoMajority when a class has none."""
+    or NoMajority when a class has none. A rank whose value is `skip` has none (it took
+    no part in what the digest covers: a spare that joined since) and is left out."""
     out: dict[int, list[int]] = {}
     for i, values in enumerate(tally):
         for cls in classes or [list(range(len(values)))]:
+            cls = [r for r in cls if skip is None or values[r] != skip]
+            if len(cls) < 2:
+                continue
             mine = [values[r] for r in cls]
             value, n = Counter(mine).most_common(1)[0]
             if n == len(mine):
@@ -118,6 +123,38 @@ def outliers(tally: list[list[int]], classes: list[list[int]] | None = None,
                                  f"({_each(values, cls)})")
             out.setdefault(i, []).extend(r for r in cls if values[r] != value)
     return {i: sorted(rs) for i, rs in out.items()}
+
+
+def encode(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Digests (63-bit integers >= 0, or -1: none) as floats of `dtype` that a sum with
+    zeros leaves exact: `chunks(dtype)` of `bits(dtype)` bits each (a rank's own slots
+    in an all-reduce where every other rank adds 0)."""
+    b, n = bits(dtype), chunks(dtype)
+    out = []
+    for v in values:
+        out += [-1.0] + [0.0] * (n - 1) if v < 0 else \
+            [float((v >> (b * i)) & ((1 << b) - 1)) for i in range(n)]
+    return torch.tensor(out, dtype=dtype)
+
+
+def decode(t: torch.Tensor, count: int) -> list[int]:
+    """`count` digests back from `encode`'s floats (-1: none)."""
+    b, n = bits(t.dtype), chunks(t.dtype)
+    xs = t.double().tolist()
+    out = []
+    for k in range(count):
+        c = xs[k * n:(k + 1) * n]
+        out.append(-1 if c[0] < 0 else sum(int(x) << (b * i) for i, x in enumerate(c)))
+    return out
+
+
+def bits(dtype: torch.dtype) -> int:
+    """Bits a float of `dtype` holds exactly as an integer chunk (its mantissa's)."""
+    return min(round(-math.log2(torch.finfo(dtype).eps)), 30)  # (fp32: 23, bf16: 7)
+
+
+def chunks(dtype: torch.dtype) -> int:
+    return -(-63 // bits(dtype))
 
 
 def replayed(first: list[list[int]], again: list[list[int]]) -> dict[int, list[int]]:

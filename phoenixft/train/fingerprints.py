@@ -1,7 +1,25 @@
 """The session's side of consensus (`consensus.py` has the digests, the tally and the
 seal): what a rank checks before the step's all-reduce, and the vote after it.
 
-After the step's all-reduce, before the update, each rank checks its own seal (its
+Carried (`--fingerprint-vote carried`, the default): the vote has no synchronisation of
+its own. Before step T+1's all-reduce each rank writes into its own slots of that
+all-reduce (`ReduceLayout.fingerprints`) the digest of step T's reduced gradients (taken
+right after T's all-reduce), the digests of its state now (the parameters T's update
+left, which T+1's passes used; the optimizer shards every replica holds) and its seal's
+result; after the all-reduce every rank holds every rank's and votes alike. What differs
+came from step T (its update, or memory since), so snapshot T may hold it: the job rolls
+back to T-1, the last state a vote vouched for, whose snapshots every rank still holds
+(`_roll_back`: the last commit taken back, a rank outside a strict majority replaced,
+otherwise the same members go on). A seal that broke names its rank as before (snapshot T
+was taken before the change). The cost: the digests (about a third of a percent of a
+step measured here), a few floats a rank in the all-reduce, and one step more to redo
+when something is found. A rank without the step before's gradient digest (a spare that
+joined since) is left out of that vote. After the last step one tiny all-reduce votes on
+what the last step left (`final`). With two ranks a difference rolls back; the same
+rollback found twice stops the job (a persistent fault nobody can attribute).
+
+Separate (`--fingerprint-vote separate`, the scheme below): after the step's all-reduce,
+before the update, each rank checks its own seal (its
 unique state against the hashes the snapshot thread took once the last snapshot was
 copied: the optimizer's pre-hook would wait for that copy here anyway). Every
 `--fingerprint-every` steps the ranks then vote on digests of the reduced gradients and
@@ -30,17 +48,38 @@ from phoenixft.train import consensus
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.step import Step, StepPhase
 
+NONE = -1  # a digest slot of a rank that has no such digest (digests are >= 0)
+
+
+def carried_slots(cfg: Fingerprints, layout) -> int:
+    """Float slots a rank takes in the step's all-reduce for the carried vote (0: a layout
+    without a vote): per digest of `fingerprinted`'s parts, and the seal's mask. Taken
+    whatever `cfg` says (left zero when the vote is off, separate or skipped): a ring
+    all-reduce's chunks follow the buffer's length, so a buffer of another length sums the
+    gradients in another order, and a job would end on other bits with the vote off."""
+    parts = layout.vote.fingerprinted(torch.empty(0))
+    if parts is None:
+        return 0
+    return (len(parts) + 1) * consensus.chunks(layout.math.master_dtype)
+
 
 class Fingerprinter:
     def __init__(self, cfg: Fingerprints, member, events: EventLog) -> None:
         self.cfg = cfg
         self.member = member
         self.events = events
+        self._filled: tuple | None = None  # what `fill` wrote into this step's all-reduce
+        self._carry: tuple[int, int] | None = None  # (step, its reduced gradients' digest)
         # this step's costs on the critical path (0: not done this step): the seal check,
         # the digests, and the digests plus the vote's all-reduce (which includes waiting
         # for the slowest rank); the step event carries them
         self.seal_s = self.digest_s = self.vote_s = 0.0
         self._pending: tuple | None = None  # a vote left running through the update
+
+    @property
+    def carries(self) -> bool:
+        """The vote rides in the step's own all-reduce (`--fingerprint-vote carried`)."""
+        return bool(self.cfg.every) and self.cfg.vote == "carried"
 
     def costs(self) -> dict[str, float]:
         return {"vote_s": round(self.vote_s, 6), "digest_s": round(self.digest_s, 6),
@@ -66,6 +105,92 @@ class Fingerprinter:
         names = sorted(unique)  # (every rank lists the same names: `_act` decodes the mask)
         return sum(1 << min(names.index(n), 62) for n in set(changed))
 
+    # -- carried in the step's all-reduce ------------------------------------------------
+    def _off(self, index: int) -> bool:
+        """Step `index` is in one of the consensus benchmark's off blocks."""
+        return bool(self.cfg.blocks) and (index - 1) // self.cfg.blocks % 2 == 1
+
+    def _due(self, index: int) -> bool:
+        return bool(self.cfg.every) and not index % self.cfg.every and not self._off(index)
+
+    def fill(self, st: Step, state: RankState, mine: torch.Tensor | None,
+             force: bool = False) -> None:
+        """Before step `st`'s all-reduce (carried vote; `mine`: this rank's slots in it, or
+        None when the vote is not carried): the seal, and on a voted step (or `force`) the
+        digests of the step before's reduced gradients and of the state now, with the
+        seal's mask."""
+        self.seal_s = self.digest_s = self.vote_s = 0.0
+        self._filled = None
+        if mine is None or not mine.numel() or not self.carries \
+                or (self._off(st.index) and not force):
+            return
+        mask = self.seal_mask(state)
+        if not (force or self._due(st.index)):
+            self._filled = (None, mask)
+            return
+        t0 = time.perf_counter()
+        parts = state.layout.vote.fingerprinted(torch.empty(0))
+        carried = self._carry[1] if self._carry and self._carry[0] == st.index - 1 else NONE
+        digests = [carried, *(consensus.digest_all(ts) for ts in list(parts.values())[1:]), mask]
+        mine.copy_(consensus.encode(digests, mine.dtype))
+        self.digest_s = time.perf_counter() - t0
+        self._filled = (list(parts), mask)
+
+    def _carried(self, st: Step, state: RankState, grads: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """After step `st`'s all-reduce (`slots`: every rank's fingerprints): the vote on
+        what `fill` wrote, then the digest of this step's reduced gradients for the next
+        voted step's all-reduce."""
+        filled, self._filled = self._filled, None
+        member = self.member
+        rank, world = member.rank, member.world_size
+        if filled is not None:
+            keys, mask = filled
+            if keys is None:  # (no vote this step: a broken seal reports itself)
+                if mask:
+                    self._act(st, state, {rank: mask}, {}, voted=False)
+            else:
+                t0 = time.perf_counter()
+                n = len(keys) + 1
+                flat = consensus.decode(slots, world * n)  # (rank-major: each its n)
+                *first, masks = [[flat[r * n + i] for r in range(world)] for i in range(n)]
+                self._judge(st, state, keys, first, masks)
+                self.vote_s = time.perf_counter() - t0
+        # (charged to this step: the benchmark's on / off blocks then each pay their own)
+        if self.cfg.every and not (st.index + 1) % self.cfg.every and not self._off(st.index):
+            t0 = time.perf_counter()
+            parts = state.layout.vote.fingerprinted(grads)
+            self._carry = (st.index, consensus.digest_all(next(iter(parts.values()))))
+            self.digest_s += time.perf_counter() - t0
+
+    def _judge(self, st: Step, state: RankState, keys: list[str], tally: list[list[int]],
+               masks: list[int]) -> None:
+        """The carried vote's verdict on step `st`'s tally (`tally[0]`: the step before's
+        reduced gradients; the others: the state now): a difference rolls back
+        (`_roll_back`), a broken seal alone names its rank (`_act`)."""
+        world = self.member.world_size
+        broken = {r: m for r, m in enumerate(masks) if m > 0}
+        classes = [c for c in state.layout.vote.vote_classes(world) if len(c) > 1]
+        split = None
+        if not classes:  # (nobody holds a copy of another's state: the seals alone)
+            if broken:
+                self._act(st, state, broken, {}, voted=True)
+            return
+        try:
+            found = consensus.outliers(tally, classes, keys, skip=NONE)
+        except consensus.NoMajority as exc:
+            found, split = {}, str(exc)
+        if found or split is not None:
+            named: dict[int, str] = {}
+            for i, ranks in sorted(found.items()):  # (each rank by the first it differs in)
+                for r in ranks:
+                    named.setdefault(r, f"rank {r}'s {keys[i]} (step "
+                                        f"{st.index - 1 if i == 0 else st.index}) differ from "
+                                        "the majority's")
+            self._roll_back(st, state, broken, named, split)
+        if broken:
+            self._act(st, state, broken, {}, voted=True)
+
     def final(self, state: RankState) -> None:
         """After the last step, the checks the next step would have run before its update
         (a step's vote and seal cover what the step before left: a flip on the last step
@@ -79,17 +204,31 @@ class Fingerprinter:
         lay = state.layout
         total = lay.math.grad_numel()
         zeros = torch.zeros(total, dtype=lay.math.master_dtype, device=lay.math.device)
-        self.begin(Step(state.step + 1, [], 0), state, zeros, total, every_step=True)
+        st = Step(state.step + 1, [], 0)
+        k = carried_slots(self.cfg, lay)
+        if k and self.carries:  # the carried vote: what the last step left, in one tiny all-reduce
+            member = self.member
+            slots = torch.zeros(member.world_size * k, dtype=lay.math.master_dtype,
+                                device=lay.math.device)
+            self.fill(st, state, slots.view(member.world_size, k)[member.rank], force=True)
+            member.ops.allreduce(slots, f"fingerprint vote (after step {state.step})")
+            self._carried(st, state, zeros, slots)
+            return
+        self.begin(st, state, zeros, total, every_step=True)
         self.settle()
 
     def begin(self, st: Step, state: RankState, grads: torch.Tensor, total: int,
-              every_step: bool = False) -> None:
+              every_step: bool = False, slots: torch.Tensor | None = None) -> None:
         """Step `st`, all-reduced (`grads`: the reduced gradient region, at the start of a
         buffer of `total` elements), not yet updated: the seal, and when it is the vote's
         turn its digests and its all-reduce, left running through the optimizer step when
         that step can be undone (`settle`, from the update, awaits it); otherwise settled
         now. Raises `consensus.Outvoted` when a rank is named, `consensus.NoMajority` when
-        nobody can be."""
+        nobody can be. With the vote carried (`slots`: every rank's fingerprints from the
+        step's all-reduce) the vote is on what `fill` wrote (`_carried`)."""
+        if slots is not None and slots.numel() and self.carries:
+            self._carried(st, state, grads, slots)
+            return
         self.vote_s = self.digest_s = 0.0
         self._pending = None
         member = self.member
@@ -184,15 +323,22 @@ class Fingerprinter:
                 f"and step {to} has no committed snapshot to roll back to; the job stops "
                 "before the update")
         if member.rank == reporter:
+            if not bad and member.store.add(Keys.rollback(to), 1) > 1:
+                raise consensus.NoMajority(
+                    f"step {st.index}: the copies differ again after a rollback to step {to} "
+                    f"({split}): a fault that persists on one of these ranks, and no strict "
+                    "majority says which; the job stops before the update (give the job "
+                    "three copies to vote with: more ranks, or replica groups)")
             member.snap.wait_copied(committed=True)
             retract_commit(member.store, st.index - 1, to)
         state.step = to
-        if bad:
-            self._act(st, state, broken, named, voted=True)
-        why = f"step {st.index}: {split}"
+        why = f"step {st.index}: {split or '; '.join(named.values())}"
         if member.rank == reporter:
             self.events.emit("fingerprint_rollback", rank=member.rank, gen=member.generation,
-                             step=st.index, to_step=to, why=why)
+                             step=st.index, to_step=to, why=why, named=sorted(named))
+        if bad:
+            self._act(st, state, broken, named, voted=True)
+        if member.rank == reporter:
             member.report(ReportKind.ROLLBACK, f"roll back to step {to}: {why}")
         raise consensus.RolledBack(f"{why}; rolled back to step {to}")
 

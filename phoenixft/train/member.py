@@ -58,6 +58,7 @@ from phoenixft.train.ahead import local_step_of_every_rank
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.consensus import Seal
 from phoenixft.train.fault_hooks import member_hooks
+from phoenixft.train.fingerprints import carried_slots
 from phoenixft.train.group_builds import GroupBuilds, drop
 from phoenixft.train.kept_groups import KeptGroups
 from phoenixft.train.lifecycle import JobAborted
@@ -466,7 +467,8 @@ class Member:
         # A fresh gradient buffer per generation: an abandoned all-reduce of the old
         # generation may still complete into the old one.
         max_m = max(state.m, state.m_for(self.world_size))
-        state.grad = torch.zeros(ReduceLayout.capacity(lay.math.grad_numel(), max_m, self.world_size),
+        state.grad = torch.zeros(ReduceLayout.capacity(lay.math.grad_numel(), max_m, self.world_size,
+                                                       carried_slots(self.cfg.fingerprints, lay)),
                                  dtype=lay.math.master_dtype, device=lay.math.device)
 
     def _restore(self, ctx: JoinContext, state: RankState, point: RestorePoint,

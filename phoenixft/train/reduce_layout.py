@@ -10,6 +10,9 @@ One all-reduce carries everything a step must agree on, so a step costs one coll
     [times: world)       each rank's seconds of the step, in its own slot (the straggler
                          watch, train/straggler.py)
     [stalls: world)      each rank's seconds its process stood still in the step
+    [votes: world x k)   each rank's fingerprints in its own k slots: the digests of the
+                         step before's reduced gradients and of its state now, and its
+                         seal (train/fingerprints.py; k = 0 when the vote is not carried)
 
 After the sum, every id must appear exactly once and the counts must add up to m.
 """
@@ -26,15 +29,21 @@ class ReduceLayout:
     size: int  # the flat parameter buffer's length (padded to the world size)
     m: int  # microbatches in the step
     world: int = 0  # ranks, one time slot and one stall slot each
+    votes: int = 0  # slots per rank for the carried fingerprints
 
     @staticmethod
-    def capacity(size: int, max_m: int, world: int = 0) -> int:
+    def capacity(size: int, max_m: int, world: int = 0, votes: int = 0) -> int:
         """Buffer length that fits any step of up to `max_m` microbatches."""
-        return size + max_m + _TAIL + 2 * world
+        return size + max_m + _TAIL + (2 + votes) * world
 
     @property
     def total(self) -> int:
-        return self.size + self.m + _TAIL + 2 * self.world
+        return self.size + self.m + _TAIL + (2 + self.votes) * self.world
+
+    @property
+    def fingerprints(self) -> slice:
+        start = self.stalls.stop
+        return slice(start, start + self.votes * self.world)
 
     @property
     def times(self) -> slice:

@@ -41,7 +41,7 @@ from phoenixft.observe.events import EventLog
 from phoenixft.train import model_io, quota, recompute
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
-from phoenixft.train.fingerprints import Fingerprinter
+from phoenixft.train.fingerprints import Fingerprinter, carried_slots
 from phoenixft.train.fsdp_layout import Parallelize
 from phoenixft.train.layouts import LayoutArgs, build
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
@@ -412,7 +412,8 @@ class Session:
         failed = state.layout.members.failure()  # latched inside the user's passes (FSDP2)
         if failed is not None:
             raise failed
-        lay = ReduceLayout(state.layout.math.grad_numel(), st.m, self.world_size)
+        lay = ReduceLayout(state.layout.math.grad_numel(), st.m, self.world_size,
+                           carried_slots(self.cfg.fingerprints, state.layout))
         g = state.grad[:lay.total]
         state.layout.math.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail, the times and stalls: below
@@ -427,6 +428,8 @@ class Session:
             stall /= len(st.done)  # (in the unit of its time)
         g[lay.times.start + self.rank] = t
         g[lay.stalls.start + self.rank] = stall
+        self._fingerprints.fill(st, state, g[lay.fingerprints].view(self.world_size, -1)[self.rank]
+                                if lay.votes else None)
         if state.layout.work.contributes():  # (one rank of a tensor-parallel group counts)
             for j in st.done:
                 g[lay.mask.start + j] = 1.0  # which microbatches this rank contributes (the audit)
@@ -445,7 +448,7 @@ class Session:
                                f"cover each of the {st.m} microbatches exactly once")
         self._recompute.verdict(st)
         self._flip(st, "grad", g[lay.grads])
-        self._fingerprints.begin(st, state, g[lay.grads], lay.total)
+        self._fingerprints.begin(st, state, g[lay.grads], lay.total, slots=g[lay.fingerprints])
         self._grow_requested = bool(g[lay.grow] > 0)
         work, world = state.layout.work, self.world_size
         swap = self._stragglers.observe(rank=self.rank, generation=self.generation,

@@ -23,20 +23,23 @@ def test_consensus_smoke(tmp_path):
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     rows = r["rows"]
-    assert list(rows) == ["clean", "nofp", "fp_blocks", "k8", "slow", "swap", "rebalance", "noisy",
+    assert list(rows) == ["clean", "nofp", "fp_blocks", "fp_blocks_sep", "k8", "slow", "swap",
+                          "rebalance", "noisy",
                           "noisy2", "freeze", "recompute", "wrong", "flip_grad", "flip_param",
                           "flip_optim"]
     for mode in ("slow", "swap", "rebalance", "freeze"):
         assert rows[mode]["detected_after_steps"] is not None, mode
         assert rows[mode]["steps"] == 20 and rows[mode]["failures"] == 0
-    assert [x["why"] for x in rows["freeze"]["stragglers"]] == ["stalled"]
+    # (named again when its freezes left the window and came back: with 25 ms steps one in
+    # two or three holds a 150 ms freeze)
+    assert {(x["rank"], x["why"]) for x in rows["freeze"]["stragglers"]} == {(1, "stalled")}
     # found at the first check step from the fault (step 5) on, its rank swapped
     assert (rows["wrong"]["detected_after_steps"], rows["wrong"]["quarantined"]) == (0, ["n0w1"])
     assert rows["recompute"]["digest_as_clean"] and rows["wrong"]["digest_as_clean"]
     assert 0 < r["recompute_cost"] < 1
     assert rows["swap"]["swapped"] == ["n0w1"] and rows["slow"]["swapped"] == []
     assert rows["clean"]["vs_clean"] == 1.0
-    for mode, after in (("flip_grad", 0), ("flip_param", 1), ("flip_optim", 1)):
+    for mode, after in (("flip_grad", 1), ("flip_param", 1), ("flip_optim", 1)):
         row = rows[mode]
         assert (row["detected_after_steps"], row["quarantined"]) == (after, ["n0w1"]), mode
         assert row["failures"] == 1 and row["digest_as_clean"], mode
@@ -45,5 +48,6 @@ def test_consensus_smoke(tmp_path):
     assert -1 < r["fingerprint_cost"] < 1 and -1 < r["fingerprint_cost_k8"] < 1
     assert rows["fp_blocks"]["blocks"]["pairs"] >= 3 and rows["fp_blocks"]["digest_as_clean"]
     assert -1 < r["fingerprint_cost_in_run"] < 1 and r["fingerprint_cost_in_run_se"] >= 0
+    assert -1 < r["fingerprint_cost_in_run_separate"] < 1
     assert [g["name"].split()[0] for g in r["goals"]] == ["fingerprints'", "straggler", "false",
                                                           "recomputation's", "wrong", "a", "a"]

@@ -1,12 +1,14 @@
 """Silent data corruption under `phoenixft run` (data parallel, --fingerprint-every 1, the
 default): a bit flipped in rank 2's state at step 5 (`flip:` fault, the process carries
-on) is found before it reaches an update: its reduced gradients of step 5 and its
-parameters after step 5 by the ranks' vote, its optimizer state (held by no other rank)
-by its own seal of snapshot 5. Rank 2 is named, fenced and replaced by the spare, which
-restores snapshot 4 or 5 (taken before the flip) from its replica; the others keep their
-microbatches, and the job ends bit for bit as the failure-free run. With 2 ranks nobody
-can be outvoted: the step's collectives are replayed, and the rank whose first copy
-differs from what the replay gave both is named and swapped alike."""
+on) is found. Its reduced gradients of step 5 and its parameters after step 5 by the
+ranks' vote, carried in step 6's own all-reduce (the default): the job rolls back to
+step 4, the last state a vote vouched for, and the spare takes rank 2's place. Its
+optimizer state (held by no other rank) by its own seal of snapshot 5, before step 6's
+update: the spare restores snapshot 5 and the others keep their microbatches. The job
+ends bit for bit as the failure-free run. With `--fingerprint-vote separate` the vote
+runs after each step's all-reduce, before its update, and 2 ranks that cannot outvote
+each other replay the step's collectives to name the one whose copy differs; with the
+vote carried they roll back instead."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ STEPS = 12
 
 
 # where the bit flips -> (the step whose vote finds it, the restored step, what it names)
-FOUND = {"grad": (5, 4, "rank 2's reduced gradients (step 5) differ from the majority's"),
-         "param": (6, 5, "rank 2's parameters (step 6) differ from the majority's"),
+FOUND = {"grad": (6, 4, "rank 2's reduced gradients (step 5) differ from the majority's"),
+         "param": (6, 4, "rank 2's parameters (step 6) differ from the majority's"),
          "optim": (6, 5, "rank 2's optimizer state changed in memory after snapshot 5 was "
                          "copied (opt.exp_avg)")}
 
@@ -53,10 +55,13 @@ def test_a_flipped_bit_is_found_and_its_rank_swapped(tmp_path, reference, where)
     assert job.summary["quarantined"] == ["n0w2"]
     [rec] = job.summary["recoveries"]
     assert rec["replacement"] == "n0w4" and rec["restore_step"] == restored
-    # the vote was awaited after the optimizer step: every rank undid its update from its
-    # own snapshot, so the others kept the microbatches they had finished
     kept = {e["rank"]: e["kept"] for e in job.of("in_step_recovery") if e["wid"] != "n0w4"}
-    assert kept == {0: [0], 1: [1], 3: [3]}, kept
+    if where == "optim":  # found before step 6's update: the others keep its microbatches
+        assert kept == {0: [0], 1: [1], 3: [3]}, kept
+    else:  # a vote carried into step 6 finds what step 5 left: back to step 4
+        assert kept == {}, kept
+        [rolled] = job.of("fingerprint_rollback")
+        assert (rolled["step"], rolled["to_step"], rolled["rank"]) == (6, 4, 0)
     assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
     assert job.summary["losses"] == reference.summary["losses"]
     assert f"silent data corruption: {found}" in job.out
@@ -71,19 +76,20 @@ def test_a_flipped_bit_is_found_and_its_rank_swapped(tmp_path, reference, where)
 
 @pytest.mark.timeout(240)
 def test_without_a_spare_the_others_go_on_without_the_flipped_rank(tmp_path, tmp_path_factory):
-    """3 ranks, no spare, --min-nproc 2: rank 1's flipped gradient is outvoted and its
-    worker fenced; the other two take its quota (ReCoVer: they keep the microbatches they finished), so
+    """3 ranks, no spare, --min-nproc 2: rank 1's optimizer state, flipped after snapshot 5,
+    breaks its seal at step 6's vote, before the update, and its worker is fenced; the
+    other two take its quota (ReCoVer: they keep the microbatches they finished), so
     every step consumes the failure-free run's 12 microbatches (audit) and the losses stay
     within 1e-4 of it."""
     common, script = ("--nproc", "3", "--min-nproc", "2"), ("--data", "ids", "--microbatches", "12")
     ref = run(tmp_path_factory.mktemp("sdc-shrink-ref"), *common, steps=STEPS,
               script_args=script)
-    job = run(tmp_path, *common, "--inject", "flip:rank=1:step=5", steps=STEPS,
+    job = run(tmp_path, *common, "--inject", "flip:rank=1:step=5:where=optim", steps=STEPS,
               script_args=script)
     for j in (ref, job):
         assert j.rc == 0, j.out[-3000:]
     [vote] = job.of("fingerprint_mismatch")
-    assert (vote["step"], vote["outvoted"]) == (5, [1])
+    assert (vote["step"], vote["outvoted"]) == (6, [1])
     assert job.summary["quarantined"] == ["n0w1"]
     assert job.summary["world_sizes"] == [3, 2]
     kept = {e["rank"]: e["kept"] for e in job.of("in_step_recovery")}
@@ -117,16 +123,32 @@ def test_a_seal_broken_between_votes_names_its_own_rank(tmp_path, reference):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("where", ["grad", "param"])
+@pytest.mark.parametrize("vote,where", [("separate", "grad"), ("separate", "param"),
+                                        ("carried", "grad")])
 def test_two_ranks_cannot_outvote_each_other_so_a_replay_names_the_flipped_one(
-        tmp_path, tmp_path_factory, where):
+        tmp_path, tmp_path_factory, vote, where):
+    """Separate votes: the step's collectives are replayed before its update, and the
+    rank whose first copy differs from what the replay gave both is named and swapped.
+    Carried votes find it after the update: nobody can be named, so the job rolls back to
+    step 4 with the same members (the spare stays unused)."""
     args = ("--nproc", "2", "--spares", "1")
-    ref = run(tmp_path_factory.mktemp(f"sdc2-ref-{where}"), *args, steps=STEPS,
+    ref = run(tmp_path_factory.mktemp(f"sdc2-ref-{vote}-{where}"), *args, steps=STEPS,
               script_args=("--data", "ids"))
     assert ref.rc == 0, ref.out[-3000:]
-    job = run(tmp_path, *args, "--inject", f"flip:rank=1:step=5:where={where}", steps=STEPS,
+    job = run(tmp_path, *args, "--fingerprint-vote", vote,
+              "--inject", f"flip:rank=1:step=5:where={where}", steps=STEPS,
               script_args=("--data", "ids"))
     assert job.rc == 0, job.out[-3000:]
+    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
+    assert job.summary["losses"] == ref.summary["losses"]
+    if vote == "carried":
+        [rolled] = job.of("fingerprint_rollback")
+        assert (rolled["step"], rolled["to_step"], rolled["named"]) == (6, 4, [])
+        assert "no strict majority says which reduced gradients are right" in rolled["why"]
+        assert job.summary["failures"] == [] and job.summary["quarantined"] == []
+        assert [r["gen"] for r in job.summary["rollbacks"]] == [1]
+        assert {e["gen"]: e["restore_step"] for e in job.of("recovered")} == {1: 4}
+        return
     step, restored = (5, 4) if where == "grad" else (6, 5)
     [replay] = [e for e in job.of("fingerprint_replay") if e["rank"] == 0]
     i = 0 if where == "grad" else 1
@@ -139,7 +161,6 @@ def test_two_ranks_cannot_outvote_each_other_so_a_replay_names_the_flipped_one(
     [rec] = job.summary["recoveries"]
     assert rec["replacement"] == "n0w2" and rec["restore_step"] == restored
     assert job.summary["quarantined"] == ["n0w1"]
-    assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
 
 
 HSDP = ROOT / "tests" / "integration" / "scripts" / "gated_hsdp.py"
@@ -163,16 +184,15 @@ def test_hsdp_replica_groups_outvote_the_one_whose_shards_differ(tmp_path, tmp_p
     assert job.rc == 0, job.out[-3000:]
     [vote] = job.of("fingerprint_mismatch")
     what = "reduced gradient shards (step 4)" if where == "grad" else "parameter shards (step 5)"
-    assert (vote["step"], vote["outvoted"]) == (4 if where == "grad" else 5, [1])
+    assert (vote["step"], vote["outvoted"]) == (5, [1])  # (carried into step 5's all-reduce)
     assert vote["found"] == [f"rank 1's {what} differ from the majority's"]
     assert job.summary["quarantined"] == ["n0w1"]
     assert job.summary["final_state_digest"] == ref.summary["final_state_digest"]
 
 
-# a flip on the last step: the grad vote of step 12 finds it in that step; a parameter or
-# an optimizer-state flip is found by the checks the job runs after its last step (what
-# step 13 would have run before its update), named as step 13's
-LAST = {"grad": (12, "rank 2's reduced gradients (step 12) differ from the majority's"),
+# a flip on the last step is found by the checks the job runs after its last step (what
+# step 13's all-reduce would have carried), named as step 13's
+LAST = {"grad": (13, "rank 2's reduced gradients (step 12) differ from the majority's"),
         "param": (13, "rank 2's parameters (step 13) differ from the majority's"),
         "optim": (13, "rank 2's optimizer state changed in memory after snapshot 12 was "
                       "copied (opt.exp_avg)")}
