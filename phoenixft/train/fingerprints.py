@@ -11,8 +11,8 @@ came from step T (its update, or memory since), so snapshot T may hold it: the j
 back to T-1, the last state a vote vouched for, whose snapshots every rank still holds
 (`_roll_back`: the last commit taken back, a rank outside a strict majority replaced,
 otherwise the same members go on). A seal that broke names its rank as before (snapshot T
-was taken before the change). The cost: the digests (about a third of a percent of a
-step measured here), a few floats a rank in the all-reduce, and one step more to redo
+was taken before the change). The cost: the digests (0.15 ms of a 63 ms step measured
+here), a few floats a rank in the all-reduce, and one step more to redo
 when something is found. A rank without the step before's gradient digest (a spare that
 joined since) is left out of that vote. After the last step one tiny all-reduce votes on
 what the last step left (`final`). With two ranks a difference rolls back; the same
