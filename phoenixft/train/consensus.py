@@ -32,6 +32,7 @@ from collections import Counter
 import torch
 import xxhash
 
+from phoenixft.cluster.keys import ReportKind
 from phoenixft.comm.collectives import CommFailure, GroupOps
 
 
@@ -39,6 +40,21 @@ class Outvoted(CommFailure):
     """The step's fingerprint vote (or a rank's own seal) named ranks whose state differs
     from what it must be: the step is abandoned before its update (its finished
     microbatches are kept by the others) and the leader replaces those ranks."""
+
+
+def name_ranks(member, events, event: str, step: int, named: dict[int, str], reports: bool,
+               field: str = "named") -> None:
+    """Abandon step `step` over the ranks `named` (rank -> why): the reporting rank
+    (`reports`) emits `event` (the ranks under `field`, their workers, why) and reports each
+    to the leader as CORRUPT (it fences and replaces them); every rank raises Outvoted."""
+    if reports:
+        members, ranks = member.plan.members, sorted(named)
+        events.emit(event, rank=member.rank, gen=member.generation, step=step,
+                    **{field: ranks}, wids=[members[r] for r in ranks],
+                    found=[named[r] for r in ranks])
+        for r in ranks:
+            member.report(ReportKind.CORRUPT, named[r], wid=members[r])
+    raise Outvoted(f"step {step}: {'; '.join(named.values())}")
 
 
 class RolledBack(CommFailure):

@@ -374,16 +374,9 @@ class Fingerprinter:
                for r, m in broken.items()}
         for r, why in named.items():
             bad.setdefault(r, why)
-        members = member.plan.members
         healthy = [r for r in range(world) if r not in bad]
-        if rank == (min(healthy or bad) if voted else rank):
-            ranks = sorted(bad)
-            self.events.emit("fingerprint_mismatch", rank=rank, gen=member.generation,
-                             step=st.index, outvoted=ranks, wids=[members[r] for r in ranks],
-                             found=[bad[r] for r in ranks])
-            for r in ranks:
-                member.report(ReportKind.CORRUPT, bad[r], wid=members[r])
-        raise consensus.Outvoted(f"step {st.index}: {'; '.join(bad.values())}")
+        consensus.name_ranks(member, self.events, "fingerprint_mismatch", st.index, bad,
+                             rank == (min(healthy or bad) if voted else rank), field="outvoted")
 
     def _replay(self, index: int, state: RankState, tally: list[list[int]],
                 total: int) -> dict[int, list[int]]:

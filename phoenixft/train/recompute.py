@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from phoenixft.cluster.keys import ReportKind
 from phoenixft.observe.events import EventLog
 from phoenixft.train import consensus
 from phoenixft.train.rank_state import RankState
@@ -182,15 +181,9 @@ class Recomputer:
         self.check_s += time.perf_counter() - t0
         named, undecided = judge([list(x) for x in zip(*cols)], self.order())
         if named:
-            members = member.plan.members
-            if rank == min((r for r in range(world) if r not in named), default=min(named)):
-                ranks = sorted(named)
-                self.events.emit("recompute_mismatch", rank=rank, gen=member.generation,
-                                 step=st.index, named=ranks, wids=[members[r] for r in ranks],
-                                 found=[named[r] for r in ranks])
-                for r in ranks:
-                    member.report(ReportKind.CORRUPT, named[r], wid=members[r])
-            raise consensus.Outvoted(f"step {st.index}: {'; '.join(named.values())}")
+            consensus.name_ranks(member, self.events, "recompute_mismatch", st.index, named,
+                                 rank == min((r for r in range(world) if r not in named),
+                                             default=min(named)))
         if undecided:
             raise consensus.NoMajority(
                 f"step {st.index}: the recomputed gradients disagree and {'; '.join(undecided)}"
