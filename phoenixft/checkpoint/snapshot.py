@@ -74,12 +74,22 @@ def mark_committed(store: dist.Store, step: int, info: dict) -> None:
     store.multi_set(keys, values)
 
 
-def retract_commit(store: dist.Store, step: int, to: int) -> None:
-    """Take back the commit of `step` (a vote found that its state may differ from what
-    it must be, `fingerprints.py`): `committed` goes back to `to`, whose marker stays, and
-    `step`'s marker is deleted. The caller saw `step` committed, so no acknowledgement of
-    it is still to come; the members restore `to` at the next join, and `step` commits
-    again when it is taken anew."""
+POISON = 1 << 40  # taken off an acknowledgement count so that it never reaches its target
+
+
+def retract_commit(store: dist.Store, generation: int, step: int, to: int, target: int,
+                   timeout_s: float) -> None:
+    """Take back the commit of snapshot `step` of `generation` (a vote found that its state
+    may differ from what it must be, `fingerprints.py`): its acknowledgement count is
+    poisoned first, so no acknowledgement still to come commits it (the others may have
+    left the generation with theirs unsent: nothing here waits for them); if the count had
+    already reached its `target`, its acker's marker is awaited (the acker's next request).
+    Then `committed` goes back to `to`, whose marker stays, and `step`'s is deleted. The
+    members restore `to` at the next join, and `step` commits again when it is taken
+    anew. (A `step` committed in an earlier generation, the one this generation restored,
+    has no count in `generation`: it is taken back all the same.)"""
+    if store.add(Keys.ack(generation, step), -POISON) + POISON >= target:
+        wait_for(store, [Keys.commit(step)], timeout_s)
     store.multi_set([Keys.COMMITTED], [str(to)])
     store.delete_key(Keys.commit(step))
 
@@ -212,6 +222,10 @@ class Snapshotter:
                 raise CommFailure(f"snapshot {target} not committed: the generation changed")
         finally:
             self.stats["stall_s"] += time.perf_counter() - t0
+
+    def retract(self, store: dist.Store, step: int, to: int) -> None:
+        """`retract_commit` of this generation's snapshot `step`, back to `to`."""
+        retract_commit(store, self.generation, step, to, self._target, self._timeout)
 
     def own(self, step: int) -> Snapshot:
         """This rank's own snapshot `step` in its slot, verified (views of shared memory:

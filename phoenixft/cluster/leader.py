@@ -444,9 +444,10 @@ class Leader:
         self._publish(nxt.plan)
 
     def _roll_back(self, rep: dict) -> None:
-        """A member found tp copies that differ and took back the last commit
-        (`fingerprints.py`): the next generation has the same members, who restore the
-        step before it. Once a generation (a report of an older one is stale)."""
+        """The fingerprint vote found copies that differ with nobody to name (two ranks, a
+        tp pair), and a member took back the last commit (`fingerprints.py`): the next
+        generation has the same members, who restore the step before it. Once a
+        generation (a report of an older one is stale)."""
         plan = self.plan
         if rep.get("gen") != plan.generation:
             return

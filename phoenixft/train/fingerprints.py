@@ -40,7 +40,6 @@ from collections.abc import Callable
 import torch
 
 from phoenixft.checkpoint.integrity import IntegrityError
-from phoenixft.checkpoint.snapshot import retract_commit
 from phoenixft.cluster.keys import Keys, ReportKind
 from phoenixft.config import Fingerprints
 from phoenixft.observe.events import EventLog
@@ -70,11 +69,18 @@ class Fingerprinter:
         self.events = events
         self._filled: tuple | None = None  # what `fill` wrote into this step's all-reduce
         self._carry: tuple[int, int] | None = None  # (step, its reduced gradients' digest)
+        self._slots: int | None = None  # (`slots`)
         # this step's costs on the critical path (0: not done this step): the seal check,
         # the digests, and the digests plus the vote's all-reduce (which includes waiting
         # for the slowest rank); the step event carries them
         self.seal_s = self.digest_s = self.vote_s = 0.0
         self._pending: tuple | None = None  # a vote left running through the update
+
+    def slots(self, state: RankState) -> int:
+        """`carried_slots` of this session's layout (fixed once it joined: asked once)."""
+        if self._slots is None:
+            self._slots = carried_slots(self.cfg, state.layout)
+        return self._slots
 
     @property
     def carries(self) -> bool:
@@ -205,7 +211,7 @@ class Fingerprinter:
         total = lay.math.grad_numel()
         zeros = torch.zeros(total, dtype=lay.math.master_dtype, device=lay.math.device)
         st = Step(state.step + 1, [], 0)
-        k = carried_slots(self.cfg, lay)
+        k = self.slots(state)
         if k and self.carries:  # the carried vote: what the last step left, in one tiny all-reduce
             member = self.member
             slots = torch.zeros(member.world_size * k, dtype=lay.math.master_dtype,
@@ -301,13 +307,14 @@ class Fingerprinter:
 
     def _roll_back(self, st: Step, state: RankState, broken: dict[int, int],
                    named: dict[int, str], split: str | None) -> None:
-        """A layout whose vote rolls back (`VoteScope.rolls_back`: tp copies) found state
-        that differs at step `st`: what differs came from step st.index - 1 (its update, or
-        memory since), so that step's snapshot may hold it too, on any rank of a pair that
-        cannot outvote each other. The job goes back to snapshot st.index - 2, the last one
-        a vote vouched for: the reporting rank (the lowest healthy one, as `_act`'s) waits
-        for snapshot st.index - 1's commit (so no late acknowledgement commits it again),
-        takes that commit back (`retract_commit`) and reports; every rank marks its state
+        """The carried vote, or a layout whose vote rolls back (`VoteScope.rolls_back`: tp
+        copies), found state that differs at step `st`: what differs came from step
+        st.index - 1 (its update, or memory since), so that step's snapshot may hold it
+        too (on any rank of a pair that cannot outvote each other). The job goes back to
+        snapshot st.index - 2, the last one a vote vouched for: the reporting rank (the
+        lowest healthy one, as `_act`'s) takes back snapshot st.index - 1's commit
+        (`Snapshotter.retract`, which also keeps any acknowledgement still to come from
+        committing it) and reports; every rank marks its state
         as of st.index - 2, so the next join restores that step from the snapshots every
         rank still holds (the one after it is never begun before this step's update). A
         rank outside a strict majority, or whose seal broke, is replaced (`_act`);
@@ -319,9 +326,10 @@ class Fingerprinter:
         reporter = min((r for r in range(member.world_size) if r not in bad), default=-1)
         if to < 0 or not member.store.check([Keys.commit(to)]):
             raise consensus.NoMajority(
-                f"step {st.index}: the tp copies differ ({split or '; '.join(named.values())}) "
-                f"and step {to} has no committed snapshot to roll back to; the job stops "
-                "before the update")
+                f"step {st.index}: the copies the ranks must hold alike differ "
+                f"({split or '; '.join(named.values())}) and step {to} has no committed "
+                "snapshot to roll back to (snapshots off, or too early in the job); the job "
+                "stops before the update")
         if member.rank == reporter:
             if not bad and member.store.add(Keys.rollback(to), 1) > 1:
                 raise consensus.NoMajority(
@@ -329,8 +337,7 @@ class Fingerprinter:
                     f"({split}): a fault that persists on one of these ranks, and no strict "
                     "majority says which; the job stops before the update (give the job "
                     "three copies to vote with: more ranks, or replica groups)")
-            member.snap.wait_copied(committed=True)
-            retract_commit(member.store, st.index - 1, to)
+            member.snap.retract(member.store, st.index - 1, to)
         state.step = to
         why = f"step {st.index}: {split or '; '.join(named.values())}"
         if member.rank == reporter:

@@ -41,7 +41,7 @@ from phoenixft.observe.events import EventLog
 from phoenixft.train import model_io, quota, recompute
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.digest import state_digest
-from phoenixft.train.fingerprints import Fingerprinter, carried_slots
+from phoenixft.train.fingerprints import Fingerprinter
 from phoenixft.train.fsdp_layout import Parallelize
 from phoenixft.train.layouts import LayoutArgs, build
 from phoenixft.train.lifecycle import JobAborted, stop_at_exit
@@ -413,7 +413,7 @@ class Session:
         if failed is not None:
             raise failed
         lay = ReduceLayout(state.layout.math.grad_numel(), st.m, self.world_size,
-                           carried_slots(self.cfg.fingerprints, state.layout))
+                           self._fingerprints.slots(state))
         g = state.grad[:lay.total]
         state.layout.math.write_grads(g[lay.grads])
         g[lay.grads.stop:].zero_()  # the audit mask, the tail, the times and stalls: below

@@ -122,19 +122,26 @@ def test_a_seal_broken_between_votes_names_its_own_rank(tmp_path, reference):
     assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
 
 
+@pytest.fixture(scope="module")
+def reference2(tmp_path_factory):
+    """The failure-free run of 2 ranks + 1 spare (the same bits with either vote: the
+    step's all-reduce buffer keeps its length)."""
+    ref = run(tmp_path_factory.mktemp("sdc2-ref"), "--nproc", "2", "--spares", "1",
+              steps=STEPS, script_args=("--data", "ids"))
+    assert ref.rc == 0, ref.out[-3000:]
+    return ref
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("vote,where", [("separate", "grad"), ("separate", "param"),
                                         ("carried", "grad")])
 def test_two_ranks_cannot_outvote_each_other_so_a_replay_names_the_flipped_one(
-        tmp_path, tmp_path_factory, vote, where):
+        tmp_path, reference2, vote, where):
     """Separate votes: the step's collectives are replayed before its update, and the
     rank whose first copy differs from what the replay gave both is named and swapped.
     Carried votes find it after the update: nobody can be named, so the job rolls back to
     step 4 with the same members (the spare stays unused)."""
-    args = ("--nproc", "2", "--spares", "1")
-    ref = run(tmp_path_factory.mktemp(f"sdc2-ref-{vote}-{where}"), *args, steps=STEPS,
-              script_args=("--data", "ids"))
-    assert ref.rc == 0, ref.out[-3000:]
+    args, ref = ("--nproc", "2", "--spares", "1"), reference2
     job = run(tmp_path, *args, "--fingerprint-vote", vote,
               "--inject", f"flip:rank=1:step=5:where={where}", steps=STEPS,
               script_args=("--data", "ids"))
@@ -166,21 +173,29 @@ def test_two_ranks_cannot_outvote_each_other_so_a_replay_names_the_flipped_one(
 HSDP = ROOT / "tests" / "integration" / "scripts" / "gated_hsdp.py"
 
 
+HSDP_ARGS = ("--nproc", "3", "--spares", "1")
+HSDP_SCRIPT = ("--steps", "8", "--dp-shard", "1")
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory):
+    ref = run_script(tmp_path_factory.mktemp("hsdp-sdc-ref"), HSDP, *HSDP_ARGS, timeout=240,
+                     script_args=HSDP_SCRIPT)
+    assert ref.rc == 0, ref.out[-3000:]
+    return ref
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("where", ["grad", "param"])
-def test_hsdp_replica_groups_outvote_the_one_whose_shards_differ(tmp_path, tmp_path_factory,
+def test_hsdp_replica_groups_outvote_the_one_whose_shards_differ(tmp_path, hsdp_reference,
                                                                  where):
     """3 replica groups of 1 FSDP2 rank each (+1 spare): the groups hold the same shards
     (cross-group gradient sum, parameters, optimizer state), so the vote is among the
     ranks at one place of every group; group 1's rank is named, swapped inside its group,
     and the job ends on the failure-free digest."""
-    args = ("--nproc", "3", "--spares", "1")
-    script_args = ("--steps", "8", "--dp-shard", "1")
-    ref = run_script(tmp_path_factory.mktemp(f"hsdp-sdc-ref-{where}"), HSDP, *args,
-                     timeout=240, script_args=script_args)
-    assert ref.rc == 0, ref.out[-3000:]
-    job = run_script(tmp_path, HSDP, *args, "--inject", f"flip:rank=1:step=4:where={where}",
-                     timeout=240, script_args=script_args)
+    ref = hsdp_reference
+    job = run_script(tmp_path, HSDP, *HSDP_ARGS, "--inject", f"flip:rank=1:step=4:where={where}",
+                     timeout=240, script_args=HSDP_SCRIPT)
     assert job.rc == 0, job.out[-3000:]
     [vote] = job.of("fingerprint_mismatch")
     what = "reduced gradient shards (step 4)" if where == "grad" else "parameter shards (step 5)"

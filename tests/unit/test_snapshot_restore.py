@@ -348,3 +348,25 @@ def test_a_node_waits_for_each_commit_on_the_store_once(tmp_path, store_addr):
     for s in range(4):
         waiters = {r for r, k in seen if k == Keys.commit(s)}
         assert len(waiters & {0, 1, 2}) <= 1, (s, waiters)
+
+
+def test_a_retracted_commit_is_never_made_again_by_a_late_acknowledgement(store_addr):
+    """A rollback (`fingerprints._roll_back`) takes back snapshot 5's commit: `committed`
+    returns to 4 and 5's marker is gone, whether 5 had committed already or its last
+    acknowledgements were still on their way (then they never commit it: the count is
+    poisoned, and nothing waits for them)."""
+    from phoenixft.checkpoint.snapshot import mark_committed, retract_commit
+
+    store = kv.connect(store_addr)
+    mark_committed(store, 4, {"generation": 0, "world_size": 2})
+    # 5 committed (2 of 2 acknowledged), then taken back
+    assert not acknowledge(store, 0, 5, 1, 2, 2) and acknowledge(store, 0, 5, 1, 2, 2)
+    assert kv.get_int(store, Keys.COMMITTED, -1) == 5
+    retract_commit(store, 0, 5, 4, target=2, timeout_s=5)
+    assert kv.get_int(store, Keys.COMMITTED, -1) == 4 and not store.check([Keys.commit(5)])
+    assert store.check([Keys.commit(4)])
+    # 6 half acknowledged, taken back: its last acknowledgement comes later and commits nothing
+    assert not acknowledge(store, 0, 6, 1, 2, 2)
+    retract_commit(store, 0, 6, 4, target=2, timeout_s=5)
+    assert not acknowledge(store, 0, 6, 1, 2, 2)
+    assert kv.get_int(store, Keys.COMMITTED, -1) == 4 and not store.check([Keys.commit(6)])
