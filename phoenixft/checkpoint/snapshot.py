@@ -208,13 +208,8 @@ class Snapshotter:
         training thread pays no store round trip here."""
         target = self._begun_step
         t0 = time.perf_counter()
-        with self._cond:
-            while ((self._committed_step if committed else self._copied_step) < target
-                   and self._error is None and not self._stopped):
-                if self._interrupt.is_set():
-                    break
-                self._cond.wait(0.5)
         try:
+            self._wait(target, committed)
             self._raise_error()
             if self._copied_step < target:
                 raise CommFailure("snapshot copy abandoned: the generation changed")
@@ -222,6 +217,25 @@ class Snapshotter:
                 raise CommFailure(f"snapshot {target} not committed: the generation changed")
         finally:
             self.stats["stall_s"] += time.perf_counter() - t0
+
+    def copied(self) -> bool:
+        """`wait_copied` without raising: whether the last begun snapshot is in host
+        memory. For the seal's check before the step's all-reduce: a failure in this
+        thread then (a replica's peer died) is the all-reduce's to find, or the pre-hook's
+        to raise, and its error stays for `wait_copied`."""
+        target = self._begun_step
+        t0 = time.perf_counter()
+        self._wait(target, committed=False)
+        self.stats["stall_s"] += time.perf_counter() - t0
+        return self._copied_step >= target
+
+    def _wait(self, target: int, committed: bool) -> None:
+        with self._cond:
+            while ((self._committed_step if committed else self._copied_step) < target
+                   and self._error is None and not self._stopped):
+                if self._interrupt.is_set():
+                    break
+                self._cond.wait(0.5)
 
     def retract(self, store: dist.Store, step: int, to: int) -> None:
         """`retract_commit` of this generation's snapshot `step`, back to `to`."""

@@ -97,9 +97,9 @@ class Fingerprinter:
         mask over their sorted names (0: none, or no seal to check)."""
         member = self.member
         self.seal_s = 0.0
-        if not self.cfg.every or member.snap is None:
-            return 0
-        member.snap.wait_copied()
+        if not self.cfg.every or member.snap is None or not member.snap.copied():
+            return 0  # (a snapshot thread that failed: the step's collectives or the
+            # optimizer's pre-hook raise it)
         t0 = time.perf_counter()
         unique = state.layout.state.unique_tensors()
         changed = member.seal.check(state.step, unique)
