@@ -87,10 +87,12 @@ PRIVATE_NAMES: list[PrivateName] = [
     PrivateName("torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup",
                 "fsdp_params", "its FSDPParams", instance=True),
     PrivateName("torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam",
-                "_unsharded_param", "gradients autograd left on an unsharded parameter",
+                "_unsharded_param", "gradients autograd left on an unsharded parameter "
+                "(an abandoned step's; a recomputed microbatch's, in no-sync mode)",
                 instance=True),
     PrivateName("torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam",
-                "unsharded_accumulated_grad", "an abandoned step's accumulated gradient",
+                "unsharded_accumulated_grad", "an abandoned step's accumulated gradient (a "
+                "recomputed microbatch's, in no-sync mode with a reduce dtype)",
                 instance=True),
     PrivateName("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter",
                 "dcp.save to any fsspec URL (a directory or s3://)", ("path",)),
@@ -194,6 +196,16 @@ def fsdp_params(model: nn.Module) -> list:
         if group is not None:
             out.extend(group.fsdp_params)
     return out
+
+
+def unsharded_grad(fp) -> torch.Tensor | None:
+    """The unreduced gradient FSDPParam `fp` holds after a backward in no-sync mode
+    (`set_requires_gradient_sync(False)`): its accumulated one (cast to the reduce dtype),
+    else the one autograd left on its unsharded parameter."""
+    if fp.unsharded_accumulated_grad is not None:
+        return fp.unsharded_accumulated_grad
+    unsharded = getattr(fp, "_unsharded_param", None)
+    return unsharded.grad if unsharded is not None else None
 
 
 def drop_unsharded_grads(fp) -> None:

@@ -36,8 +36,10 @@ KIND, what the worker holding rank R does when WHEN comes:
               (factor - 1) x the time they took; it needs step=T:factor=F (F > 1), and
               only this worker is slow (a spare taking its rank is not); with :every=P
               it is slow on one step in P only (steps T, T+P, ...: an intermittent one)
-    wrong     from step T on, its arithmetic is off: each backward pass leaves a wrong
-              gradient (a faulty core), which every rank then sums alike and no vote sees;
+    wrong     from step T on, its arithmetic is off: each backward pass computes a wrong
+              gradient (a faulty core: its loss is scaled by 1.25 before backward, so a
+              sharded model's reduce-scatter takes it in too), which every rank then sums
+              alike and no vote sees (not with a pipeline: its schedule computes the loss);
               it carries on (`--recompute-every` must find it); only step=T
     freeze    from step T on, stopped (SIGSTOP, by a helper process it starts) for M ms of
               every P ms, until it exits (a host that keeps pausing: a throttled
@@ -263,7 +265,8 @@ class Injector:
 
     def check_plan(self, per_rank: list[int], receivers: set[int] | None = None,
                    votes: frozenset[str] = frozenset({"grad", "param"}),
-                   layout_phases: frozenset[str] | None = None) -> None:
+                   layout_phases: frozenset[str] | None = None,
+                   user_loop: bool = True) -> None:
         """Refuse a spec that can never fire: rank R computes `per_rank[R]` microbatches
         per step, so its J-th (from 0) exists only when J < per_rank[R]; a garble needs
         rank R among `receivers`, the ranks that hold a replica (None: not checked). And a
@@ -271,8 +274,13 @@ class Injector:
         the kinds of flip the job's vote finds): it would change the job's result with
         nothing to find it. A phase only
         some layouts reach (forward, backward) where the job's does not (`layout_phases`,
-        None: not checked)."""
+        None: not checked). A wrong gradient where no user's loop calls `step.backward`
+        (`user_loop` False: a pipeline's schedule computes its losses itself)."""
         for s in self.specs:
+            if s.kind is FaultKind.WRONG and not user_loop:
+                raise InjectSpecError(
+                    f"--inject {s} can never fire: it scales the loss the user's loop gives "
+                    "step.backward, and a pipelined job's schedule computes its losses itself")
             if layout_phases is not None and s.phase in LAYOUT_PHASES \
                     and s.phase not in layout_phases:
                 raise InjectSpecError(

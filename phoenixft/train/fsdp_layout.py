@@ -265,6 +265,32 @@ class Fsdp2Layout(Membership, Holdings, StepMath, VoteScope):
         if before_gather is not None:
             before_gather(lambda: None)
 
+    # -- sampled recomputation (`recompute.py`) ---------------------------------------
+    # FSDP2 reduce-scatters a microbatch's gradient inside its backward: the rank's own
+    # first microbatch is recomputed apart too, with the checked ones
+    own_checked_apart = True
+
+    def recompute_refusal(self) -> str | None:
+        if self.tp > 1:
+            return ("with tensor parallelism a microbatch's gradient is computed by its tp "
+                    "group together, so no rank alone can recompute a peer's (the tp copies "
+                    "are voted on instead: --fingerprint-every); run it with --tp 1")
+        return None
+
+    def check_pass(self, on: bool) -> None:
+        """FSDP2's no-sync mode (`set_requires_gradient_sync(False)`): a check pass's
+        forward still all-gathers each unit's parameters (every rank runs as many check
+        passes), its backward leaves the unsharded gradients on this rank instead of
+        reduce-scattering them."""
+        self.model.set_requires_gradient_sync(not on)
+
+    def check_gradients(self, model: nn.Module) -> list[torch.Tensor]:
+        return [g for g in map(ti.unsharded_grad, self._fsdp_params) if g is not None]
+
+    def drop_check_gradients(self, model: nn.Module) -> None:
+        for fp in self._fsdp_params:
+            ti.drop_unsharded_grads(fp)
+
     def load_dcp(self, url: str) -> int:
         """Each rank reads its own shards (`train/dcp_io.py`); the tp copies too."""
         from phoenixft.train.dcp_io import load_sharded

@@ -67,6 +67,11 @@ class HsdpLayout(Fsdp2Layout, VoteScope):
         self._reduced: torch.Tensor | None = None  # the step's cross-group sum (`reduce`)
         self.kept = False  # `relocate` found the group's gradients intact
 
+    def recompute_refusal(self) -> str | None:
+        return ("HSDP's replica groups hold copies that the fingerprint vote compares "
+                "(--fingerprint-every); the recomputation is built for data parallelism and "
+                "plain FSDP2 (no replica groups)")
+
     # -- a generation ------------------------------------------------------------------
     @property
     def world_size(self) -> int:

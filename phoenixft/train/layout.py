@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from phoenixft.checkpoint.record import Snapshot
 from phoenixft.comm.collectives import CommFailure, GroupOps
@@ -239,6 +240,34 @@ class StepMath(ABC):
     @abstractmethod
     def scheduler(self):
         """The LR scheduler built on it, or None."""
+
+    # -- sampled recomputation (`recompute.py`) ---------------------------------------
+    # whether a rank's own first microbatch is recomputed apart as well, as a third check
+    # pass: its gradient in the step is reduced inside backward, never its own alone
+    own_checked_apart: bool = False
+
+    def recompute_refusal(self) -> str | None:
+        """Why a check pass cannot keep a microbatch's gradient apart from the step's in
+        this layout (`--recompute-every` is then refused), or None."""
+        if self.local_gradients:
+            return None
+        return ("it recomputes a peer's microbatch in this rank's own loop, from gradients "
+                "that are its own until the all-reduce: data parallelism or a plain FSDP2 "
+                "model (a tensor-parallel, HSDP or pipelined one reduces across ranks that "
+                "compute together)")
+
+    def check_pass(self, on: bool) -> None:
+        """Check passes begin (on) or end: their backward must leave the gradient on this
+        rank, unreduced (data parallelism: it does anyway, until the all-reduce)."""
+        return None
+
+    def check_gradients(self, model: nn.Module) -> list[torch.Tensor]:
+        """The gradient the check pass just computed."""
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    def drop_check_gradients(self, model: nn.Module) -> None:
+        """Forget it (the step's own passes follow)."""
+        model.zero_grad(set_to_none=True)
 
 
 class WorkSplit:

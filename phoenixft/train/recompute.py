@@ -14,7 +14,13 @@ one tiny all-reduce, before the update; for each microbatch a strict majority of
 three names the rank that differs (`judge`), which is reported CORRUPT and replaced like a
 dead rank before the step's update, the others keeping their microbatches.
 
-What it needs: data parallelism (each rank's gradients its own until the all-reduce),
+A plain FSDP2 model reduce-scatters each microbatch's gradient inside its backward, so
+there (`StepMath.own_checked_apart`) the rank's own first microbatch is recomputed too, as
+a third check pass, and the check passes run in FSDP2's no-sync mode (`check_pass`):
+their forward passes still all-gather (every rank runs three), their backward leaves the
+unsharded gradient on the rank to digest and drop.
+
+What it needs: data parallelism or plain FSDP2 (each check's gradient this rank's own),
 the user's loop running the microbatches, three ranks or more, and each microbatch's
 gradient a pure function of the parameters and its data: the data drawn from (step,
 microbatch id), no unseeded randomness (dropout), and kernels that give the same bits
@@ -24,8 +30,8 @@ fault that
 corrupts the checked microbatches' gradients on a check step (a persistent one, on the
 first check step after it begins: the steps before that check are not undone; a fault
 on one microbatch only, with probability 1 / (K x the rank's microbatches)). Its cost:
-two more forward and backward passes per rank every K steps, three gradient digests and
-one all-reduce of 3 integers a rank.
+two more forward and backward passes per rank every K steps (three with FSDP2), three
+gradient digests and one all-reduce of 3 integers a rank.
 """
 
 from __future__ import annotations
@@ -109,6 +115,7 @@ class Recomputer:
         # passes, the digests and the exchange
         self.check_s = 0.0
         self._paused = -1  # the generation whose too few ranks were said
+        self._apart = False  # the check passes' gradients are kept apart now (`phase`)
 
     def due(self, index: int) -> bool:
         return bool(self.every) and index % self.every == 0
@@ -117,44 +124,56 @@ class Recomputer:
         plan = self.member.plan
         return ring(plan.nodes, plan.world_size)
 
-    def plan(self, st: Step, plan: list[list[int]], rank: int) -> None:
+    def plan(self, st: Step, plan: list[list[int]], rank: int, state: RankState) -> None:
         """A step's first attempt: on a check step, the first microbatch id of each rank
-        `checks_of(rank)` (None where it has none), to be computed before its own."""
+        `checks_of(rank)` (None where it has none), to be computed before its own; and
+        where the layout reduces a microbatch's gradient inside its backward
+        (`own_checked_apart`: plain FSDP2), this rank's own first id as a third check."""
         st.check_ids, st.check_digests, st.own_digest = [], [], NONE
         world = len(plan)
         if not self.due(st.index) or world < 1 + CHECKERS:
             return
         st.check_ids = [plan[r][0] if plan[r] else None for r in checks_of(rank, self.order())]
         st.check_digests = [NONE] * len(st.check_ids)
+        if state.layout.math.own_checked_apart:
+            st.check_ids.append(plan[rank][0])
+
+    def phase(self, state: RankState, on: bool) -> None:
+        """The check passes begin (on) or the rank's own passes do: a layout that reduces
+        inside backward keeps the check passes' gradients on this rank (`check_pass`)."""
+        if on != self._apart:
+            self._apart = on
+            state.layout.math.check_pass(on)
 
     def checked(self, st: Step, state: RankState) -> None:
-        """A check's backward just ran: digest its gradient and drop it."""
-        self.perturb(state)
-        st.check_digests[st.check_index] = self._digest(state)
-        state.zero_grad()
+        """A check's backward just ran: digest its gradient and drop it (the rank's own
+        first microbatch's, where it is recomputed apart, is its own digest)."""
+        math = state.layout.math
+        digest = self._digest(math.check_gradients(state.model))
+        if st.check_index < CHECKERS:
+            st.check_digests[st.check_index] = digest
+        else:
+            st.own_digest = digest
+        math.drop_check_gradients(state.model)
         # (its forward and backward in the user's loop, and the digest)
         self.check_s += time.perf_counter() - st.check_t0
 
     def backward(self, st: Step, state: RankState) -> None:
-        """One of the rank's own microbatches' backward just ran."""
-        self.perturb(state)
-        if st.check_ids and len(st.done) == 1:
+        """One of the rank's own microbatches' backward just ran: the first one's gradient
+        is digested, unless it was recomputed apart."""
+        if st.check_ids and len(st.done) == 1 and not state.layout.math.own_checked_apart:
             t0 = time.perf_counter()
-            st.own_digest = self._digest(state)
+            st.own_digest = self._digest(state.layout.math.check_gradients(state.model))
             self.check_s += time.perf_counter() - t0
 
-    def perturb(self, state: RankState) -> None:
-        """`wrong`: this worker's arithmetic is off: its gradient comes out wrong."""
-        if not self.member.wrong:
-            return
-        g = next((p.grad for p in state.model.parameters()
-                  if p.grad is not None and p.grad.numel()), None)
-        if g is not None:  # (a change that bf16 keeps too)
-            g.view(-1)[:1].mul_(1.25).add_(1e-3)
+    def loss(self, loss):
+        """`wrong`: this worker's arithmetic is off: every gradient it computes comes out
+        wrong (its loss scaled before backward, so the fault reaches a sharded model's
+        reduce-scatter as it does a data-parallel rank's accumulated gradient)."""
+        return loss * 1.25 if self.member.wrong else loss
 
     @staticmethod
-    def _digest(state: RankState) -> int:
-        grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+    def _digest(grads: list) -> int:
         # (>= 0: a device's digest, an exact integer sum, may be negative, or NONE)
         return consensus.digest_all(grads) & (2 ** 63 - 1) if grads else NONE
 

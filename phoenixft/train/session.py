@@ -214,18 +214,19 @@ class Session:
         self.member.injector.check_plan(
             [len(ids) for ids in lay.work.plan(m, self.world_size)],
             receivers=self.member.replica_receivers() if self.generation == 0 else None,
-            votes=votes, layout_phases=lay.members.fault_phases())
+            votes=votes, layout_phases=lay.members.fault_phases(),
+            user_loop=lay.executor.user_loop)
 
     def _check_recompute(self, layout) -> None:
         """`--recompute-every` where it cannot take effect is refused at set-up."""
         if not self.cfg.fingerprints.recompute_every:
             return
-        why = None
-        if not layout.math.local_gradients or not layout.executor.user_loop:
-            why = ("it recomputes a peer's microbatch in this rank's own loop, from "
-                   "gradients that are its own until the all-reduce: data parallelism only "
-                   "(a sharded, tensor-parallel or pipelined model reduces inside backward)")
-        elif self.state.initial_world < 1 + recompute.CHECKERS:
+        if not layout.executor.user_loop:
+            why = ("it recomputes a peer's microbatch in this rank's own loop, and a "
+                   "pipelined job's schedule runs its microbatches itself")
+        else:
+            why = layout.math.recompute_refusal()
+        if why is None and self.state.initial_world < 1 + recompute.CHECKERS:
             # (the job's first size: a spare joining after a shrink to fewer goes on, and
             # the checks pause, said by a `recompute_paused` event)
             why = (f"each checked microbatch is computed on {1 + recompute.CHECKERS} ranks, so "
@@ -281,7 +282,7 @@ class Session:
                 m = state.m_for(self.world_size)
                 plan = self._plan(m)
                 st = self._new_step(state.step + 1, plan[self.rank], m)
-                self._recompute.plan(st, plan, self.rank)
+                self._recompute.plan(st, plan, self.rank, state)
                 member.injector.at_step(self.rank, st.index)
             self._current = st
             self._stragglers.start(self.generation)
@@ -384,7 +385,9 @@ class Session:
     def _new_step(self, index: int, ids: list[int], m: int) -> Step:
         return Step(index, ids, m, on_backward=self._on_backward, on_clip=self._clip,
                     executor=self.state.layout.executor if self.state is not None else None,
-                    on_check=lambda st: self._recompute.checked(st, self.state))
+                    on_check=lambda st: self._recompute.checked(st, self.state),
+                    on_check_phase=lambda on: self._recompute.phase(self.state, on),
+                    on_loss=self._recompute.loss)
 
     def _in_backward(self) -> None:
         """A sharded model's gradient reduce-scatter is about to be issued (phase=backward

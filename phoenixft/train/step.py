@@ -63,13 +63,17 @@ class UserLoop(MicrobatchExecutor):
 
     def microbatches(self, step: Step) -> Iterator[int]:
         # a check step's recomputations first, on a first attempt (`recompute.py`)
-        for i, j in enumerate([] if step.retry else step.check_ids):
+        checks = [] if step.retry else step.check_ids
+        if any(j is not None for j in checks):
+            step.check_phase(True)
+        for i, j in enumerate(checks):
             if j is None:
                 continue  # (that peer computes no microbatch in this step)
             step.current, step.checking, step.check_index = j, True, i
             step.check_t0 = time.perf_counter()
             yield j
             step.checking = False
+        step.check_phase(False)  # (whatever came before: a retried step's passes reduce)
         for j in list(step.ids):
             if j not in step.done:
                 step.current = j
@@ -88,7 +92,9 @@ class Step:
                  on_backward: Callable[[Step], None] | None = None,
                  on_clip: Callable[[Step, float, float], torch.Tensor] | None = None,
                  executor: MicrobatchExecutor | None = None,
-                 on_check: Callable[[Step], None] | None = None) -> None:
+                 on_check: Callable[[Step], None] | None = None,
+                 on_check_phase: Callable[[bool], None] | None = None,
+                 on_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.index = index
         self.ids = ids
         self.m = m  # microbatches in this step, over all ranks
@@ -117,6 +123,8 @@ class Step:
         self.check_digests: list[int] = []
         self.own_digest = -1
         self._on_check = on_check
+        self._on_check_phase = on_check_phase
+        self._on_loss = on_loss  # (an injected `wrong` fault: the loss backward starts from)
         self._executor = executor or UserLoop()
 
     def microbatches(self) -> Iterator[int]:
@@ -127,8 +135,13 @@ class Step:
         recompute (`recompute.py`): call `backward` for each id before asking for the next."""
         return self._executor.microbatches(self)
 
+    def check_phase(self, on: bool) -> None:
+        """The recomputed passes begin (on) or the rank's own ones do (`recompute.py`)."""
+        if self._on_check_phase is not None:
+            self._on_check_phase(on)
+
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss if self._on_loss is None else self._on_loss(loss)).backward()
         if self.checking:  # a peer's microbatch, recomputed: digested and dropped
             self.checking = False
             if self._on_check is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.jobs import run
+from tests.support.jobs import ROOT, run, run_script
 
 pytestmark = [pytest.mark.integration]
 STEPS = 12
@@ -57,3 +57,12 @@ def test_recomputation_is_refused_where_it_cannot_take_effect(tmp_path):
     job = run(tmp_path, "--nproc", "2", "--recompute-every", "5", steps=4, script_args=DATA)
     assert job.rc != 0
     assert "--recompute-every 5: each checked microbatch is computed on 3 ranks" in job.out
+
+
+@pytest.mark.timeout(120)
+def test_recomputation_is_refused_with_tensor_parallelism(tmp_path):
+    """A tp group computes each microbatch's gradient together: no rank alone recomputes."""
+    job = run_script(tmp_path, ROOT / "examples" / "train_fsdp.py", "--nproc", "4",
+                     "--recompute-every", "3", script_args=("--steps", "2", "--tp", "2"))
+    assert job.rc != 0
+    assert "--recompute-every 3: with tensor parallelism a microbatch's gradient" in job.out

@@ -93,6 +93,30 @@ def test_fsdp2_rank_killed_inside_its_collectives_is_hot_swapped(tmp_path, tmp_p
     _same_as(job, ref, rank=1, kind="exit")
 
 
+@pytest.mark.timeout(300)
+def test_fsdp2_rank_computing_wrong_gradients_is_found_by_the_recomputation(
+        tmp_path, tmp_path_factory):
+    """A plain FSDP2 job has no replicas to vote with. Rank 1's arithmetic goes wrong at
+    step 6 (`wrong`: its gradients, reduce-scattered into every rank's shards). With
+    `--recompute-every 3` each rank recomputes, in FSDP2's no-sync mode, its own first
+    microbatch and the two before it in the ring; step 6's check names rank 1 before the
+    update, the spare takes its shards from snapshot 5 and the step is redone: losses and
+    final state those of the failure-free run (whose steps 3 and 6 were not checked)."""
+    ref = _failure_free(tmp_path_factory, 4)
+    job = _fsdp(tmp_path, "--nproc", "4", "--spares", "1", "--recompute-every", "3",
+                "--inject", "wrong:rank=1:step=6")
+    assert job.rc == 0, job.out[-3000:]
+    [found] = job.of("recompute_mismatch")
+    assert (found["step"], found["named"]) == (6, [1]), found
+    assert 3 in [e["step"] for e in job.of("step") if "check_s" in e]  # checked, agreed
+    [f] = job.summary["failures"]
+    assert f["kind"] == "corrupt"
+    [rec] = job.summary["recoveries"]
+    assert (rec["rank"], rec["restore_step"]) == (1, 5), rec
+    assert job.summary["final_state_digest"] == ref["final_state_digest"]
+    assert job.summary["losses"] == ref["losses"]
+
+
 @pytest.mark.timeout(500)
 def test_fsdp2_with_tensor_parallelism_on_a_2x2_mesh_through_a_sigkill(tmp_path):
     """FSDP2 over dp_shard + tensor parallelism over tp (the MLPs), a (2, 2) mesh + 1
