@@ -78,7 +78,7 @@ POISON = 1 << 40  # taken off an acknowledgement count so that it never reaches 
 
 
 def retract_commit(store: dist.Store, generation: int, step: int, to: int, target: int,
-                   timeout_s: float) -> None:
+                   timeout_s: float) -> bool:
     """Take back the commit of snapshot `step` of `generation` (a vote found that its state
     may differ from what it must be, `fingerprints.py`): its acknowledgement count is
     poisoned first, so no acknowledgement still to come commits it (the others may have
@@ -87,11 +87,16 @@ def retract_commit(store: dist.Store, generation: int, step: int, to: int, targe
     Then `committed` goes back to `to`, whose marker stays, and `step`'s is deleted. The
     members restore `to` at the next join, and `step` commits again when it is taken
     anew. (A `step` committed in an earlier generation, the one this generation restored,
-    has no count in `generation`: it is taken back all the same.)"""
+    has no count in `generation`: it is taken back all the same.) False when an acker's
+    marker was awaited and did not come within `timeout_s` (an acker that died between its
+    acknowledgement and its marker writes none; one still alive could commit `step` anew
+    after this returns: the caller says so)."""
+    settled = True
     if store.add(Keys.ack(generation, step), -POISON) + POISON >= target:
-        wait_for(store, [Keys.commit(step)], timeout_s)
+        settled = wait_for(store, [Keys.commit(step)], timeout_s)
     store.multi_set([Keys.COMMITTED], [str(to)])
     store.delete_key(Keys.commit(step))
+    return settled
 
 
 def acknowledge(store: dist.Store, generation: int, step: int, count: int, target: int,
@@ -237,9 +242,9 @@ class Snapshotter:
                     break
                 self._cond.wait(0.5)
 
-    def retract(self, store: dist.Store, step: int, to: int) -> None:
+    def retract(self, store: dist.Store, step: int, to: int) -> bool:
         """`retract_commit` of this generation's snapshot `step`, back to `to`."""
-        retract_commit(store, self.generation, step, to, self._target, self._timeout)
+        return retract_commit(store, self.generation, step, to, self._target, self._timeout)
 
     def own(self, step: int) -> Snapshot:
         """This rank's own snapshot `step` in its slot, verified (views of shared memory:

@@ -58,14 +58,16 @@ def name_ranks(member, events, event: str, step: int, named: dict[int, str], rep
 
 
 class RolledBack(CommFailure):
-    """The step's vote found copies that differ where nobody can be outvoted (a tp pair):
-    the job goes back to the last step a vote vouched for, with the same members."""
+    """The step's vote found copies that differ where nobody can be outvoted (two ranks,
+    a tp pair, or copies a snapshot may hold already): the job goes back to the last step
+    a vote vouched for, with the same members."""
 
 
 class NoMajority(RuntimeError):
     """The ranks' fingerprints disagree and no strict majority says which are right."""
 
 
+NONE = -1  # a digest slot of a rank that has no such digest (digests are >= 0)
 _CHUNK = 1 << 20  # integers < 2**31 each: a chunk's sum < 2**51, exact in a double
 
 
@@ -148,7 +150,7 @@ def encode(values: list[int], dtype: torch.dtype) -> torch.Tensor:
     b, n = bits(dtype), chunks(dtype)
     out = []
     for v in values:
-        out += [-1.0] + [0.0] * (n - 1) if v < 0 else \
+        out += [float(NONE)] + [0.0] * (n - 1) if v < 0 else \
             [float((v >> (b * i)) & ((1 << b) - 1)) for i in range(n)]
     return torch.tensor(out, dtype=dtype)
 
@@ -160,7 +162,7 @@ def decode(t: torch.Tensor, count: int) -> list[int]:
     out = []
     for k in range(count):
         c = xs[k * n:(k + 1) * n]
-        out.append(-1 if c[0] < 0 else sum(int(x) << (b * i) for i, x in enumerate(c)))
+        out.append(NONE if c[0] < 0 else sum(int(x) << (b * i) for i, x in enumerate(c)))
     return out
 
 

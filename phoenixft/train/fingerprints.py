@@ -47,7 +47,7 @@ from phoenixft.train import consensus
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.step import Step, StepPhase
 
-NONE = -1  # a digest slot of a rank that has no such digest (digests are >= 0)
+NONE = consensus.NONE
 
 
 def carried_slots(cfg: Fingerprints, layout) -> int:
@@ -337,7 +337,11 @@ class Fingerprinter:
                     f"({split}): a fault that persists on one of these ranks, and no strict "
                     "majority says which; the job stops before the update (give the job "
                     "three copies to vote with: more ranks, or replica groups)")
-            member.snap.retract(member.store, st.index - 1, to)
+            if not member.snap.retract(member.store, st.index - 1, to):
+                self.events.emit("retract_unconfirmed", rank=member.rank, step=st.index - 1,
+                                 to_step=to, why="its last acknowledgement reached the count "
+                                 "and its commit marker never came: an acker that died then "
+                                 "(or one still alive may commit it anew)")
         state.step = to
         why = f"step {st.index}: {split or '; '.join(named.values())}"
         if member.rank == reporter:

@@ -44,7 +44,7 @@ from phoenixft.train import consensus
 from phoenixft.train.rank_state import RankState
 from phoenixft.train.step import Step
 
-NONE = -1  # a digest slot of a rank that computed no such microbatch (digests are >= 0)
+NONE = consensus.NONE  # (a rank that computed no such microbatch)
 CHECKERS = 2  # each checked microbatch is recomputed by this many other ranks
 
 
