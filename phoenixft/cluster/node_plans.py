@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -52,15 +53,16 @@ class NodePlans:
     def has(self, g: int) -> bool:
         return self.path(g).exists()
 
-    def wait(self, g: int, timeout_s: float) -> bool:
-        """Until a plan at generation >= g is here (True) or `timeout_s` passed (False).
-        Plan g's own file is looked for every `POLL_S`; a later one's every 0.5 s (plan
-        g's may be gone: the node's shared memory deleted under it)."""
+    def wait(self, g: int, timeout_s: float,
+             stop: Callable[[], bool] | None = None) -> bool:
+        """Until a plan at generation >= g is here (True) or `timeout_s` passed or `stop()`
+        says so (False). Plan g's own file is looked for every `POLL_S`; a later one's
+        every 0.5 s (plan g's may be gone: the node's shared memory deleted under it)."""
         deadline = time.monotonic() + timeout_s
         scan = time.monotonic() + 0.5
         while not self.has(g):
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline or (stop is not None and stop()):
                 return False
             if now >= scan:
                 scan = now + 0.5

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -155,11 +156,13 @@ class Member:
                 pass
         return self._remember(newest_plan(self.store, g, known=self._read))
 
-    def _wait_plan(self, store: dist.Store, g: int, timeout_s: float) -> bool:
+    def _wait_plan(self, store: dist.Store, g: int, timeout_s: float,
+                   stop: Callable[[], bool] | None = None) -> bool:
         """Until plan g is out (True) or `timeout_s` passed: its file on this node when
-        the agent hands plans over, else the store key."""
+        the agent hands plans over (a watcher's wait ends at `stop()` too: the member's
+        shutdown joins it at once, not a slice later), else the store key."""
         if self.node_plans is not None:
-            if self.node_plans.wait(g, timeout_s):
+            if self.node_plans.wait(g, timeout_s, stop):
                 return True
             # nothing on the node: if its shared memory was deleted, the plans with it
             return not self.node_plans.dir.exists() and kv.wait_for(store, [Keys.plan(g)], 0.001)
@@ -265,7 +268,7 @@ class Member:
             store = self.connect()
             g = g_next
             while self.generation < g_next and not self._stopped:
-                if self._wait_plan(store, g, WATCH_SLICE_S):
+                if self._wait_plan(store, g, WATCH_SLICE_S, lambda: self._stopped):
                     plan = self._remember(self._read_plan(store, g))
                     self.interrupt.announce(g)
                     unit_kept = self._unit_same(self.plan, plan)
