@@ -7,6 +7,7 @@ import ctypes
 import os
 import select
 import signal
+import socket
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -54,3 +55,10 @@ def process_start(pid: int) -> int | None:
         return None
     # (the command name, field 2, is in parentheses and may hold spaces)
     return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (bound and released: another process may take it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

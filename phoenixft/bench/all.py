@@ -17,15 +17,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from phoenixft.bench.markdown import machine, render
-from phoenixft.bench.suite import SUITE, Entry
 from phoenixft.observe.goals import as_dicts
+
+if TYPE_CHECKING:
+    from phoenixft.bench.suite import Entry
 
 
 def _plan(args: argparse.Namespace) -> list[tuple[Entry, list[str]]]:
     """The entries to run, in order, each with its arguments: `--with` replaces them,
     else `--quick` chooses the quick ones."""
+    # (the suite names every benchmark's module, some of which import torch: imported
+    # here, not when the command line is built, so `phoenixft --help` and a refused
+    # `phoenixft run` answer at once)
+    from phoenixft.bench.suite import SUITE
+
     known = {e.name for e in SUITE}
     overrides = {}
     for spec in args.with_args:

@@ -39,11 +39,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from phoenixft.bench.hollow import STEPS_PER_GENERATION, hollow_main, leader_main, store_main
 from phoenixft.bench.options import BenchOptions
 from phoenixft.bench.runner import command
-from phoenixft.cluster import protocol
-from phoenixft.cluster import store as kv
 from phoenixft.cluster.keys import Keys
 from phoenixft.cluster.membership import Plan
 from phoenixft.config import Timeouts
@@ -81,6 +78,11 @@ class Cluster:
     """The processes of one run, and the questions the benchmark asks them."""
 
     def __init__(self, n: int, args: argparse.Namespace, run_dir: Path) -> None:
+        # (the store's modules import torch: here, not when `phoenixft`'s command line is
+        # built, so its help and a refused `phoenixft run` answer at once)
+        from phoenixft.bench.hollow import hollow_main, leader_main, store_main
+        from phoenixft.cluster import store as kv
+
         self.ctx = mp.get_context("spawn")
         self.procs: list = []
         self.conns: dict[str, object] = {}
@@ -165,6 +167,8 @@ class Cluster:
 
     def wait(self, keys: list[str], deadline_s: float) -> float:
         """Wall time once every key is set (the benchmark's own connection)."""
+        from phoenixft.cluster import store as kv
+
         if not kv.wait_for(self.store, keys, deadline_s):
             raise TimeoutError(f"{len(keys)} keys (first {keys[0]}) not set in {deadline_s:.0f}s")
         return time.time()
@@ -214,6 +218,9 @@ def _plan(store, g: int) -> Plan:
 
 def _fail(c: Cluster, g: int, wid: str, how: str, deadline_s: float) -> dict:
     """Kill `wid` (generation g running) and time the recovery into g + 1."""
+    from phoenixft.bench.hollow import STEPS_PER_GENERATION
+    from phoenixft.cluster import protocol
+
     before = c.counts()
     c.ask(c.owner[wid], cmd="kill", wid=wid, how=how)
     c.wait([Keys.plan(g + 1)], deadline_s)
@@ -256,6 +263,8 @@ def _published(c: Cluster, g: int) -> float:
 
 
 def run_one(n: int, args: argparse.Namespace, root: Path) -> dict:
+    from phoenixft.bench.hollow import STEPS_PER_GENERATION
+
     rng = random.Random(args.seed + n)
     t0 = time.time()
     shutil.rmtree(root / f"n{n}", ignore_errors=True)  # (its events.jsonl is read back)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from phoenixft.bench.faults import JsonlTail, ProcessTree, StepFault
 from phoenixft.bench.harness import EXAMPLE
-from phoenixft.cluster.store import free_port
 from phoenixft.observe.steps import StepEvent
+from phoenixft.platform import free_port
 
 BASELINE = Path(__file__).with_name("torchrun_baseline.py")
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}

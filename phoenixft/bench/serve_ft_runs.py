@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from phoenixft.cluster.store import free_port
+from phoenixft.platform import free_port
 
 
 def build_model(out: Path, tiny: bool) -> str:

@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from phoenixft.cluster.store import free_port
+from phoenixft.platform import free_port
 
 LENGTHS = Path(__file__).parent / "data" / "azure_conv_2023_lengths.json"
 SUSTAIN = 0.9  # completed requests/s over the offered rate that counts as keeping up

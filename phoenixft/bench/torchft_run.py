@@ -11,7 +11,7 @@ from pathlib import Path
 from phoenixft.bench.faults import ProcessTree
 from phoenixft.bench.goodput_jobs import ENV, Workload, fresh_run_dir
 from phoenixft.bench.harness import ROOT
-from phoenixft.cluster.store import free_port
+from phoenixft.platform import free_port
 
 
 class TorchftRun:

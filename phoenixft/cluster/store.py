@@ -27,12 +27,6 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def host_store(host: str, port: int = 0, timeout_s: float = 60.0) -> tuple[dist.TCPStore, int]:
     """Start a store server in this process, listening on exactly (host, port) (port 0:
     a free one); returns it and its port. c10d's own listener would bind every interface

@@ -39,10 +39,10 @@ import traceback
 
 from phoenixft.launch.config import LaunchError
 from phoenixft.platform import become_subreaper, die_with_parent
-from phoenixft.torch_internals import PRELOAD_MODULES
 
+# (and torch_internals.PRELOAD_MODULES, read by the server: importing torch_internals here
+# would import torch into `phoenixft run` before it has checked its arguments)
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn", "torch.optim",
-           *PRELOAD_MODULES,  # (torch's, that a first optimizer step imports: 2.8 s)
            "phoenixft.train.session",
            "phoenixft.launch.worker")
 _MAX_MSG = 1 << 20
@@ -208,7 +208,10 @@ def serve(fd: int) -> None:
     die_with_parent(agent)
     sock = socket.socket(fileno=fd)
     import importlib
-    for name in PRELOAD:
+
+    from phoenixft.torch_internals import PRELOAD_MODULES  # (torch's, that a first
+    # optimizer step imports: 2.8 s)
+    for name in (*PRELOAD[:5], *PRELOAD_MODULES, *PRELOAD[5:]):
         importlib.import_module(name)
     while True:
         try:

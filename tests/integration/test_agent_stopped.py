@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from phoenixft.cluster.store import free_port
 from phoenixft.observe.events import read_events
+from phoenixft.platform import free_port
 from tests.support.jobs import GATED, kill_members, kill_tree, reached_step, start, wait_until
 
 pytestmark = [pytest.mark.integration]

@@ -125,7 +125,7 @@ def test_two_hosts_with_a_token_survive_a_worker_and_then_the_leaders_node(
 
 @pytest.mark.timeout(180)
 def test_without_a_standalone_store_losing_node_0_stops_the_job_clearly(tmp_path):
-    from phoenixft.cluster.store import free_port
+    from phoenixft.platform import free_port
 
     addr = f"127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"

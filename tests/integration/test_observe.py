@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from phoenixft.cluster.store import free_port
+from phoenixft.platform import free_port
 from tests.support.jobs import PHOENIXFT, ROOT, kill_members, kill_tree, start, wait_until
 
 pytestmark = [pytest.mark.integration]

@@ -53,7 +53,7 @@ def test_s3_without_credentials_is_one_line(tmp_path, s3_url):
 
 @pytest.mark.timeout(200)
 def test_an_unreachable_s3_endpoint_is_one_line(tmp_path, s3_server):
-    from phoenixft.cluster.store import free_port
+    from phoenixft.platform import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint)

@@ -131,7 +131,7 @@ def run_two_nodes(run_dir: Path, node0: tuple, node1: tuple, *common: str, steps
     """Two agents on loopback (node 0 hosts the store); returns node 0's job (it leads and
     writes the summary) and node 1's exit status. `while_running(agents)` is called once
     both agents started, before their end is awaited (a test that acts on a held job)."""
-    from phoenixft.cluster.store import free_port
+    from phoenixft.platform import free_port
 
     both = ("--nnodes", "2", "--store", f"127.0.0.1:{free_port()}", *common)
     a0 = start(run_dir, *both, "--node-rank", "0", *node0, steps=steps, script=script,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from phoenixft.cluster.store import free_port as free_port  # (one place: the package's)
+from phoenixft.platform import free_port as free_port  # (one place: the package's)
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
