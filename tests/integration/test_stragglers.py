@@ -27,8 +27,11 @@ def test_a_rank_made_four_times_slower_is_named_within_its_window(tmp_path):
     job = run(tmp_path, "--nproc", "3", "--straggler-window", str(window),
               "--inject", "slow:rank=1:step=5:factor=4", steps=30, script_args=("--data", "ids"))
     assert job.rc == 0, job.out[-3000:]
-    [found] = job.of("straggler")
-    assert (found["rank"], found["wid"]) == (1, "n0w1")
+    named = job.of("straggler")
+    # (named again in one CI run: the suite's load slowed the others long enough for rank
+    # 1's median ratio to fall under the bar, and it came back; nobody else is ever named)
+    assert {(e["rank"], e["wid"]) for e in named} == {(1, "n0w1")}, named
+    found = named[0]
     # named at the first step whose window (the compute times every rank saw, in the step
     # events) had rank 1 twice the others' median on three steps in four: step 10 alone on
     # this machine; under the suite's load the others' slowed steps can put that later
