@@ -40,11 +40,11 @@ import traceback
 from phoenixft.launch.config import LaunchError
 from phoenixft.platform import become_subreaper, die_with_parent
 
-# (and torch_internals.PRELOAD_MODULES, read by the server: importing torch_internals here
-# would import torch into `phoenixft run` before it has checked its arguments)
-PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn", "torch.optim",
-           "phoenixft.train.session",
-           "phoenixft.launch.worker")
+# imported in this order, torch_internals.PRELOAD_MODULES between the two (read by the
+# server: importing torch_internals here would import torch into `phoenixft run` before
+# it has checked its arguments)
+PRELOAD_TORCH = ("numpy", "torch", "torch.distributed", "torch.nn", "torch.optim")
+PRELOAD_OURS = ("phoenixft.train.session", "phoenixft.launch.worker")
 _MAX_MSG = 1 << 20
 
 
@@ -211,7 +211,7 @@ def serve(fd: int) -> None:
 
     from phoenixft.torch_internals import PRELOAD_MODULES  # (torch's, that a first
     # optimizer step imports: 2.8 s)
-    for name in (*PRELOAD[:5], *PRELOAD_MODULES, *PRELOAD[5:]):
+    for name in (*PRELOAD_TORCH, *PRELOAD_MODULES, *PRELOAD_OURS):
         importlib.import_module(name)
     while True:
         try:
