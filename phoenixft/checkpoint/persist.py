@@ -43,6 +43,17 @@ besides the newest ready step. A ready step is final (each rank announces in ste
 so a step still missing when a newer one is ready never comes), hence a ready base is
 always committed before any delta on it; until its base is ready a rank writes bases.
 
+Vouched. With fingerprints voted on (`train/fingerprints.py`), the state of step t is
+checked at step t+1, and a difference takes back t's commit and rolls the job back
+(`snapshot.retract_commit`). A persister writes t's record as soon as its slot is copied,
+so without more its manifest could commit, in storage, a state the vote then found wrong,
+and a job resumed from storage would start from it. So rank 0 writes no manifest for a
+step past `Keys.VOUCHED`, the newest step a vote vouched for (rank 0 of training raises
+it with each step's progress, and after the vote that follows the last step): a
+retracted step is never vouched, so its records stay invisible and are collected as
+garbage, and a job without a vote to wait for (fingerprints off, or nobody holding a
+copy of another's state) vouches for every step at once.
+
 A storage error never stops training: it is logged (`persist_failed`, the first and then
 every 20th), announced in the store for the console, and the next step tries again.
 """
@@ -102,6 +113,9 @@ class JobInfo:
     generation: int
     world_size: int
     model: dict = field(default_factory=dict)  # layout, config, fixed tensors' path
+    # a fingerprint vote checks the ranks' state: a manifest waits until the vote vouched
+    # for its step (`Keys.VOUCHED`; module doc, "Vouched")
+    voted: bool = False
 
 
 class Persister:
@@ -349,10 +363,12 @@ class Persister:
                             for r in range(self.job.world_size)])
 
     def _commit(self, store: dist.Store) -> None:
-        """Rank 0: write the manifests of the newest step every rank made durable and of
-        each older one that holds a base (module doc: a ready base is always committed)."""
+        """Rank 0: write the manifests of the newest step every rank made durable (and a
+        vote vouched for, when one is held: module doc, "Vouched") and of each older one
+        that holds a base (module doc: a ready base is always committed)."""
+        upto = kv.get_int(store, Keys.VOUCHED, -1) if self.job.voted else math.inf
         newest = next((s for s in sorted(self._candidates, reverse=True)
-                       if self._ready(store, s)), None)
+                       if s <= upto and self._ready(store, s)), None)
         if newest is None:
             return
         # (readiness of the older steps is final now that a newer one is ready)

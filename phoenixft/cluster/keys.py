@@ -185,6 +185,9 @@ class Keys:
 
     # -- persistence ---------------------------------------------------------------------
     PERSISTED = "persisted"  # rank 0's persister: newest step committed by a manifest
+    # rank 0, with each step's progress: the newest step whose state a fingerprint vote
+    # vouched for (`Fingerprinter.vouched`); a persister voted on writes no manifest past it
+    VOUCHED = "vouched"
     PERSIST_ERRORS = "persist_errors"  # add-counter: persisters, after each persist_error
     RESUMED_FROM = "resumed_from"  # rank 0 of generation 0: the persisted step it resumed
 

@@ -62,6 +62,12 @@ def carried_slots(cfg: Fingerprints, layout) -> int:
     return (len(parts) + 1) * consensus.chunks(layout.math.master_dtype)
 
 
+def votes_on_state(cfg: Fingerprints, layout, world_size: int) -> bool:
+    """A vote checks this job's state: fingerprints on, and some ranks hold copies of the
+    same state (plain FSDP2 has only its seals)."""
+    return bool(cfg.every) and any(len(c) > 1 for c in layout.vote.vote_classes(world_size))
+
+
 class Fingerprinter:
     def __init__(self, cfg: Fingerprints, member, events: EventLog) -> None:
         self.cfg = cfg
@@ -75,6 +81,8 @@ class Fingerprinter:
         # for the slowest rank); the step event carries them
         self.seal_s = self.digest_s = self.vote_s = 0.0
         self._pending: tuple | None = None  # a vote left running through the update
+        self._vouched = -1  # the newest step whose state a vote here found alike (`vouched`)
+        self._votes: tuple[int, bool] | None = None  # (world size, `votes_on_state` in it)
 
     def slots(self, state: RankState) -> int:
         """`carried_slots` of this session's layout (fixed once it joined: asked once)."""
@@ -86,6 +94,16 @@ class Fingerprinter:
     def carries(self) -> bool:
         """The vote rides in the step's own all-reduce (`--fingerprint-vote carried`)."""
         return bool(self.cfg.every) and self.cfg.vote == "carried"
+
+    def vouched(self, state: RankState) -> int:
+        """The newest step whose state a vote vouched for: the state step t left is voted
+        on at step t+1 (or after the last step), and a difference rolls t back, so a
+        persisted manifest must not run ahead of this (`checkpoint/persist.py`,
+        "Vouched"). With no vote to wait for, the step this rank is at."""
+        world = self.member.world_size
+        if self._votes is None or self._votes[0] != world:  # (asked every step: once a world)
+            self._votes = (world, votes_on_state(self.cfg, state.layout, world))
+        return self._vouched if self._votes[1] else state.step
 
     def costs(self) -> dict[str, float]:
         return {"vote_s": round(self.vote_s, 6), "digest_s": round(self.digest_s, 6),
@@ -161,6 +179,7 @@ class Fingerprinter:
                 flat = consensus.decode(slots, world * n)  # (rank-major: each its n)
                 *first, masks = [[flat[r * n + i] for r in range(world)] for i in range(n)]
                 self._judge(st, state, keys, first, masks)
+                self._vouched = max(self._vouched, st.index - 1)
                 self.vote_s = time.perf_counter() - t0
         # (charged to this step: the benchmark's on / off blocks then each pay their own)
         if self.cfg.every and not (st.index + 1) % self.cfg.every and not self._off(st.index):
@@ -291,6 +310,7 @@ class Fingerprinter:
                 found, how = None, ("differed from what a replay of the step's collectives "
                                     "gave every rank")
         if not broken and found == {} and split is None:
+            self._vouched = max(self._vouched, st.index - 1)
             return
         if rolls and (found or split is not None):  # (a seal alone: its snapshot is whole)
             self._roll_back(st, state, broken, {

@@ -15,6 +15,7 @@ from phoenixft.comm.collectives import Interrupt
 from phoenixft.faults.inject import Injector
 from phoenixft.observe.events import EventLog
 from phoenixft.train.config import SessionConfig
+from phoenixft.train.fingerprints import votes_on_state
 from phoenixft.train.rank_state import RankState
 
 
@@ -40,7 +41,8 @@ def start_persister(tier, cfg: SessionConfig, state: RankState, *, plan: Plan, r
     return Persister(tier, rank=rank, shm_dir=cfg.shm_dir,
                      cfg=cfg.persistence,
                      job=JobInfo(job_id=job_id, generation=g, world_size=plan.world_size,
-                                 model=model),
+                                 model=model, voted=votes_on_state(cfg.fingerprints, state.layout,
+                                                                   plan.world_size)),
                      connect=connect,
                      emit=lambda event, **kw: events.emit(event, rank=rank, gen=g, **kw))
 

@@ -509,9 +509,9 @@ class Session:
         if self.rank == 0:
             # one round trip on the critical path, not three
             self.store.multi_set(
-                [Keys.loss(state.step), Keys.audit(state.step), Keys.PROGRESS],
+                [Keys.loss(state.step), Keys.audit(state.step), Keys.PROGRESS, Keys.VOUCHED],
                 [repr(st.loss), json.dumps([j for j, c in enumerate(st.audit) if c > 0]),
-                 str(state.step)])
+                 str(state.step), str(self._fingerprints.vouched(state))])
             self.events.emit("step", step=state.step, loss=st.loss, gen=self.generation,
                              world_size=self.world_size,
                              compute_s=[round(t, 4) for t in self._stragglers.last_times],
@@ -548,6 +548,8 @@ class Session:
         member.snap.wait_copied()
         # the vote and the seal the next step would have run (a flip on the last step)
         self._fingerprints.final(self.state)
+        if self.rank == 0:  # (the vote just vouched for the last step: its manifest may go)
+            self.store.set(Keys.VOUCHED, str(self._fingerprints.vouched(self.state)))
         member.flush_persisted(self.state.step)
         self.events.emit("snapshot_stats", rank=self.rank, gen=self.generation,
                          **{k: round(v, 4) for k, v in member.snap.stats.items()})

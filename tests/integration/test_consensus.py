@@ -75,6 +75,27 @@ def test_a_flipped_bit_is_found_and_its_rank_swapped(tmp_path, reference, where)
 
 
 @pytest.mark.timeout(240)
+def test_storage_never_commits_the_step_a_vote_took_back(tmp_path, reference):
+    """--persist, every step: rank 2's parameters flipped at step 5 are persisted with
+    snapshot 5 before step 6's vote finds them (a record is written as soon as its slot is
+    copied). The vote takes step 5 back, and storage must too: no manifest of step 5
+    in the generation that computed it, so a job resumed from storage never starts from
+    the flipped state. The job ends as the failure-free run, its last step in storage."""
+    ckpt = tmp_path / "ckpt"
+    job = run(tmp_path / "run", "--nproc", "4", "--spares", "1", "--persist", str(ckpt),
+              "--persist-cpu-share", "1", "--inject", "flip:rank=2:step=5:where=param",
+              steps=STEPS, script_args=("--data", "ids"))
+    assert job.rc == 0, job.out[-3000:]
+    [rolled] = job.of("fingerprint_rollback")
+    assert (rolled["step"], rolled["to_step"]) == (6, 4)
+    committed = [(e["gen"], e["step"]) for e in job.of("persisted")]
+    assert (0, 5) not in committed, committed
+    assert max(s for g, s in committed if g == 0) <= 4, committed
+    assert committed[-1][1] == STEPS, committed
+    assert job.summary["final_state_digest"] == reference.summary["final_state_digest"]
+
+
+@pytest.mark.timeout(240)
 def test_without_a_spare_the_others_go_on_without_the_flipped_rank(tmp_path, tmp_path_factory):
     """3 ranks, no spare, --min-nproc 2: rank 1's optimizer state, flipped after snapshot 5,
     breaks its seal at step 6's vote, before the update, and its worker is fenced; the

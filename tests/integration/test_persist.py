@@ -35,6 +35,10 @@ STEPS = 30
 # every step persisted: the tests that pass it are about what storage holds, not its pace
 # (by default the persister takes every stride-th step to stay within 5% of a core)
 PER_STEP = ("--persist-cpu-share", "1")
+# no fingerprint vote: a voted job commits step t in storage only once step t+1's vote
+# vouched for it, and the tests that hold the job at a step's start (before its vote) and
+# wait for the step before in storage are about storage, not the vote
+NO_VOTE = ("--fingerprint-every", "0")
 
 
 def persisted_steps(run_dir: Path) -> list[int]:
@@ -227,7 +231,7 @@ def test_a_damaged_peer_replica_falls_back_to_storage(tmp_path, tmp_path_factory
         (run_dir / "go").touch()
 
     job, _ = run_two_nodes(run_dir, (), ("--spares", "1"), "--nproc", "1", "--persist", url,
-                           "--persist-every", "4", *PER_STEP,
+                           "--persist-every", "4", *PER_STEP, *NO_VOTE,
                            "--inject", f"shm:rank=1:step={at}:microbatch=0", steps=STEPS,
                            script=GATED, script_args=("--hold-at", str(at),
                                                       "--hold-until-file", "go"),
@@ -264,7 +268,7 @@ def test_a_replica_damaged_in_transit_is_rejected_and_storage_serves_instead(
         (run_dir / "go").touch()
 
     job, _ = run_two_nodes(run_dir, (), ("--spares", "1"), "--nproc", "1",
-                           "--persist", url, *PER_STEP, "--inject", "garble:rank=0:step=20",
+                           "--persist", url, *PER_STEP, *NO_VOTE, "--inject", "garble:rank=0:step=20",
                            "--inject", "shm:rank=1:step=21:microbatch=0", steps=STEPS,
                            script=GATED, script_args=("--hold-at", "21",
                                                       "--hold-until-file", "go"),
@@ -298,7 +302,7 @@ def storage_changes_while_held(run_dir: Path, url: str, change) -> tuple:
     the test creates `go`; once the step before (the last one offered) is committed there,
     so that no record is being written, `change()` the storage, then let the job go on."""
     p = start(run_dir, "--nproc", "2", "--persist", url, "--persist-every", "50", *PER_STEP,
-              script=GATED, steps=STEPS, script_args=HOLD)
+              *NO_VOTE, script=GATED, steps=STEPS, script_args=HOLD)
     try:
         wait_until(lambda: HOLD_AT - 1 in persisted_steps(run_dir) or p.poll() is not None,
                    120, f"step {HOLD_AT - 1} persisted")

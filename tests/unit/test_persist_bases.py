@@ -13,7 +13,9 @@ from phoenixft.checkpoint.slots import HEADER_BYTES, Layout, SlotFile, SlotKind,
 from phoenixft.checkpoint.tiers import FsspecTier
 from phoenixft.checkpoint.writer_lease import TOKEN_ENV, WriterLease
 from phoenixft.cluster import store as kv
+from phoenixft.cluster.keys import Keys
 from phoenixft.config import Persistence
+from tests.support.waiting import wait_until
 
 WORLD = 2
 
@@ -79,3 +81,49 @@ def test_a_delta_never_rests_on_a_base_no_manifest_commits(tmp_path, monkeypatch
     for step, m in manifests.items():
         for r in range(WORLD):
             assert tier.get(step, r, m)
+
+
+def test_a_voted_job_commits_no_manifest_past_the_step_its_vote_vouched_for(tmp_path, monkeypatch):
+    """With a fingerprint vote, the state of step t is checked at step t+1 and may be taken
+    back (a rollback): rank 0 writes no manifest past `Keys.VOUCHED`, so storage never
+    commits a state the vote then found wrong. Every rank's record of steps 1-4 is durable;
+    the manifests follow the vouched step, not the records."""
+    url = str(tmp_path / "ckpt")
+    tier = FsspecTier(url)
+    lease = WriterLease(tier, "job")
+    lease.acquire(resume=False)
+    monkeypatch.setenv(TOKEN_ENV, lease.token)
+    server, port = kv.host_store("127.0.0.1")
+    store = kv.connect(f"127.0.0.1:{port}")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = Persistence(url=url, every=2, cpu_share=1.0, keep=100)
+    events: list[tuple] = []
+    persisters = [Persister(FsspecTier(url), rank=r, shm_dir=str(shm), cfg=cfg,
+                            job=JobInfo(job_id="job", generation=0, world_size=WORLD, voted=True),
+                            connect=lambda: kv.connect(f"127.0.0.1:{port}"),
+                            emit=lambda event, **kw: events.append((event, kw)))
+                  for r in range(WORLD)]
+
+    def durable(step: int) -> bool:  # every rank announced its record of `step`
+        return store.check([Keys.persisted(0, step, r) for r in range(WORLD)])
+
+    try:
+        for step in range(1, 5):
+            for rank in (1, 0):
+                write_slot(shm, rank, step)
+                persisters[rank].offer(step)
+                assert persisters[rank].wait_idle(30)
+        assert durable(4)
+        assert tier.manifests() == []  # nothing vouched for yet
+        store.set(Keys.VOUCHED, "2")  # the vote at step 3 found step 2's state alike
+        wait_until(lambda: 2 in tier.manifests(), 30, "step 2's manifest once it is vouched for")
+        assert max(tier.manifests()) == 2  # (and its base's, step 1)
+        store.set(Keys.VOUCHED, "4")  # (the vote after the last step)
+        assert persisters[0].flush(4, 30)
+        assert max(tier.manifests()) == 4
+    finally:
+        for p in persisters:
+            p.stop()
+        del server
+    assert not [e for e in events if e[0] == "persist_failed"], events
