@@ -17,7 +17,7 @@ def test_consensus_smoke(tmp_path):
     parser = argparse.ArgumentParser()
     consensus.register(parser.add_subparsers())
     out = tmp_path / "consensus.json"
-    args = parser.parse_args(["consensus", "--steps", "20", "--noisy-steps", "20",
+    args = parser.parse_args(["consensus", "--steps", "20", "--noisy-steps", "8",
                               "--microbatches", "6", "--recompute-every", "5",
                               "--slow-step", "5", "--window", "6", "--out", str(out)])
     assert args.func(args) == 0

@@ -19,7 +19,8 @@ def test_serve_open_loop_smoke(tmp_path):
     serve.register(parser.add_subparsers())
     out = tmp_path / "open.json"
     args = parser.parse_args(["serve", "--open-loop", "--size", "tiny", "--requests", "4",
-                              "--rates", "4", "--max-model-len", "256", "--out", str(out)])
+                              "--rates", "4", "--max-model-len", "256", "--length-scale", "0.05",
+                              "--out", str(out)])
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     assert r["bench"] == "serve-open" and r["rates"] == ["4/s", "burst"]
