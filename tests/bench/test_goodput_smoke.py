@@ -69,7 +69,11 @@ def test_goodput_smoke_hsdp(tmp_path):
     assert rec["replacement"] is None and rec["source"] == "resharded_4_to_2"
     assert 2 in {world for _, _, world, _ in shrink["progress"]}  # one group went on
     assert shrink["processes"] == "4, up to 2 respawned"
-    assert restart["restarts"]["resumed_from"] == [0, 5]
+    # the restart loads the newest complete checkpoint: step 5's when its async save had
+    # finished by the kill three steps later, else none (seen once in CI, under load);
+    # torchrun's behaviour either way, and this smoke test is about the bench, not its pace
+    first, again = restart["restarts"]["resumed_from"]
+    assert first == 0 and again in (0, 5), restart["restarts"]
 
 
 def test_goodput_refuses_an_hsdp_shape_it_cannot_run(tmp_path, capsys):
