@@ -83,6 +83,7 @@ class Fingerprinter:
         self._pending: tuple | None = None  # a vote left running through the update
         self._vouched = -1  # the newest step whose state a vote here found alike (`vouched`)
         self._votes: tuple[int, bool] | None = None  # (world size, `votes_on_state` in it)
+        self._seen = -1  # the step `vouched` was last asked at
 
     def slots(self, state: RankState) -> int:
         """`carried_slots` of this session's layout (fixed once it joined: asked once)."""
@@ -103,6 +104,10 @@ class Fingerprinter:
         world = self.member.world_size
         if self._votes is None or self._votes[0] != world:  # (asked every step: once a world)
             self._votes = (world, votes_on_state(self.cfg, state.layout, world))
+        if state.step < self._seen:  # the job went back (a recovery restored an older
+            # step, or a rollback): the steps it does again are vouched for again
+            self._vouched = min(self._vouched, state.step - 1)
+        self._seen = state.step
         return self._vouched if self._votes[1] else state.step
 
     def costs(self) -> dict[str, float]:
@@ -176,9 +181,16 @@ class Fingerprinter:
             else:
                 t0 = time.perf_counter()
                 n = len(keys) + 1
-                flat = consensus.decode(slots, world * n)  # (rank-major: each its n)
-                *first, masks = [[flat[r * n + i] for r in range(world)] for i in range(n)]
-                self._judge(st, state, keys, first, masks)
+                rows = slots.view(world, -1)  # (each rank's row: its digests, then its mask)
+                c = consensus.chunks(slots.dtype)
+                # the usual step: every rank wrote the same digests and no seal broke, so
+                # there is nothing to decode or judge (that Python took 0.12 ms of a 65 ms
+                # step here); otherwise each class's ranks are compared
+                alike = torch.equal(rows, rows[:1].expand_as(rows)) and not bool(rows[0, -c:].any())
+                if not alike:
+                    flat = consensus.decode(slots, world * n)  # (rank-major: each its n)
+                    *first, masks = [[flat[r * n + i] for r in range(world)] for i in range(n)]
+                    self._judge(st, state, keys, first, masks)
                 self._vouched = max(self._vouched, st.index - 1)
                 self.vote_s = time.perf_counter() - t0
         # (charged to this step: the benchmark's on / off blocks then each pay their own)
