@@ -184,8 +184,8 @@ class Fingerprinter:
                 rows = slots.view(world, -1)  # (each rank's row: its digests, then its mask)
                 c = consensus.chunks(slots.dtype)
                 # the usual step: every rank wrote the same digests and no seal broke, so
-                # there is nothing to decode or judge (that Python took 0.12 ms of a 65 ms
-                # step here); otherwise each class's ranks are compared
+                # there is nothing to decode or judge (4 us of Python instead of 20 us,
+                # measured alone); otherwise each class's ranks are compared
                 alike = torch.equal(rows, rows[:1].expand_as(rows)) and not bool(rows[0, -c:].any())
                 if not alike:
                     flat = consensus.decode(slots, world * n)  # (rank-major: each its n)
