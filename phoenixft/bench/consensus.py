@@ -130,6 +130,8 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
     digests = [e.get("digest_s", 0.0) + e.get("seal_s", 0.0) for e in steps_ev[1:]]
     found = [e for e in s["events"] if e["event"] == "straggler"]
     blocks = paired_blocks(s["events"], FP_BLOCK) if mode in BLOCKS else None
+    if blocks:  # the fingerprints' CPU on rank 0's training thread (waits excluded)
+        blocks.update(fp_cpu_blocks(steps_ev))
     sdc = [e["step"] for e in s["events"]
            if e["event"] in ("fingerprint_mismatch", "recompute_mismatch")]
     return {"mode": mode, "steps": last["step"], "wall_s": round(last["t"] - first["t"], 3),
@@ -143,6 +145,17 @@ def _job(root: Path, mode: str, args: argparse.Namespace) -> dict:
             "median_step_s": statistics.median(gaps), "mean_check_s": statistics.fmean(votes),
             "mean_digest_s": statistics.fmean(digests),
             **({"blocks": blocks} if blocks else {})}
+
+
+def fp_cpu_blocks(steps_ev: list[dict]) -> dict:
+    """Median `fp_cpu_s` (the fingerprints' own time by rank 0's thread CPU clock: on a
+    machine with fewer cores than processes the steadier figure, as no wait is in it) of
+    the on and the off steps of an `fp_blocks` run, in microseconds."""
+    on, off = [], []
+    for e in steps_ev[2 * FP_BLOCK:]:
+        (off if (e["step"] - 1) // FP_BLOCK % 2 else on).append(e.get("fp_cpu_s", 0.0))
+    return {"fp_cpu_on_us": statistics.median(on) * 1e6 if on else None,
+            "fp_cpu_off_us": statistics.median(off) * 1e6 if off else None}
 
 
 def measure(opts: BenchOptions) -> dict:
@@ -186,6 +199,8 @@ def summarize(rows: dict, args: argparse.Namespace) -> dict:
               # the same inside one run: on/off blocks (the goal's figure)
               "fingerprint_cost_in_run": rows["fp_blocks"]["blocks"]["ratio"] - 1,
               "fingerprint_cost_in_run_se": rows["fp_blocks"]["blocks"]["se"],
+              "fingerprint_cpu_us": (rows["fp_blocks"]["blocks"].get("fp_cpu_on_us") or 0.0)
+              - (rows["fp_blocks"]["blocks"].get("fp_cpu_off_us") or 0.0),
               "fingerprint_cost_in_run_separate": rows["fp_blocks_sep"]["blocks"]["ratio"] - 1,
               "fingerprint_cost_in_run_separate_se": rows["fp_blocks_sep"]["blocks"]["se"],
               "recompute_every": args.recompute_every,
@@ -274,7 +289,8 @@ def show(result: dict, opts: BenchOptions) -> None:
                   f"{result['fingerprint_cost_in_run']:.2%} +- "
                   f"{result['fingerprint_cost_in_run_se']:.2%} of a step on/off in one run "
                   f"(carried; separate: {result['fingerprint_cost_in_run_separate']:.2%} +- "
-                  f"{result['fingerprint_cost_in_run_separate_se']:.2%}), "
+                  f"{result['fingerprint_cost_in_run_separate_se']:.2%}; carried, rank 0's "
+                  f"thread CPU: {result.get('fingerprint_cpu_us', 0):.0f} us a step), "
                   f"{result['fingerprint_cost']:.2%} of throughput at "
                   f"K=1, {result['fingerprint_cost_k8']:.2%} at K=8 (each against the run "
                   f"without, one run each); by rank 0's clock the seal and digests take "
@@ -300,7 +316,8 @@ def markdown(result: dict) -> list[str]:
                        f"{result['fingerprint_cost_in_run']:.2%} +- "
                        f"{result['fingerprint_cost_in_run_se']:.2%} of a step on/off in one run "
                   f"(carried; separate: {result['fingerprint_cost_in_run_separate']:.2%} +- "
-                  f"{result['fingerprint_cost_in_run_separate_se']:.2%}), "
+                  f"{result['fingerprint_cost_in_run_separate_se']:.2%}; carried, rank 0's "
+                  f"thread CPU: {result.get('fingerprint_cpu_us', 0):.0f} us a step), "
                        f"{result['fingerprint_cost']:.2%} of throughput at K=1 and "
                        f"{result['fingerprint_cost_k8']:.2%} at K=8 against the run without; "
                        f"the seal and digests' own compute is {result['digest_share_of_step']:.3%}"

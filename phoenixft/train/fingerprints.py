@@ -48,6 +48,7 @@ from phoenixft.train.rank_state import RankState
 from phoenixft.train.step import Step, StepPhase
 
 NONE = consensus.NONE
+_NO_GRADS = torch.empty(0)  # (`fingerprinted` outside the all-reduce: no gradients yet)
 
 
 def carried_slots(cfg: Fingerprints, layout) -> int:
@@ -68,6 +69,18 @@ def votes_on_state(cfg: Fingerprints, layout, world_size: int) -> bool:
     return bool(cfg.every) and any(len(c) > 1 for c in layout.vote.vote_classes(world_size))
 
 
+def off_block(cfg: Fingerprints, index: int) -> bool:
+    """Step `index` is in one of the consensus benchmark's off blocks (no seal, no vote)."""
+    return bool(cfg.blocks) and (index - 1) // cfg.blocks % 2 == 1
+
+
+def sealed(cfg: Fingerprints, step: int) -> bool:
+    """Snapshot `step`'s unique state is hashed once copied (`consensus.Seal`): a seal
+    check reads the hashes before step `step + 1`'s update. Not with fingerprints off, nor
+    before one of the benchmark's off steps, so that their blocks pay nothing for it."""
+    return bool(cfg.every) and not off_block(cfg, step + 1)
+
+
 class Fingerprinter:
     def __init__(self, cfg: Fingerprints, member, events: EventLog) -> None:
         self.cfg = cfg
@@ -80,6 +93,9 @@ class Fingerprinter:
         # the digests, and the digests plus the vote's all-reduce (which includes waiting
         # for the slowest rank); the step event carries them
         self.seal_s = self.digest_s = self.vote_s = 0.0
+        # and by this thread's CPU clock, all of it (waits excluded: on a busy machine the
+        # steadier figure; `bench consensus` reports it beside the throughput)
+        self.cpu_s = 0.0
         self._pending: tuple | None = None  # a vote left running through the update
         self._vouched = -1  # the newest step whose state a vote here found alike (`vouched`)
         self._votes: tuple[int, bool] | None = None  # (world size, `votes_on_state` in it)
@@ -112,7 +128,7 @@ class Fingerprinter:
 
     def costs(self) -> dict[str, float]:
         return {"vote_s": round(self.vote_s, 6), "digest_s": round(self.digest_s, 6),
-                "seal_s": round(self.seal_s, 6)}
+                "seal_s": round(self.seal_s, 6), "fp_cpu_s": round(self.cpu_s, 6)}
 
     def seal_mask(self, state: RankState) -> int:
         """With fingerprints and snapshots on: which of this rank's unique tensors (its
@@ -136,8 +152,7 @@ class Fingerprinter:
 
     # -- carried in the step's all-reduce ------------------------------------------------
     def _off(self, index: int) -> bool:
-        """Step `index` is in one of the consensus benchmark's off blocks."""
-        return bool(self.cfg.blocks) and (index - 1) // self.cfg.blocks % 2 == 1
+        return off_block(self.cfg, index)
 
     def _due(self, index: int) -> bool:
         return bool(self.cfg.every) and not index % self.cfg.every and not self._off(index)
@@ -148,6 +163,14 @@ class Fingerprinter:
         None when the vote is not carried): the seal, and on a voted step (or `force`) the
         digests of the step before's reduced gradients and of the state now, with the
         seal's mask."""
+        c0 = time.thread_time()
+        try:
+            self._fill(st, state, mine, force)
+        finally:
+            self.cpu_s = time.thread_time() - c0
+
+    def _fill(self, st: Step, state: RankState, mine: torch.Tensor | None,
+              force: bool) -> None:
         self.seal_s = self.digest_s = self.vote_s = 0.0
         self._filled = None
         if mine is None or not mine.numel() or not self.carries \
@@ -158,10 +181,10 @@ class Fingerprinter:
             self._filled = (None, mask)
             return
         t0 = time.perf_counter()
-        parts = state.layout.vote.fingerprinted(torch.empty(0))
+        parts = state.layout.vote.fingerprinted(_NO_GRADS)
         carried = self._carry[1] if self._carry and self._carry[0] == st.index - 1 else NONE
         digests = [carried, *(consensus.digest_all(ts) for ts in list(parts.values())[1:]), mask]
-        mine.copy_(consensus.encode(digests, mine.dtype))
+        consensus.encode_into(digests, mine)
         self.digest_s = time.perf_counter() - t0
         self._filled = (list(parts), mask)
 
@@ -181,13 +204,10 @@ class Fingerprinter:
             else:
                 t0 = time.perf_counter()
                 n = len(keys) + 1
-                rows = slots.view(world, -1)  # (each rank's row: its digests, then its mask)
-                c = consensus.chunks(slots.dtype)
-                # the usual step: every rank wrote the same digests and no seal broke, so
-                # there is nothing to decode or judge (4 us of Python instead of 20 us,
-                # measured alone); otherwise each class's ranks are compared
-                alike = torch.equal(rows, rows[:1].expand_as(rows)) and not bool(rows[0, -c:].any())
-                if not alike:
+                # (each rank's row: its digests, then its mask) the usual step: every rank
+                # wrote the same digests and no seal broke, so there is nothing to decode
+                # or judge; otherwise each class's ranks are compared
+                if not consensus.alike(slots, world, consensus.chunks(slots.dtype)):
                     flat = consensus.decode(slots, world * n)  # (rank-major: each its n)
                     *first, masks = [[flat[r * n + i] for r in range(world)] for i in range(n)]
                     self._judge(st, state, keys, first, masks)
@@ -263,6 +283,14 @@ class Fingerprinter:
         now. Raises `consensus.Outvoted` when a rank is named, `consensus.NoMajority` when
         nobody can be. With the vote carried (`slots`: every rank's fingerprints from the
         step's all-reduce) the vote is on what `fill` wrote (`_carried`)."""
+        c0 = time.thread_time()
+        try:
+            self._begin(st, state, grads, total, every_step, slots)
+        finally:
+            self.cpu_s += time.thread_time() - c0
+
+    def _begin(self, st: Step, state: RankState, grads: torch.Tensor, total: int,
+               every_step: bool, slots: torch.Tensor | None) -> None:
         if slots is not None and slots.numel() and self.carries:
             self._carried(st, state, grads, slots)
             return
@@ -270,7 +298,7 @@ class Fingerprinter:
         self._pending = None
         member = self.member
         rank, world = member.rank, member.world_size
-        if self.cfg.blocks and not every_step and (st.index - 1) // self.cfg.blocks % 2:
+        if not every_step and self._off(st.index):
             return  # the consensus benchmark's off blocks: no seal, no vote
         mask = self.seal_mask(state)
         lay = state.layout

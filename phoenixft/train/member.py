@@ -59,7 +59,7 @@ from phoenixft.train.ahead import local_step_of_every_rank
 from phoenixft.train.config import SessionConfig
 from phoenixft.train.consensus import Seal
 from phoenixft.train.fault_hooks import member_hooks
-from phoenixft.train.fingerprints import carried_slots
+from phoenixft.train.fingerprints import carried_slots, sealed
 from phoenixft.train.group_builds import GroupBuilds, drop
 from phoenixft.train.kept_groups import KeptGroups
 from phoenixft.train.lifecycle import JobAborted
@@ -594,7 +594,8 @@ class Member:
             self.events.emit("snapshot_size", bytes_per_slot=nbytes, slots=2, copies=copies,
                              host_bytes_per_rank=2 * copies * nbytes)
         state.snap_from = SnapSource(self.generation, self.world_size)  # who wrote it
-        self.seal.arm(state.layout.state.unique_tensors())
+        self.seal.arm(state.layout.state.unique_tensors()
+                      if sealed(self.cfg.fingerprints, state.step) else ())
         self.snap.begin(state.step, snap)
 
     # -- plumbing ----------------------------------------------------------------------

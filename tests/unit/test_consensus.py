@@ -38,7 +38,13 @@ def test_the_seal_names_what_changed_after_its_snapshot_and_nothing_before():
     seal.reset()  # a restore replaced the state
     assert seal.check(3, state) is None
     seal.record(3, state)  # a record after the reset (an old snapshot thread) seals nothing
-    assert seal.check(3, state) == []
+    assert seal.check(3, state) is None
+    seal.arm(state)
+    seal.record(4, state)
+    assert seal.check(4, state) == []
+    seal.arm(())  # (a snapshot nobody checks: fingerprints off, a benchmark's off step)
+    seal.record(5, state)
+    assert seal.check(4, state) is None and seal.check(5, state) is None
 
 
 def test_a_tally_names_the_minority_and_a_replay_decides_a_tie_or_stops():
