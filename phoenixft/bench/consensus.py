@@ -151,9 +151,11 @@ def fp_cpu_blocks(steps_ev: list[dict]) -> dict:
     """Median `fp_cpu_s` (the fingerprints' own time by rank 0's thread CPU clock: on a
     machine with fewer cores than processes the steadier figure, as no wait is in it) of
     the on and the off steps of an `fp_blocks` run, in microseconds."""
-    on, off = [], []
+    from phoenixft.config import Fingerprints
+    from phoenixft.train.fingerprints import off_block  # (torch: not at the CLI's start-up)
+    cfg, on, off = Fingerprints(every=1, blocks=FP_BLOCK), [], []
     for e in steps_ev[2 * FP_BLOCK:]:
-        (off if (e["step"] - 1) // FP_BLOCK % 2 else on).append(e.get("fp_cpu_s", 0.0))
+        (off if off_block(cfg, e["step"]) else on).append(e.get("fp_cpu_s", 0.0))
     return {"fp_cpu_on_us": statistics.median(on) * 1e6 if on else None,
             "fp_cpu_off_us": statistics.median(off) * 1e6 if off else None}
 
